@@ -1,0 +1,231 @@
+"""The run configuration: one YAML file, validated by pydantic, with dotted overrides.
+
+Every section is a strict model (`extra="forbid"`): a typo fails at start with a message that
+names the key and the value. `load_config(path, ["training.lr=2e-4"])` is the only entry point
+the CLI uses; components take their own section (`build(cfg.store)`), never the whole tree.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from core.errors import ConfigError
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BusConfig(Section):
+    """Where the broker is and how the streams/consumers are declared."""
+
+    url: str | None = None  # None: start the embedded nats-server (specbus up / demo)
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: Path | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    connect_timeout_s: float = Field(5.0, gt=0)
+    max_reconnect_attempts: int = -1  # forever: a restarted broker is a normal event
+    replicas: int = Field(1, ge=1, le=5)  # 3 on a JetStream cluster
+    ack_wait_s: float = Field(60.0, gt=0)
+    max_deliver: int = Field(5, ge=1)
+    max_ack_pending: int = Field(256, ge=1)
+    duplicate_window_s: float = Field(120.0, gt=0)
+    samples_max_age_s: float = Field(7 * 24 * 3600.0, gt=0)
+    nak_delay_s: float = Field(1.0, ge=0)
+    heartbeat_s: float = Field(10.0, gt=0)
+    fetch_timeout_s: float = Field(1.0, gt=0)
+
+
+class MooncakeConfig(Section):
+    master: str = "127.0.0.1:50051"
+    metadata: str = "P2P"  # "P2P" handshake, or http://127.0.0.1:port/metadata
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device: str = ""
+    local_hostname: str = "127.0.0.1"
+    segment_bytes: int = Field(1 << 30, gt=0)
+    buffer_bytes: int = Field(256 << 20, gt=0)
+
+
+class StoreConfig(Section):
+    """The feature store: `mem://`, `shm://[dir]` or `mooncake://<store_id>`."""
+
+    uri: str = "shm://"
+    budget_bytes: int = Field(4 << 30, gt=0)
+    crc: bool = False
+    screen_nonfinite: bool = True
+    mooncake: MooncakeConfig = MooncakeConfig()
+
+
+class TargetConfig(Section):
+    engine: Literal["hf", "sglang", "sglang_server"] = "hf"
+    model: str = "smollm2-135m-instruct"  # the embedded default, or a local HF directory
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    device: str = "auto"
+    aux_layers: list[int] | None = None  # None: the strategy's default for the target depth
+    context_length: int | None = None  # None: the model config's max_position_embeddings
+    capture_batch: int = Field(4, ge=1)
+    tp_size: int = Field(1, ge=1)
+
+
+class DraftConfig(Section):
+    architecture: str = "llama_eagle3"
+    num_layers: int = Field(1, ge=1)
+    hidden_size: int | None = None  # None: the target's
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    draft_vocab_size: int = Field(32000, ge=1)
+
+
+class StrategyConfig(Section):
+    name: Literal["eagle3", "dflash", "domino"] = "eagle3"
+    ttt_length: int = Field(7, ge=1)
+    step_weight: float = Field(0.8, gt=0)
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    draft: DraftConfig = DraftConfig()
+    block_size: int = Field(16, ge=2)
+    num_anchors: int = Field(512, ge=1)
+    loss_gamma: float = Field(7.0, gt=0)
+    mask_token_id: int | None = None
+
+
+class DataConfig(Section):
+    source: str = "gsm8k"  # gsm8k | chatterbot | a JSONL path
+    max_length: int = Field(512, ge=8)
+    last_turn_only: bool = False
+    limit: int | None = Field(None, ge=1)
+    holdout: int = Field(50, ge=0)
+    epochs: int = Field(1, ge=1)
+    seed: int = 0
+
+
+class TrainingConfig(Section):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_ratio: float = Field(0.015, ge=0, le=1)
+    grad_clip: float = Field(0.5, gt=0)
+    micro_batch: int = Field(1, ge=1)
+    accumulation: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    total_steps: int | None = Field(None, ge=1)  # schedule length when the data size is unknown
+    seed: int = 0
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    wrap: Literal["ddp", "fsdp", "none"] = "ddp"
+    prefetch: int = Field(2, ge=0)
+    checkpoint_dir: Path | None = None  # None: <run_dir>/checkpoints
+    checkpoint_every: int = Field(100, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+    log_every: int = Field(10, ge=1)
+    eval_every: int | None = Field(None, ge=1)
+
+
+class DeploymentConfig(Section):
+    mode: Literal["disaggregated", "colocated", "live"] = "disaggregated"
+    producers: int = Field(1, ge=0)
+    trainers: int = Field(1, ge=1)
+
+
+class TelemetryConfig(Section):
+    service_name: str = "specbus"
+    console_progress: bool = True
+    tensorboard_dir: Path | None = None
+    otel: bool = True  # exporters come from the standard OTEL_* environment variables
+
+
+class RunConfig(Section):
+    run: str = "default"
+    run_dir: Path | None = None  # None: ./runs/<run>
+    bus: BusConfig = BusConfig()
+    store: StoreConfig = StoreConfig()
+    target: TargetConfig = TargetConfig()
+    strategy: StrategyConfig = StrategyConfig()
+    data: DataConfig = DataConfig()
+    training: TrainingConfig = TrainingConfig()
+    deployment: DeploymentConfig = DeploymentConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if not RUN_NAME.match(self.run):
+            raise ValueError(f"run name {self.run!r} must match {RUN_NAME.pattern} (it becomes a subject token)")
+        return self
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return self.run_dir if self.run_dir is not None else Path("runs") / self.run
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`"training.lr=2e-4"` -> `("training.lr", 0.0002)`; the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", key):
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from e
+    return key, value
+
+
+def build_config(tree: dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Validate a config tree plus dotted overrides. Raises `ConfigError` naming key and value."""
+    tree = dict(tree or {})
+    for text in overrides:
+        _set_dotted(tree, *parse_override(text))
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "<config>"
+            value = err.get("input")
+            shown = "" if err["type"] == "missing" or isinstance(value, dict) else f" (got {value!r})"
+            lines.append(f"{loc}: {err['msg']}{shown}")
+        raise ConfigError("invalid run config:\n  " + "\n  ".join(lines)) from e
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a YAML run config (or the defaults when `path` is None) and apply overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(loaded).__name__}")
+        tree = loaded or {}
+    return build_config(tree, overrides)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

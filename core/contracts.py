@@ -1,0 +1,173 @@
+"""Wire records: the small, durable messages that ride on the bus.
+
+Records are frozen, strict pydantic models with a schema version. They serialise to orjson
+bytes and are bounded in size. No tensor or array can ride in a record: tensors live in a
+feature store and a record only names them (`FeatureSpec.key`).
+
+Compatibility decision: a record from a newer writer (another `schema_version`, or unknown
+fields) is *rejected* with `RecordError(reason="schema")`, never half-read. A consumer
+dead-letters it with that reason, so nothing is silently dropped or misinterpreted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from core.errors import RecordError
+
+SCHEMA_VERSION = 1
+# NATS' default max_payload is 1 MiB; records stay well below it. A PromptTask carries token
+# ids (4k tokens ~ 24 KB as JSON), a SampleRef a few hundred bytes per feature.
+MAX_RECORD_BYTES = 256 * 1024
+
+DType = Literal["bfloat16", "float16", "float32", "float64", "int64", "int32", "uint8", "bool"]
+TaskSource = Literal["dataset", "live", "recapture"]
+
+
+class Record(BaseModel):
+    """Base of every wire record: frozen, strict, versioned, orjson round trip, bounded."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {v} is not supported (this reader speaks {SCHEMA_VERSION})")
+        return v
+
+    def to_bytes(self) -> bytes:
+        data = orjson.dumps(self.model_dump(mode="json"))
+        if len(data) > MAX_RECORD_BYTES:
+            raise RecordError(
+                f"{type(self).__name__} is {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte limit",
+                reason="oversize",
+            )
+        return data
+
+    @classmethod
+    def from_bytes(cls, data: bytes):
+        """Parse and validate. Raises `RecordError` with reason oversize/garbage/schema/invalid."""
+        if len(data) > MAX_RECORD_BYTES:
+            raise RecordError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}", reason="oversize")
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise RecordError(f"not a JSON record: {e}", reason="garbage") from e
+        if not isinstance(obj, dict):
+            raise RecordError(f"record must be a JSON object, got {type(obj).__name__}", reason="garbage")
+        version = obj.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise RecordError(
+                f"{cls.__name__} schema_version {version!r} is not supported (expected {SCHEMA_VERSION})",
+                reason="schema",
+            )
+        try:
+            # JSON has no tuples: validate in JSON mode so lists become tuples, strings stay strict.
+            return cls.model_validate_json(data)
+        except ValidationError as e:
+            raise RecordError(f"invalid {cls.__name__}: {_first_error(e)}", reason="invalid") from e
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "<record>"
+    return f"{loc}: {err['msg']}"
+
+
+class FeatureSpec(Record):
+    """Where one tensor of a sample lives and what it is. Shape/dtype travel here, not with the bytes."""
+
+    name: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: DType
+    nbytes: int = Field(ge=0)
+    crc32: int | None = None
+
+
+class Provenance(Record):
+    producer_id: str
+    engine: str
+    created_at: float = Field(default_factory=time.time)
+
+
+class PromptTask(Record):
+    """One unit of capture work on the TASKS stream.
+
+    Carries either token ids + loss mask (pre-tokenised, live traffic, recapture) or a
+    conversation/text to tokenise at capture time. `generation` > 0 marks a recapture.
+    """
+
+    task_id: str
+    run_id: str
+    epoch: int = Field(ge=0, default=0)
+    source: TaskSource = "dataset"
+    generation: int = Field(ge=0, default=0)
+    input_ids: tuple[int, ...] | None = None
+    loss_mask: tuple[int, ...] | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    text: str | None = None
+    index: int = Field(ge=0, default=0)
+
+    @field_validator("loss_mask")
+    @classmethod
+    def _mask_is_binary(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and any(m not in (0, 1) for m in v):
+            raise ValueError("loss_mask values must be 0 or 1")
+        return v
+
+    @model_validator(mode="after")
+    def _has_payload(self) -> PromptTask:
+        if self.input_ids is None and self.messages is None and self.text is None:
+            raise ValueError("a PromptTask needs input_ids, messages or text")
+        if self.input_ids is not None and self.loss_mask is not None and len(self.input_ids) != len(self.loss_mask):
+            raise ValueError(f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in length")
+        return self
+
+    @property
+    def msg_id(self) -> str:
+        """Broker dedup id: a retried publish of the same task (epoch, generation) is dropped."""
+        return f"{self.run_id}:{self.task_id}:e{self.epoch}:g{self.generation}"
+
+
+class SampleRef(Record):
+    """One captured sample on the SAMPLES stream: names its tensors in a feature store."""
+
+    sample_id: str
+    run_id: str
+    task_id: str
+    task_seq: int = Field(ge=0)
+    epoch: int = Field(ge=0, default=0)
+    generation: int = Field(ge=0, default=0)
+    store_uri: str
+    features: dict[str, FeatureSpec]
+    nbytes: int = Field(ge=0)
+    num_tokens: int = Field(ge=0)
+    strategy: str
+    target_fingerprint: str
+    tokenizer_fingerprint: str
+    provenance: Provenance
+
+    @model_validator(mode="after")
+    def _bytes_add_up(self) -> SampleRef:
+        total = sum(f.nbytes for f in self.features.values())
+        if total != self.nbytes:
+            raise ValueError(f"nbytes {self.nbytes} != sum of feature bytes {total}")
+        return self
+
+    @property
+    def msg_id(self) -> str:
+        """Broker dedup id: sample id + generation (a recapture is a new message)."""
+        return f"{self.run_id}:{self.sample_id}:g{self.generation}"
+
+
+def decode(cls: type[Record], data: bytes) -> Record:
+    """`cls.from_bytes(data)`; a helper for call sites holding the class in a variable."""
+    return cls.from_bytes(data)

@@ -1,0 +1,65 @@
+"""The specbus error hierarchy.
+
+Every error raised on purpose by specbus derives from `SpecbusError`. Errors wrapping a
+library failure keep it as `__cause__` (`raise ... from e`). Errors caused by user input also
+derive from `ValueError` and name the offending key and value.
+"""
+
+from __future__ import annotations
+
+
+class SpecbusError(Exception):
+    """Root of every error specbus raises on purpose."""
+
+
+class ConfigError(SpecbusError, ValueError):
+    """A run configuration, override or CLI flag is invalid. The message names the key."""
+
+
+class RecordError(SpecbusError, ValueError):
+    """A wire record (SampleRef, PromptTask, ...) is malformed, oversize or of another schema.
+
+    `reason` is a short machine-readable tag used as the dead-letter reason.
+    """
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
+
+
+class BusError(SpecbusError):
+    """The broker refused or failed an operation (keeps the nats error as the cause)."""
+
+
+class StoreError(SpecbusError):
+    """A feature store operation failed."""
+
+
+class FeatureMissing(StoreError, KeyError):
+    """A feature's bytes are not in the store (released, superseded, node lost, never put).
+
+    `key` names the missing object. Callers treat it as "recapture this sample".
+    """
+
+    def __init__(self, key: str, detail: str = ""):
+        super().__init__(f"feature {key!r} is missing from the store" + (f": {detail}" if detail else ""))
+        self.key = key
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class StoreFull(StoreError):
+    """A put would exceed the store's byte budget. Callers treat it as backpressure."""
+
+
+class IntegrityError(StoreError):
+    """Stored bytes do not match their spec (CRC mismatch, short read, NaN/Inf at put)."""
+
+
+class CaptureError(SpecbusError):
+    """The target engine failed to capture a sample (the task is retried, then dead-lettered)."""
+
+
+class CheckpointError(SpecbusError):
+    """A checkpoint is missing, corrupt, or does not match the run it should resume."""

@@ -1,0 +1,62 @@
+"""The layering is a contract: only bus/ imports nats; core/ imports neither bus nor a store client."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["core", "bus", "producers", "consumers", "ops"]
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(module, at_module_level) for every import in a file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top_level = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, id(node) in top_level) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, id(node) in top_level))
+    return found
+
+
+def _root(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_only_bus_imports_nats():
+    offenders = [
+        f"{p.relative_to(ROOT)}: {m}"
+        for pkg in PACKAGES
+        if pkg != "bus"
+        for p in (ROOT / pkg).rglob("*.py")
+        for m, _ in _imports(p)
+        if _root(m) == "nats"
+    ]
+    assert offenders == []
+
+
+def test_core_imports_no_bus_and_no_store_client_at_module_level():
+    offenders = []
+    for p in (ROOT / "core").rglob("*.py"):
+        for m, top in _imports(p):
+            if _root(m) in {"bus", "producers", "consumers", "ops", "nats"}:
+                offenders.append(f"{p.relative_to(ROOT)}: {m}")
+            if _root(m) == "mooncake" and top:
+                offenders.append(f"{p.relative_to(ROOT)}: {m} at module level")
+    assert offenders == []
+
+
+def test_importing_core_loads_neither_nats_nor_mooncake():
+    code = (
+        "import sys, pkgutil, importlib, core\n"
+        "for m in pkgutil.walk_packages(core.__path__, 'core.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "bad = [n for n in sys.modules if n.split('.')[0] in ('nats', 'mooncake', 'bus')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
