@@ -1,0 +1,124 @@
+"""Checkpoints: full resume state, atomic writes, rotation, `latest` and `best`.
+
+A checkpoint is a directory `step-XXXXXXXX/` holding `state.pt` (model, optimizer,
+scheduler, RNG, step, SAMPLES cursor, lineage) and `meta.json` (step, score, plan). The
+`plan` is the part of the run config a resume must agree with (strategy, draft, target
+fingerprint, data, batch geometry, world size): `load()` refuses a checkpoint whose plan
+differs and names the differing keys, so a resume never silently trains something else.
+Writes go to a temporary directory renamed into place; `latest`/`best` are small files
+replaced atomically. A kill at any moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.errors import CheckpointError
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def plan_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two plans, with both values."""
+    diffs = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += plan_diff(a, b, name + ".")
+        elif a != b:
+            diffs.append(f"{name}: checkpoint has {a!r}, this run has {b!r}")
+    return diffs
+
+
+class CheckpointManager:
+    def __init__(self, directory: str | Path, plan: dict[str, Any], keep: int = 3):
+        self.directory = Path(directory)
+        self.plan = json.loads(json.dumps(plan, default=str))  # what meta.json will hold
+        self.keep = keep
+
+    def save(self, step: int, state: dict[str, Any], score: float | None = None) -> Path:
+        """Write a checkpoint for `step`; update `latest` (and `best` when `score` is higher)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        name = f"step-{step:08d}"
+        final = self.directory / name
+        tmp = self.directory / f".{name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        torch.save(state, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "score": score, "plan": self.plan}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _atomic_write(self.directory / "latest", name)
+        best = self._meta(self.directory / "best")
+        if score is not None and (best is None or best.get("score") is None or score > best["score"]):
+            _atomic_write(self.directory / "best", name)
+        self._rotate()
+        return final
+
+    def _meta(self, pointer: Path) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.directory / pointer.read_text().strip() / "meta.json").read_text())
+        except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+            return None
+
+    def _rotate(self) -> None:
+        protected = {p.read_text().strip() for p in (self.directory / "latest", self.directory / "best") if p.exists()}
+        steps = sorted(p for p in self.directory.glob("step-*") if p.is_dir())
+        for old in steps[: max(0, len(steps) - self.keep)]:
+            if old.name not in protected:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def resolve(self, which: str | Path = "latest") -> Path | None:
+        """`latest`, `best`, or a checkpoint directory -> its path (None when there is none)."""
+        if str(which) in ("latest", "best"):
+            pointer = self.directory / str(which)
+            return self.directory / pointer.read_text().strip() if pointer.exists() else None
+        return Path(which)
+
+    def load(self, which: str | Path = "latest", map_location: str | torch.device = "cpu") -> dict[str, Any]:
+        """Load a checkpoint's state. Raises CheckpointError if absent, corrupt, or of another plan."""
+        path = self.resolve(which)
+        if path is None or not (path / "state.pt").exists():
+            raise CheckpointError(f"no checkpoint {str(which)!r} under {self.directory}")
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"checkpoint {path} has no readable meta.json") from e
+        diffs = plan_diff(meta.get("plan", {}), self.plan)
+        if diffs:
+            raise CheckpointError(
+                f"refusing to resume from {path}: its run plan differs from this run's:\n  " + "\n  ".join(diffs)
+                + "\nStart a new run (another run name or checkpoint dir), or restore the original settings."
+            )
+        try:
+            return torch.load(path / "state.pt", map_location=map_location, weights_only=False)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path}/state.pt cannot be read: {e}") from e
