@@ -31,7 +31,11 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -73,24 +77,34 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         torch.save(state, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "score": score, "plan": self.plan}, indent=1))
+        (tmp / "meta.json").write_text(
+            json.dumps({"step": step, "score": score, "plan": self.plan}, indent=1)
+        )
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _atomic_write(self.directory / "latest", name)
         best = self._meta(self.directory / "best")
-        if score is not None and (best is None or best.get("score") is None or score > best["score"]):
+        if score is not None and (
+            best is None or best.get("score") is None or score > best["score"]
+        ):
             _atomic_write(self.directory / "best", name)
         self._rotate()
         return final
 
     def _meta(self, pointer: Path) -> dict[str, Any] | None:
         try:
-            return json.loads((self.directory / pointer.read_text().strip() / "meta.json").read_text())
+            return json.loads(
+                (self.directory / pointer.read_text().strip() / "meta.json").read_text()
+            )
         except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
             return None
 
     def _rotate(self) -> None:
-        protected = {p.read_text().strip() for p in (self.directory / "latest", self.directory / "best") if p.exists()}
+        protected = {
+            p.read_text().strip()
+            for p in (self.directory / "latest", self.directory / "best")
+            if p.exists()
+        }
         steps = sorted(p for p in self.directory.glob("step-*") if p.is_dir())
         for old in steps[: max(0, len(steps) - self.keep)]:
             if old.name not in protected:
@@ -103,7 +117,9 @@ class CheckpointManager:
             return self.directory / pointer.read_text().strip() if pointer.exists() else None
         return Path(which)
 
-    def load(self, which: str | Path = "latest", map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    def load(
+        self, which: str | Path = "latest", map_location: str | torch.device = "cpu"
+    ) -> dict[str, Any]:
         """Load a checkpoint's state. Raises CheckpointError if absent, corrupt, or of another plan."""
         path = self.resolve(which)
         if path is None or not (path / "state.pt").exists():
@@ -115,7 +131,8 @@ class CheckpointManager:
         diffs = plan_diff(meta.get("plan", {}), self.plan)
         if diffs:
             raise CheckpointError(
-                f"refusing to resume from {path}: its run plan differs from this run's:\n  " + "\n  ".join(diffs)
+                f"refusing to resume from {path}: its run plan differs from this run's:\n  "
+                + "\n  ".join(diffs)
                 + "\nStart a new run (another run name or checkpoint dir), or restore the original settings."
             )
         try:

@@ -32,14 +32,18 @@ def _exporter_from_env() -> SpanExporter | None:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
-            log.warning("OTEL_TRACES_EXPORTER=otlp but opentelemetry-exporter-otlp is not installed; spans are not exported")
+            log.warning(
+                "OTEL_TRACES_EXPORTER=otlp but opentelemetry-exporter-otlp is not installed; spans are not exported"
+            )
             return None
         return OTLPSpanExporter()
     log.warning("OTEL_TRACES_EXPORTER=%r is not supported here (console, otlp, none)", name)
     return None
 
 
-def setup_tracing(service_name: str = "specbus", exporter: SpanExporter | None = None) -> TracerProvider:
+def setup_tracing(
+    service_name: str = "specbus", exporter: SpanExporter | None = None
+) -> TracerProvider:
     """Install a TracerProvider once per process. `exporter` (tests) wins over the environment."""
     global _configured
     provider = trace.get_tracer_provider()

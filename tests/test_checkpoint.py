@@ -32,7 +32,9 @@ def test_save_load_rotation_latest_best(tmp_path):
 
 def test_mismatched_plan_is_refused_with_the_differing_keys(tmp_path):
     CheckpointManager(tmp_path, PLAN).save(1, {"step": 1})
-    other = CheckpointManager(tmp_path, {**PLAN, "world": 4, "strategy": {"name": "eagle3", "ttt_length": 5}})
+    other = CheckpointManager(
+        tmp_path, {**PLAN, "world": 4, "strategy": {"name": "eagle3", "ttt_length": 5}}
+    )
     with pytest.raises(CheckpointError) as e:
         other.load()
     assert "world: checkpoint has 2, this run has 4" in str(e.value)
