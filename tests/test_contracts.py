@@ -1,0 +1,84 @@
+import numpy as np
+import orjson
+import pytest
+import torch
+from pydantic import ValidationError
+
+from core.contracts import MAX_RECORD_BYTES, FeatureSpec, PromptTask, Provenance, SampleRef
+from core.errors import RecordError
+
+
+def make_ref(**over) -> SampleRef:
+    spec = FeatureSpec(
+        name="hidden_states",
+        key="s/x/g0/hidden_states",
+        shape=(7, 24),
+        dtype="bfloat16",
+        nbytes=336,
+    )
+    fields = dict(
+        sample_id="x", run_id="r", task_id="t", task_seq=3, store_uri="shm://s",
+        features={"hidden_states": spec}, nbytes=336, num_tokens=7, strategy="eagle3",
+        target_fingerprint="tf", tokenizer_fingerprint="kf", provenance=Provenance(producer_id="p0", engine="hf"),
+    )  # fmt: skip
+    return SampleRef(**{**fields, **over})
+
+
+def test_round_trip_is_exact_and_frozen():
+    ref = make_ref()
+    assert SampleRef.from_bytes(ref.to_bytes()) == ref
+    with pytest.raises((ValidationError, TypeError)):
+        ref.task_seq = 4  # frozen
+    task = PromptTask(task_id="t", run_id="r", input_ids=(1, 2, 3), loss_mask=(0, 1, 1), epoch=2)
+    assert PromptTask.from_bytes(task.to_bytes()) == task
+    assert task.msg_id == "r:t:e2:g0" and ref.msg_id == "r:x:g0"
+
+
+@pytest.mark.parametrize("payload", [np.arange(4), torch.arange(4), b"\x00\x01"])
+def test_no_array_or_tensor_rides_in_a_record(payload):
+    with pytest.raises((ValidationError, TypeError)):
+        PromptTask(task_id="t", run_id="r", input_ids=payload)
+    with pytest.raises((ValidationError, TypeError)):
+        FeatureSpec(name="h", key="k", shape=payload, dtype="float32", nbytes=4)
+
+
+def test_a_tensor_smuggled_into_the_wire_bytes_is_rejected():
+    data = orjson.loads(make_ref().to_bytes())
+    data["features"]["hidden_states"]["data"] = [0.1] * 16
+    with pytest.raises(RecordError) as e:
+        SampleRef.from_bytes(orjson.dumps(data))
+    assert e.value.reason == "invalid" and "data" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        (b"\xff\xfe garbage", "garbage"),
+        (b"[1, 2]", "garbage"),
+        (
+            orjson.dumps({"schema_version": 2, "task_id": "t", "run_id": "r", "text": "hi"}),
+            "schema",
+        ),
+        (orjson.dumps({"schema_version": 1, "task_id": "t", "run_id": "r"}), "invalid"),
+        (b" " * (MAX_RECORD_BYTES + 1), "oversize"),
+    ],
+)
+def test_bad_bytes_raise_record_error_with_a_reason(raw, reason):
+    with pytest.raises(RecordError) as e:
+        PromptTask.from_bytes(raw)
+    assert e.value.reason == reason
+
+
+def test_oversize_record_refused_at_write():
+    with pytest.raises(RecordError) as e:
+        PromptTask(task_id="t", run_id="r", input_ids=tuple(range(100_000))).to_bytes()
+    assert e.value.reason == "oversize"
+
+
+def test_nbytes_must_add_up_and_masks_must_be_binary():
+    with pytest.raises(Exception, match="nbytes"):
+        make_ref(nbytes=1)
+    with pytest.raises(Exception, match="loss_mask"):
+        PromptTask(task_id="t", run_id="r", input_ids=(1, 2), loss_mask=(0, 2))
+    with pytest.raises(Exception, match="differ in length"):
+        PromptTask(task_id="t", run_id="r", input_ids=(1, 2), loss_mask=(0,))
