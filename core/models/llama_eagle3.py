@@ -1,0 +1,485 @@
+"""The EAGLE3 draft, `LlamaForCausalLMEagle3`-compatible (the names SGLang loads).
+
+Shape legend: B batch, L sequence, T new positions (decode), H draft hidden, Ht target hidden,
+N attention heads, Nkv key/value heads, D head dim, I intermediate, V target vocab,
+Vd draft vocab, K TTT step.
+
+    embed_tokens  [V, H]          frozen copy of the target's input embedding (never exported)
+    fc            [H, 3*Ht]       projects the three concatenated aux hidden states
+    midlayer      one decoder layer: input_layernorm(emb) ++ hidden_norm(hidden) -> 2H inputs of
+                  q/k/v; residual on the hidden stream; SwiGLU MLP after post_attention_layernorm
+    norm          [H]             final RMSNorm before lm_head
+    lm_head       [Vd, H]
+    d2t [Vd] int64, t2d [V] bool  vocab mapping buffers
+
+Attention has two modes. Training (TTT, `TTTCache`): at step 0 every query attends causally
+(+ key padding) to the step-0 keys; at step K > 0 it attends to the same step-0 keys plus,
+from each step 1..K, only the key at its own position (the "diagonal"); rotary positions are
+offset by K. `attention="eager"` reproduces SpecForge's sdpa-backend arithmetic exactly (scores
+against the step-0 keys are an L x L tensor per step); `attention="flex"` (CUDA) builds a
+flex-attention block mask over the concatenated keys instead. Decoding (`DecodeCache`) is plain
+causal attention over a growing KV cache, which is the same function at inference positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.errors import ConfigError
+
+
+@dataclass
+class Eagle3Config:
+    """Architecture of one draft; `to_hf_dict()` is the exported config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    aux_layers: list[int] = field(default_factory=list)
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "initializer_range": self.initializer_range,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+            "tie_word_embeddings": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.aux_layers:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> Eagle3Config:
+        rope_theta, rope_scaling = d.get("rope_theta"), d.get("rope_scaling")
+        if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
+            params = dict(d["rope_parameters"])
+            rope_theta = params.pop("rope_theta", 10000.0)
+            rope_scaling = None if params.get("rope_type", "default") == "default" else params
+        num_heads = int(d["num_attention_heads"])
+        return cls(
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // num_heads),
+            vocab_size=int(d["vocab_size"]),
+            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+            target_hidden_size=int(d.get("target_hidden_size") or d["hidden_size"]),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            aux_layers=list(
+                (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
+            ),
+            initializer_range=float(d.get("initializer_range", 0.02)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies `[D/2]` fp32 for default, linear and llama3 rope."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        orig = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (
+            (orig / wavelen - low) / (high - low) if low != high else torch.zeros_like(inv_freq)
+        )
+        scaled = torch.where(
+            wavelen > orig / low,
+            inv_freq / factor,
+            (1 - smooth) * inv_freq / factor + smooth * inv_freq,
+        )
+        return torch.where(wavelen < orig / high, inv_freq, scaled)
+    raise ConfigError(
+        f"rope_scaling type {kind!r} is not supported by the EAGLE3 draft (default/linear/llama3)"
+    )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(
+    q_BNLD: torch.Tensor,
+    k_BNLD: torch.Tensor,
+    inv_freq: torch.Tensor,
+    position_ids_BL: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs_BLD2 = position_ids_BL.to(torch.float32)[..., None] * inv_freq.to(
+        position_ids_BL.device, torch.float32
+    )
+    emb_BLD = torch.cat((freqs_BLD2, freqs_BLD2), dim=-1)
+    cos = emb_BLD.cos().to(q_BNLD.dtype)[:, None]
+    sin = emb_BLD.sin().to(q_BNLD.dtype)[:, None]
+    return q_BNLD * cos + _rotate_half(q_BNLD) * sin, k_BNLD * cos + _rotate_half(k_BNLD) * sin
+
+
+def _repeat_kv(x_BNkvLD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x_BNkvLD
+    b, n, seq, d = x_BNkvLD.shape
+    return x_BNkvLD[:, :, None].expand(b, n, n_rep, seq, d).reshape(b, n * n_rep, seq, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention caches
+
+
+@dataclass
+class TTTCache:
+    """Keys/values of every TTT step so far (step 0 first) and the step-0 mask.
+
+    `key_padding_BL` is the batch attention mask (1 = real token). `mask_BNLL` (eager) is the
+    additive causal+padding mask of step 0, built lazily once per forward.
+    """
+
+    key_padding_BL: torch.Tensor
+    attention: str = "eager"
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    mask_B1LL: torch.Tensor | None = None
+
+    @property
+    def step(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class DecodeCache:
+    """Causal KV cache for inference: `k/v [B, N, T, D]` (kv heads already repeated)."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else int(self.k.shape[2])
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+def step0_mask(key_padding_BL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive `[B, 1, L, L]` mask: 0 where query i may see key j (j <= i, j real), else min."""
+    seq = key_padding_BL.shape[1]
+    device = key_padding_BL.device
+    causal_LL = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    allowed_B1LL = causal_LL[None, None] & key_padding_BL.bool()[:, None, None, :]
+    mask = torch.zeros(allowed_B1LL.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed_B1LL, torch.finfo(dtype).min)
+
+
+def _ttt_eager(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+    """SpecForge's sdpa-backend arithmetic: scores vs step-0 keys + one diagonal per earlier step."""
+    scale = math.sqrt(q_BNLD.shape[-1])
+    k0, v0 = cache.keys[0], cache.values[0]
+    seq = q_BNLD.shape[2]
+    if cache.mask_B1LL is None:
+        cache.mask_B1LL = step0_mask(cache.key_padding_BL, q_BNLD.dtype)
+    scores = torch.matmul(q_BNLD, k0.transpose(2, 3)) / scale + cache.mask_B1LL
+    diag = [((q_BNLD * k).sum(-1) / scale)[..., None] for k in cache.keys[1:]]
+    scores = torch.cat([scores, *diag], dim=-1) if diag else scores
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_BNLD.dtype)
+    out = torch.matmul(probs[..., :seq], v0)
+    for i, v in enumerate(cache.values[1:], start=1):
+        out = out + probs[..., seq + i - 1, None] * v
+    return out
+
+
+def _ttt_flex(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+    """Same attention with a flex-attention block mask over [K0 | K1 | ... | Kk] (no L x L tensor)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n, seq, _ = q_BNLD.shape
+    pad_BL = cache.key_padding_BL.bool()
+
+    def mask_mod(bi, hi, qi, kvi):
+        step, j = kvi // seq, kvi % seq
+        return ((step == 0) & (j <= qi) & pad_BL[bi, j]) | ((step > 0) & (j == qi))
+
+    total = seq * cache.step
+    block = create_block_mask(mask_mod, b, None, seq, total, device=q_BNLD.device)
+    k = torch.cat(cache.keys, dim=2)
+    v = torch.cat(cache.values, dim=2)
+    return _compiled_flex()(q_BNLD, k, v, block_mask=block)
+
+
+_FLEX = None
+
+
+def _compiled_flex():
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Not a buffer: module.to(bf16) must not round the frequencies (positions are exact).
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(
+        self, x_BL2H: torch.Tensor, position_ids_BL: torch.Tensor, cache: TTTCache | DecodeCache
+    ) -> torch.Tensor:
+        b, seq, _ = x_BL2H.shape
+        q = self.q_proj(x_BL2H).view(b, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BL2H).view(b, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BL2H).view(b, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        rep = self.num_heads // self.num_kv_heads
+        if isinstance(cache, TTTCache):
+            q, k = apply_rope(q, k, self.inv_freq, position_ids_BL + cache.step)
+            cache.keys.append(_repeat_kv(k, rep))
+            cache.values.append(_repeat_kv(v, rep))
+            out = _ttt_flex(q, cache) if cache.attention == "flex" else _ttt_eager(q, cache)
+        else:
+            q, k = apply_rope(q, k, self.inv_freq, position_ids_BL)
+            past = cache.length
+            cache.k = (
+                _repeat_kv(k, rep)
+                if cache.k is None
+                else torch.cat([cache.k, _repeat_kv(k, rep)], dim=2)
+            )
+            cache.v = (
+                _repeat_kv(v, rep)
+                if cache.v is None
+                else torch.cat([cache.v, _repeat_kv(v, rep)], dim=2)
+            )
+            # New queries sit at positions past..past+T-1: causal over everything cached.
+            allowed = torch.ones(seq, past + seq, dtype=torch.bool, device=q.device).tril(
+                diagonal=past
+            )
+            out = F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=allowed)
+        return self.o_proj(out.transpose(1, 2).reshape(b, seq, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ConfigError(f"draft hidden_act {cfg.hidden_act!r} is not supported (silu)")
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, emb_BLH, hidden_BLH, position_ids_BL, cache) -> torch.Tensor:
+        residual = hidden_BLH
+        x = torch.cat((self.input_layernorm(emb_BLH), self.hidden_norm(hidden_BLH)), dim=-1)
+        hidden_BLH = residual + self.self_attn(x, position_ids_BL, cache)
+        return hidden_BLH + self.mlp(self.post_attention_layernorm(hidden_BLH))
+
+
+# ---------------------------------------------------------------------------------------------
+# The draft
+
+
+class LlamaEagle3Draft(nn.Module):
+    """One-layer EAGLE3 draft. `embed_tokens` is frozen; everything else trains."""
+
+    #: state_dict keys written by the SGLang exporter (everything but embed_tokens)
+    EXPORT_KEYS = (
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.self_attn.k_proj.weight",
+        "midlayer.self_attn.v_proj.weight",
+        "midlayer.self_attn.o_proj.weight",
+        "midlayer.mlp.gate_proj.weight",
+        "midlayer.mlp.up_proj.weight",
+        "midlayer.mlp.down_proj.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.input_layernorm.weight",
+        "midlayer.post_attention_layernorm.weight",
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    )
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, self.config.initializer_range)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.embed_tokens.weight.normal_(0.0, self.config.initializer_range)
+
+    @torch.no_grad()
+    def load_embedding(self, embed_VH: torch.Tensor) -> None:
+        if tuple(embed_VH.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ConfigError(
+                f"target embedding {tuple(embed_VH.shape)} != draft embed_tokens {tuple(self.embed_tokens.weight.shape)}"
+            )
+        self.embed_tokens.weight.copy_(embed_VH)
+
+    @torch.no_grad()
+    def load_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ConfigError(
+                f"vocab mapping d2t{tuple(d2t.shape)}/t2d{tuple(t2d.shape)} does not fit the draft "
+                f"(d2t{tuple(self.d2t.shape)}/t2d{tuple(self.t2d.shape)})"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def embed(self, ids_BL: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids_BL)
+
+    def project(self, aux_BL3H: torch.Tensor) -> torch.Tensor:
+        if aux_BL3H.shape[-1] != self.fc.in_features:
+            raise ConfigError(
+                f"aux hidden states width {aux_BL3H.shape[-1]} != 3 * target hidden {self.fc.in_features}"
+            )
+        return self.fc(aux_BL3H)
+
+    def backbone(
+        self, emb_BLH, hidden_BLH, position_ids_BL, cache: TTTCache | DecodeCache
+    ) -> torch.Tensor:
+        """One pass of the decoder layer; returns the pre-norm hidden (fed to the next step)."""
+        return self.midlayer(emb_BLH.to(hidden_BLH.dtype), hidden_BLH, position_ids_BL, cache)
+
+    def compute_logits(self, hidden_BLH: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits `[B, L, Vd]`."""
+        return self.lm_head(self.norm(hidden_BLH))
+
+    def forward(
+        self,
+        input_ids_BL: torch.Tensor,
+        hidden_states_BL3H: torch.Tensor,
+        attention_mask_BL: torch.Tensor,
+        ttt_length: int = 7,
+        attention: str = "eager",
+    ) -> list[torch.Tensor]:
+        """Unroll `ttt_length` TTT steps; returns each step's logits `[B, L, Vd]`.
+
+        `input_ids_BL` are the ids the first step embeds (already shifted by one against the
+        aux features); they shift left by one more after every step. One forward call covers
+        all steps so DDP/FSDP wrappers see a single forward per backward.
+        """
+        position_ids = torch.arange(input_ids_BL.shape[1], device=input_ids_BL.device)[None]
+        hidden = self.project(hidden_states_BL3H.to(self.fc.weight.dtype))
+        cache = TTTCache(key_padding_BL=attention_mask_BL, attention=attention)
+        logits = []
+        ids = input_ids_BL
+        for k in range(ttt_length):
+            hidden = self.backbone(self.embed(ids), hidden, position_ids, cache)
+            logits.append(self.compute_logits(hidden))
+            if k < ttt_length - 1:
+                ids = shift_left(ids)
+        return logits
+
+
+def shift_left(x: torch.Tensor) -> torch.Tensor:
+    """`x[:, 1:]` followed by one zero position (dim 1)."""
+    return torch.cat((x[:, 1:], torch.zeros_like(x[:, -1:])), dim=1)

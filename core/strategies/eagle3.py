@@ -1,0 +1,316 @@
+"""EAGLE3: feature contract, collate, and the TTT objective (SpecForge 0.2.0 semantics).
+
+Shape legend: B batch, L sequence, H target hidden, V target vocab, Vd draft vocab, K TTT steps.
+
+Teacher (no grad): input ids and the captured final hidden state are shifted left by one
+(zero at the end); logits_BLV = target lm_head(hidden) in fp32; `target_p` = softmax over the
+draft-vocab columns (renormalised); `target_p_on_draft` = full-softmax mass of those columns;
+`position_mask` = loss_mask * t2d[argmax logits]. The loss mask itself is not shifted.
+
+Step k = 0..K-1: emb(ids_k) with hidden = fc(aux) at k = 0, else the previous step's pre-norm
+output; logits = lm_head(norm(midlayer(...))). The teacher is read at offset k; ids, loss mask
+and position mask shift left by one after each step.
+- ploss_k = -sum(position_mask * target_p * log_softmax(logits)) / (B * L)
+- loss = sum_k step_weight^k * ploss_k
+- acc_k = #(d2t-mapped argmax == full-target argmax, over loss_mask) / max(#loss_mask, 1e-6)
+- acceptance_rate_k = masked mean over position_mask of sum_v min(target_p_on_draft, softmax(logits))
+- sim_accept_len = sum_k prod_{j<=k} acc_j (this batch)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.config import StrategyConfig
+from core.data.vocab import VocabMapping
+from core.errors import ConfigError
+from core.models.llama_eagle3 import shift_left
+from core.models.registry import build_draft
+from core.models.target import TargetHeads, TargetInfo
+from core.strategies.base import (
+    FeatureContract,
+    FeatureField,
+    Metrics,
+    StepContext,
+    TrainBatch,
+    pad_right,
+    register_strategy,
+)
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """Per-position teacher tensors, padded with K positions at the end."""
+
+    target_p_BLVd: torch.Tensor
+    target_p_on_draft_BLVd: torch.Tensor
+    target_ids_BL: torch.Tensor
+    position_mask_BL1: torch.Tensor
+
+
+@torch.no_grad()
+def compute_teacher(
+    target_logits_BLV: torch.Tensor,
+    t2d_V: torch.Tensor,
+    loss_mask_BL1: torch.Tensor,
+    ttt_length: int,
+) -> Teacher:
+    logits = target_logits_BLV.float()
+    target_ids = logits.argmax(-1)
+    position_mask = t2d_V[target_ids][..., None].int() * loss_mask_BL1
+    draft_logits = logits[..., t2d_V]
+    target_p = torch.softmax(draft_logits, dim=2)
+    target_p_on_draft = torch.exp(draft_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
+    return Teacher(
+        target_p_BLVd=F.pad(target_p, (0, 0, 0, ttt_length), value=1 / target_p.shape[-1]),
+        target_p_on_draft_BLVd=F.pad(target_p_on_draft, (0, 0, 0, ttt_length), value=0.0),
+        target_ids_BL=F.pad(target_ids, (0, ttt_length), value=0),
+        position_mask_BL1=position_mask,
+    )
+
+
+def step_loss(
+    logits_BLVd: torch.Tensor, target_p_BLVd: torch.Tensor, position_mask_BL1: torch.Tensor
+) -> torch.Tensor:
+    """-sum(position_mask * target_p * log_softmax(logits)) averaged over all B*L positions."""
+    logp = torch.log_softmax(logits_BLVd.float(), dim=2)
+    return -torch.sum(position_mask_BL1 * (target_p_BLVd * logp), 2).mean()
+
+
+@torch.no_grad()
+def acceptance_rate(
+    logits_BLVd: torch.Tensor, target_p_on_draft_BLVd: torch.Tensor, position_mask_BL1: torch.Tensor
+) -> torch.Tensor:
+    draft_p = torch.softmax(logits_BLVd.float(), dim=-1).to(target_p_on_draft_BLVd.dtype)
+    per_token = torch.minimum(target_p_on_draft_BLVd, draft_p).sum(-1)
+    mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+def simulated_accept_length(accs: list[float] | torch.Tensor) -> float:
+    """tau = sum_k prod_{j<=k} acc_j."""
+    total, running = 0.0, 1.0
+    for a in accs:
+        running *= float(a)
+        total += running
+    return total
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The draft inside a DDP/FSDP/compile wrapper (for its buffers)."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def eagle3_ttt_loss(
+    model: nn.Module,
+    *,
+    input_ids_BL: torch.Tensor,
+    attention_mask_BL: torch.Tensor,
+    loss_mask_BL: torch.Tensor,
+    hidden_states_BL3H: torch.Tensor,
+    target_BLH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    ttt_length: int = 7,
+    step_weight: float = 0.8,
+    attention: str = "eager",
+) -> tuple[torch.Tensor, Metrics]:
+    """The EAGLE3 TTT objective (module docstring). Pure: reads `model`, writes nothing.
+
+    `model` is the draft or a DDP/FSDP wrapper of it (called once). Returns the weighted loss
+    (grad flows to the draft's trainable parameters only) and detached per-step metrics:
+    ploss_k, acc_k, acceptance_rate_k, correct_k, denom_k, plus loss, loss_denom (B*L) and
+    sim_accept_len.
+    """
+    draft = unwrap(model)
+    with torch.no_grad():
+        input_ids = shift_left(input_ids_BL)
+        target_hidden = shift_left(target_BLH)
+        loss_mask = loss_mask_BL[..., None]
+        target_logits = F.linear(target_hidden.to(lm_head_VH.dtype), lm_head_VH)
+        teacher = compute_teacher(target_logits, draft.t2d, loss_mask, ttt_length)
+        del target_logits
+    batch, seq = input_ids.shape
+    step_logits = model(
+        input_ids, hidden_states_BL3H, attention_mask_BL, ttt_length=ttt_length, attention=attention
+    )
+    position_mask = teacher.position_mask_BL1
+    losses, metrics = [], {}
+    for k, logits in enumerate(step_logits):
+        ploss = step_loss(logits, teacher.target_p_BLVd[:, k : k + seq], position_mask)
+        with torch.no_grad():
+            pred = logits.argmax(-1)
+            pred_target = pred + draft.d2t[pred]
+            correct = (
+                (pred_target == teacher.target_ids_BL[:, k : k + seq]) * loss_mask.squeeze(-1)
+            ).sum()
+            denom = loss_mask.sum().clamp_min(1e-6)
+            metrics[f"ploss_{k}"] = ploss.detach()
+            metrics[f"acc_{k}"] = correct / denom
+            metrics[f"correct_{k}"] = correct
+            metrics[f"denom_{k}"] = denom
+            metrics[f"acceptance_rate_{k}"] = acceptance_rate(
+                logits, teacher.target_p_on_draft_BLVd[:, k : k + seq], position_mask
+            )
+        losses.append(ploss)
+        position_mask = shift_left(position_mask)
+        loss_mask = shift_left(loss_mask)
+    loss = sum(step_weight**k * p for k, p in enumerate(losses))
+    metrics["loss"] = loss.detach()
+    metrics["loss_denom"] = torch.tensor(float(batch * seq))
+    metrics["sim_accept_len"] = simulated_accept_length(
+        [metrics[f"acc_{k}"] for k in range(ttt_length)]
+    )
+    return loss, metrics
+
+
+class Eagle3Strategy:
+    """Adapter of `eagle3_ttt_loss` to the strategy registry."""
+
+    name = "eagle3"
+
+    def __init__(
+        self,
+        cfg: StrategyConfig,
+        target: TargetInfo,
+        *,
+        heads: TargetHeads | None = None,
+        aux_layers: list[int] | None = None,
+    ):
+        self.cfg = cfg
+        self.target = target
+        self.heads = heads
+        self.aux_layers = list(aux_layers) if aux_layers is not None else target.default_aux_layers
+        if len(self.aux_layers) != 3 or any(
+            not 0 <= i < target.num_layers for i in self.aux_layers
+        ):
+            raise ConfigError(
+                f"target.aux_layers {self.aux_layers} must be three layer indices in 0..{target.num_layers - 1}"
+            )
+        self._lm_head: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return min(self.cfg.draft.draft_vocab_size, self.target.vocab_size)
+
+    def feature_contract(self, target: TargetInfo | None = None) -> FeatureContract:
+        target = target or self.target
+        h = target.hidden_size
+        return FeatureContract(
+            strategy=self.name,
+            fields=(
+                FeatureField("input_ids", ("L",), "int64"),
+                FeatureField("loss_mask", ("L",), "int64|bool"),
+                FeatureField("hidden_states", ("L", 3 * h), "float"),
+                FeatureField("target", ("L", h), "float"),
+            ),
+            aux_layers=tuple(self.aux_layers),
+            hidden_size=h,
+        )
+
+    def collate(
+        self, samples: list[dict[str, torch.Tensor]], max_length: int | None = None
+    ) -> TrainBatch:
+        """Truncate to `max_length`, zero each sample's last loss-mask position (the reference's
+        data normaliser does, since its teacher is the zero-padded shift), right-pad with zeros.
+        """
+        if not samples:
+            raise ConfigError("cannot collate an empty batch")
+        contract = self.feature_contract()
+        lengths = [contract.verify(s) for s in samples]
+        if max_length is not None:
+            lengths = [min(n, max_length) for n in lengths]
+        seq = max(lengths)
+        masks = []
+        for s, n in zip(samples, lengths, strict=True):
+            m = s["loss_mask"][:n].to(torch.long).clone()
+            m[-1] = 0
+            masks.append(m)
+        tensors = {
+            "input_ids": pad_right(
+                [s["input_ids"][:n] for s, n in zip(samples, lengths, strict=True)], seq
+            ),
+            "loss_mask": pad_right(masks, seq),
+            "hidden_states": pad_right(
+                [s["hidden_states"][:n] for s, n in zip(samples, lengths, strict=True)], seq
+            ),
+            "target": pad_right(
+                [s["target"][:n] for s, n in zip(samples, lengths, strict=True)], seq
+            ),
+            "attention_mask": pad_right([torch.ones(n, dtype=torch.long) for n in lengths], seq),
+        }
+        return TrainBatch(
+            tensors=tensors,
+            num_samples=len(samples),
+            num_tokens=sum(lengths),
+            num_loss_tokens=int(tensors["loss_mask"].sum()),
+        )
+
+    def build_model(
+        self,
+        target: TargetInfo | None = None,
+        heads: TargetHeads | None = None,
+        vocab: VocabMapping | None = None,
+    ) -> nn.Module:
+        """A fresh draft with the target's frozen embedding and `vocab` loaded (if given)."""
+        target = target or self.target
+        heads = heads or self.heads
+        draft = build_draft(self.cfg.draft.architecture, self.cfg.draft, target, self.aux_layers)
+        if heads is not None:
+            draft.load_embedding(heads.embed_tokens)
+        if vocab is not None:
+            draft.load_vocab_mapping(vocab.d2t, vocab.t2d)
+        elif draft.config.draft_vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"draft vocab {draft.config.draft_vocab_size} < target vocab {target.vocab_size}: a vocab mapping is required"
+            )
+        return draft
+
+    def lm_head(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if self.heads is None:
+            raise ConfigError(
+                "eagle3 recomputes the teacher from the target lm_head: build_strategy(..., heads=...)"
+            )
+        key = (torch.device(device), dtype)
+        if key not in self._lm_head:
+            self._lm_head[key] = self.heads.lm_head.to(device=device, dtype=dtype)
+        return self._lm_head[key]
+
+    def resolve_attention(self, device: torch.device) -> str:
+        if self.cfg.attention == "auto":
+            return "eager"
+        if self.cfg.attention == "flex" and device.type != "cuda":
+            raise ConfigError("strategy.attention=flex needs a CUDA device")
+        return "eager" if self.cfg.attention == "sdpa" else self.cfg.attention
+
+    def forward_loss(
+        self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None
+    ) -> tuple[torch.Tensor, Metrics]:
+        t = batch.tensors
+        device = t["input_ids"].device
+        # The reference runs its frozen head in the feature dtype (bf16 on GPU) and upcasts logits.
+        head_dtype = t["target"].dtype
+        return eagle3_ttt_loss(
+            model,
+            input_ids_BL=t["input_ids"],
+            attention_mask_BL=t["attention_mask"],
+            loss_mask_BL=t["loss_mask"],
+            hidden_states_BL3H=t["hidden_states"],
+            target_BLH=t["target"],
+            lm_head_VH=self.lm_head(device, head_dtype),
+            ttt_length=self.cfg.ttt_length,
+            step_weight=self.cfg.step_weight,
+            attention=self.resolve_attention(device),
+        )
+
+
+@register_strategy("eagle3")
+def _eagle3(
+    cfg: StrategyConfig, target: TargetInfo, *, heads=None, aux_layers=None
+) -> Eagle3Strategy:
+    return Eagle3Strategy(cfg, target, heads=heads, aux_layers=aux_layers)

@@ -1,0 +1,182 @@
+"""The `hf` target engine: a transformers causal LM on CPU or GPU, forward hooks on the aux layers.
+
+Sequences are captured `capture_batch` at a time, right-padded (causal attention: the real
+positions never see the padding, and the padding is sliced off before a sample is built).
+The aux features are the outputs of the contract's decoder layers (0-based), concatenated in
+contract order; the final feature is the base model's post-norm last hidden state (the
+lm_head is not run: the trainer recomputes logits from it).
+
+dtype "auto": bf16 on GPU, fp32 on CPU. Raises `CaptureError` for an empty or over-long
+sequence, a mask of another length, or features that fail the contract.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from core.config import TargetConfig
+from core.errors import CaptureError, ConfigError
+from core.models.target import (
+    AuxCapture,
+    load_causal_lm,
+    load_target_info,
+    load_tokenizer,
+    resolve_target_dir,
+    target_fingerprint,
+    tokenizer_fingerprint,
+)
+from core.strategies.base import FeatureContract
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def _maybe_tokenizer(path):
+    """The directory's tokenizer, or None for a weights-only directory (tiny test targets)."""
+    if not any(
+        (path / name).is_file()
+        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
+        return None
+    return load_tokenizer(path)
+
+
+class HFEngine:
+    """A frozen HF target capturing EAGLE3/DFlash-style features."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        cfg: TargetConfig,
+        *,
+        cache_dir: str | None = None,
+        model=None,
+        tokenizer=None,
+    ):
+        self.cfg = cfg
+        self.path = resolve_target_dir(cfg.model, cache_dir)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.info = load_target_info(self.path, name=cfg.model)
+        self.tokenizer = tokenizer if tokenizer is not None else _maybe_tokenizer(self.path)
+        self.model = (
+            model if model is not None else load_causal_lm(self.path, self.dtype, self.device)
+        )
+        self.target_fingerprint = target_fingerprint(self.path)
+        self.tokenizer_fingerprint = (
+            tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else "none"
+        )
+        self.context_length = cfg.context_length or self.info.max_position_embeddings
+        pad = self.info.pad_token_id
+        self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.info.vocab_size else 0
+        self.last_capture_s = 0.0
+
+    @property
+    def default_aux_layers(self) -> list[int]:
+        return self.info.default_aux_layers
+
+    @torch.no_grad()
+    def capture(
+        self,
+        input_ids: list[torch.Tensor],
+        loss_masks: list[torch.Tensor] | None,
+        contract: FeatureContract,
+        *,
+        device: torch.device | str | None = None,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Features for each sequence (see module docstring); `loss_masks` None means all ones."""
+        if contract.hidden_size != self.info.hidden_size:
+            raise ConfigError(
+                f"contract hidden size {contract.hidden_size} != target hidden size {self.info.hidden_size}"
+            )
+        if loss_masks is not None and len(loss_masks) != len(input_ids):
+            raise CaptureError(f"{len(input_ids)} sequences but {len(loss_masks)} loss masks")
+        started = time.perf_counter()
+        out_device = torch.device(device) if device is not None else torch.device("cpu")
+        samples: list[dict[str, torch.Tensor]] = []
+        for start in range(0, len(input_ids), self.cfg.capture_batch):
+            chunk = [
+                torch.as_tensor(ids, dtype=torch.long).flatten()
+                for ids in input_ids[start : start + self.cfg.capture_batch]
+            ]
+            masks = None if loss_masks is None else loss_masks[start : start + len(chunk)]
+            samples.extend(self._capture_chunk(chunk, masks, contract, out_device))
+        self.last_capture_s = time.perf_counter() - started
+        return samples
+
+    def _capture_chunk(
+        self, chunk, masks, contract: FeatureContract, out_device
+    ) -> list[dict[str, torch.Tensor]]:
+        lengths = [int(ids.numel()) for ids in chunk]
+        for i, n in enumerate(lengths):
+            if n == 0 or n > self.context_length:
+                raise CaptureError(
+                    f"sequence {i} has {n} tokens (allowed 1..{self.context_length})"
+                )
+            if masks is not None and int(torch.as_tensor(masks[i]).numel()) != n:
+                raise CaptureError(
+                    f"sequence {i}: loss mask has {torch.as_tensor(masks[i]).numel()} entries, ids {n}"
+                )
+            if int(chunk[i].max()) >= self.info.vocab_size or int(chunk[i].min()) < 0:
+                raise CaptureError(
+                    f"sequence {i} has token ids outside the vocabulary of {self.info.vocab_size}"
+                )
+        seq = max(lengths)
+        ids_BL = torch.full((len(chunk), seq), self.pad_id, dtype=torch.long)
+        attn_BL = torch.zeros((len(chunk), seq), dtype=torch.long)
+        for i, ids in enumerate(chunk):
+            ids_BL[i, : lengths[i]] = ids
+            attn_BL[i, : lengths[i]] = 1
+        with AuxCapture(self.model, contract.aux_layers) as aux:
+            base = getattr(self.model, "model", self.model)
+            outputs = base(
+                input_ids=ids_BL.to(self.device),
+                attention_mask=attn_BL.to(self.device),
+                use_cache=False,
+            )
+            aux_BLA = aux.concat()
+        final_BLH = outputs.last_hidden_state
+        expected_aux = len(contract.aux_layers) * self.info.hidden_size
+        if aux_BLA.shape != (len(chunk), seq, expected_aux) or final_BLH.shape != (
+            len(chunk),
+            seq,
+            self.info.hidden_size,
+        ):
+            raise CaptureError(
+                f"captured aux {tuple(aux_BLA.shape)} / final {tuple(final_BLH.shape)}, expected "
+                f"{(len(chunk), seq, expected_aux)} / {(len(chunk), seq, self.info.hidden_size)}"
+            )
+        samples = []
+        for i, n in enumerate(lengths):
+            mask = (
+                torch.ones(n, dtype=torch.long)
+                if masks is None
+                else torch.as_tensor(masks[i]).flatten().clone()
+            )
+            sample = {"input_ids": chunk[i].clone(), "loss_mask": mask}
+            sample[contract.aux_feature] = aux_BLA[i, :n].to(self.dtype)
+            if contract.final_feature is not None:
+                sample[contract.final_feature] = final_BLH[i, :n].to(self.dtype)
+            sample = {k: v.to(out_device).contiguous() for k, v in sample.items()}
+            contract.verify(sample)
+            samples.append(sample)
+        return samples
+
+    def close(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,37 @@
+"""Engine registry: `build_engine(cfg.target)` picks the engine named by `target.engine`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from core.config import TargetConfig
+from core.errors import ConfigError
+from producers.engines.base import TargetEngine
+
+_ENGINES: dict[str, Callable[..., TargetEngine]] = {}
+
+
+def register_engine(name: str, factory: Callable[..., TargetEngine]) -> None:
+    if name in _ENGINES:
+        raise ConfigError(f"target engine {name!r} is already registered")
+    _ENGINES[name] = factory
+
+
+def _hf(cfg: TargetConfig, **kwargs) -> TargetEngine:
+    from producers.engines.hf import HFEngine
+
+    return HFEngine(cfg, **kwargs)
+
+
+register_engine("hf", _hf)
+
+
+def build_engine(cfg: TargetConfig, **kwargs) -> TargetEngine:
+    """Build the engine `cfg.engine`. Raises `ConfigError` for one not registered (yet)."""
+    try:
+        factory = _ENGINES[cfg.engine]
+    except KeyError as e:
+        raise ConfigError(
+            f"target.engine {cfg.engine!r} is not available; registered: {sorted(_ENGINES)}"
+        ) from e
+    return factory(cfg, **kwargs)
