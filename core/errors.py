@@ -57,9 +57,21 @@ class IntegrityError(StoreError):
     """Stored bytes do not match their spec (CRC mismatch, short read, NaN/Inf at put)."""
 
 
+class StoreUnavailable(StoreError):
+    """The store's service (Mooncake master or store node) cannot be reached right now.
+
+    Transient by nature: callers retry later (a trainer naks with a delay), unlike
+    `FeatureMissing`, which means the bytes are gone and the sample must be recaptured.
+    """
+
+
 class CaptureError(SpecbusError):
     """The target engine failed to capture a sample (the task is retried, then dead-lettered)."""
 
 
 class CheckpointError(SpecbusError):
     """A checkpoint is missing, corrupt, or does not match the run it should resume."""
+
+
+class ExportError(SpecbusError):
+    """An exported draft would not load as intended (missing/extra tensor names, bad config)."""
