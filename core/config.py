@@ -53,8 +53,14 @@ class MooncakeConfig(Section):
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = ""
     local_hostname: str = "127.0.0.1"
-    segment_bytes: int = Field(1 << 30, gt=0)
-    buffer_bytes: int = Field(256 << 20, gt=0)
+    segment_bytes: int = Field(1 << 30, gt=0)  # the store node's segment (clients contribute none)
+    buffer_bytes: int = Field(256 << 20, gt=0)  # per-client pool of registered transfer buffers
+    # The master's HTTP admin/metrics endpoint (usage, key listing); "" = master host, port 9003.
+    admin: str = ""
+    client_buffer_bytes: int = Field(16 << 20, gt=0)  # Mooncake's own local buffer per client
+    release_retry_s: float = Field(0.5, gt=0)  # first retry of a remove refused under a read lease
+    force_release_after_s: float = Field(15.0, gt=0)  # then force it (> the master's 10 s lease)
+    http_timeout_s: float = Field(5.0, gt=0)
 
 
 class StoreConfig(Section):
@@ -65,6 +71,10 @@ class StoreConfig(Section):
     crc: bool = False
     screen_nonfinite: bool = True
     mooncake: MooncakeConfig = MooncakeConfig()
+    store_id: str | None = None  # None: from the URI, else "default"
+    gc_grace_s: float = Field(60.0, ge=0)  # gc(live) spares samples younger than this
+    pool_bytes: int = Field(256 << 20, ge=0)  # shm: pre-faulted receive pool per process (0: none)
+    keep_on_close: bool = False  # shm: keep the store when its last process closes it
 
 
 class TargetConfig(Section):

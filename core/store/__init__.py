@@ -1,0 +1,73 @@
+"""Feature stores: `open_store(cfg_or_uri)` builds the backend a URI names.
+
+    mem://<store_id>                                   in-process (colocated)
+    shm://<store_id>   or   shm:///abs/dir?store_id=x  shared memory on one host, no server
+    mooncake://<store_id>?master=H:P&metadata=P2P&admin=H:P&protocol=tcp
+
+A store's `uri` is canonical: `open_store(store.uri)` in another process reaches the same
+samples (that is what SampleRef.store_uri records). See core/store/base.py for the contract.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from core.config import MooncakeConfig, StoreConfig
+from core.errors import ConfigError
+from core.store.base import FeatureStore, StoreUsage, check_store_id
+
+__all__ = ["FeatureStore", "StoreUsage", "open_store", "parse_uri"]
+
+SCHEMES = ("mem", "shm", "mooncake")
+
+
+def parse_uri(uri: str) -> tuple[str, str | None, str | None, dict[str, str]]:
+    """`(scheme, store_id or None, absolute dir or None, query)`; raises ConfigError."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in SCHEMES:
+        raise ConfigError(
+            f"store.uri {uri!r}: scheme must be one of {', '.join(s + '://' for s in SCHEMES)}"
+        )
+    query = dict(urllib.parse.parse_qsl(parts.query))
+    path = parts.path or None
+    if path is not None and parts.scheme != "shm":
+        raise ConfigError(f"store.uri {uri!r}: only shm:// takes a directory path")
+    return parts.scheme, parts.netloc or query.pop("store_id", None), path, query
+
+
+def open_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> FeatureStore:
+    """Build a store from a StoreConfig or a URI.
+
+    Keyword arguments override StoreConfig fields (`budget_bytes=...`, `mooncake=...`) and
+    `store_id=` names the store when the URI does not. For mooncake://, the URI's query
+    (master, metadata, admin, protocol) overrides `cfg.mooncake`.
+    """
+    cfg = StoreConfig(uri=cfg_or_uri) if isinstance(cfg_or_uri, str) else cfg_or_uri
+    store_id_kw = kw.pop("store_id", None)
+    if kw:
+        try:
+            cfg = StoreConfig.model_validate({**cfg.model_dump(), **kw})
+        except Exception as e:
+            raise ConfigError(f"open_store: invalid store option(s) {sorted(kw)}: {e}") from e
+    scheme, uri_id, path, query = parse_uri(cfg.uri)
+    store_id = check_store_id(store_id_kw or uri_id or cfg.store_id or "default")
+
+    if scheme == "mem":
+        from core.store.mem import MemStore
+
+        return MemStore(cfg, store_id)
+    if scheme == "shm":
+        from core.store.shm import ShmStore
+
+        if path is not None and not Path(path).is_absolute():
+            raise ConfigError(f"store.uri {cfg.uri!r}: a shm directory must be absolute")
+        return ShmStore(cfg, store_id, Path(path) if path else None)
+    from core.store.mooncake import MooncakeStore
+
+    unknown = set(query) - set(MooncakeConfig.model_fields)
+    if unknown:
+        raise ConfigError(f"store.uri {cfg.uri!r}: unknown mooncake option(s) {sorted(unknown)}")
+    mc = MooncakeConfig.model_validate({**cfg.mooncake.model_dump(), **query})
+    return MooncakeStore(cfg, store_id, mc)

@@ -1,0 +1,270 @@
+"""The feature store API shared by every backend, and the helpers they all use.
+
+A store holds the tensors of captured samples; a `SampleRef` on the bus only names them. One
+object per tensor, keyed `{store_id}/{sample_id}/g{gen}/{name}`; the key, shape, dtype, byte
+size (and optionally a CRC32) travel in the `FeatureSpec`, never with the bytes: no pickle,
+no header on the wire.
+
+Guarantees every backend keeps (tests/test_store_*.py pin them down):
+- `get` of anything that is not there raises `FeatureMissing` naming the key: never empty
+  data, never a hang (every remote call has a bounded timeout).
+- bytes that do not match their spec raise `IntegrityError` (short read, size or CRC
+  mismatch); `put` rejects NaN/Inf in floating tensors with `IntegrityError` naming the
+  sample and the tensor (when `screen_nonfinite`).
+- `put` beyond `budget_bytes` raises `StoreFull` (backpressure), before writing anything.
+- a put of generation N removes generations < N of that sample (a stale ref then raises
+  `FeatureMissing`), and writing an existing key replaces its value.
+- `release` is idempotent; `gc` reclaims orphans and returns the bytes it freed.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from core.contracts import FeatureSpec, SampleRef
+from core.errors import ConfigError, IntegrityError, StoreError
+
+# Ids become path components and key segments: no "/", no leading dot, bounded length.
+_ID = re.compile(r"^[A-Za-z0-9_:=+\-][A-Za-z0-9._:=+\-]{0,199}$")
+_KEY = re.compile(r"^(?P<store>[^/]+)/(?P<sample>[^/]+)/g(?P<gen>\d+)/(?P<name>[^/]+)$")
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    """What a store holds right now, as the store sees it (all processes, not just this one).
+
+    `resident_bytes` counts bytes held for samples (and, for shm, reserved by puts in flight);
+    `num_samples` counts sample generations; `peak_bytes` is the highest `resident_bytes`
+    seen (shm/mem: exact, kept by the store; mooncake: the highest this handle observed).
+    `pending_release_bytes` are released bytes whose remove the store has not yet accepted
+    (Mooncake read leases), retried in the background.
+    """
+
+    resident_bytes: int
+    num_samples: int
+    peak_bytes: int
+    budget_bytes: int
+    capacity_bytes: int | None = None
+    pending_release_bytes: int = 0
+
+    @property
+    def fraction(self) -> float:
+        return self.resident_bytes / self.budget_bytes if self.budget_bytes else 0.0
+
+
+RefLike = SampleRef | Mapping[str, FeatureSpec]
+
+
+@runtime_checkable
+class FeatureStore(Protocol):
+    """One API for producers and trainers; the backend is chosen by URI (`open_store`)."""
+
+    uri: str  # what SampleRef.store_uri records; another process can open_store(uri) it
+
+    def put(
+        self, sample_id: str, tensors: Mapping[str, torch.Tensor], gen: int = 0
+    ) -> dict[str, FeatureSpec]:
+        """Store a sample's tensors; return their specs. Raises StoreFull, IntegrityError."""
+        ...
+
+    def get(
+        self, ref: RefLike, names: Iterable[str] | None = None, device=None
+    ) -> dict[str, torch.Tensor]:
+        """Read tensors by spec. Raises FeatureMissing (naming the key), IntegrityError."""
+        ...
+
+    def release(self, ref: RefLike) -> None:
+        """Free a sample's tensors. Idempotent; never raises for an already-gone sample."""
+        ...
+
+    def adopt(self, ref: RefLike) -> None:
+        """Take over a sample written by another writer: verify every feature is present
+        with its spec's size (FeatureMissing / IntegrityError otherwise) and count it as
+        held by this store handle."""
+        ...
+
+    def gc(self, live: Iterable[str] | None = None, *, min_age_s: float | None = None) -> int:
+        """Reclaim orphans; return the bytes freed. See the backend for its policy."""
+        ...
+
+    def usage(self) -> StoreUsage: ...
+
+    def close(self) -> None: ...
+
+
+# ---- keys and ids ------------------------------------------------------------------------
+
+
+def check_id(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise ValueError(f"{kind} {value!r} must match {_ID.pattern} (it becomes a key segment)")
+    return value
+
+
+def make_key(store_id: str, sample_id: str, gen: int, name: str) -> str:
+    if not isinstance(gen, int) or gen < 0:
+        raise ValueError(f"generation {gen!r} of sample {sample_id!r} must be an int >= 0")
+    return f"{store_id}/{check_id('sample id', sample_id)}/g{gen}/{check_id('tensor name', name)}"
+
+
+@dataclass(frozen=True)
+class KeyParts:
+    store_id: str
+    sample_id: str
+    gen: int
+    name: str
+
+
+def parse_key(key: str, store_id: str | None = None) -> KeyParts:
+    """Split a key; with `store_id`, also check the key belongs to that store."""
+    m = _KEY.match(key)
+    if not m:
+        raise StoreError(f"key {key!r} is not of the form store/sample/g<gen>/name")
+    parts = KeyParts(m["store"], m["sample"], int(m["gen"]), m["name"])
+    if store_id is not None and parts.store_id != store_id:
+        raise StoreError(
+            f"key {key!r} belongs to store {parts.store_id!r}, not to this store {store_id!r}"
+        )
+    return parts
+
+
+def sample_prefix(store_id: str, sample_id: str, gen: int) -> str:
+    return f"{store_id}/{sample_id}/g{gen}/"
+
+
+def specs_of(ref: RefLike, names: Iterable[str] | None = None) -> dict[str, FeatureSpec]:
+    """The specs of a ref (a SampleRef or a name -> FeatureSpec mapping), filtered by `names`."""
+    specs = ref.features if isinstance(ref, SampleRef) else dict(ref)
+    if names is None:
+        return dict(specs)
+    out = {}
+    for name in names:
+        if name not in specs:
+            raise KeyError(f"feature {name!r} is not in the ref (it has {sorted(specs)})")
+        out[name] = specs[name]
+    return out
+
+
+def sample_of(specs: Mapping[str, FeatureSpec], store_id: str) -> tuple[str, int]:
+    """(sample_id, gen) shared by all the specs of one ref; raises StoreError otherwise."""
+    found = {(p.sample_id, p.gen) for p in (parse_key(s.key, store_id) for s in specs.values())}
+    if len(found) != 1:
+        raise StoreError(f"a ref must name exactly one sample generation, found {sorted(found)}")
+    return found.pop()
+
+
+# ---- tensors <-> bytes -------------------------------------------------------------------
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU tensor (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def as_cpu_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"feature {name!r} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPE_NAMES:
+        raise ValueError(f"feature {name!r} has dtype {t.dtype}, not one of {sorted(DTYPES)}")
+    return t.detach().to("cpu").contiguous()
+
+
+def crc32_of(t: torch.Tensor) -> int:
+    return zlib.crc32(byte_view(t).numpy().data) if t.numel() else 0
+
+
+def screen_nonfinite(sample_id: str, name: str, t: torch.Tensor) -> None:
+    """Raise IntegrityError if a floating tensor holds NaN or Inf.
+
+    Fast path: one reduction (NaN/Inf poison a sum); only a non-finite sum pays for the
+    exact element-wise check, so a large-but-finite tensor whose sum overflows passes.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    if torch.isfinite(t.sum()).item():
+        return
+    bad = (~torch.isfinite(t)).sum().item()
+    if bad:
+        raise IntegrityError(f"sample {sample_id!r}: tensor {name!r} holds {bad} NaN/Inf value(s)")
+
+
+def make_spec(
+    store_id: str, sample_id: str, gen: int, name: str, t: torch.Tensor, crc: bool
+) -> FeatureSpec:
+    return FeatureSpec(
+        name=name,
+        key=make_key(store_id, sample_id, gen, name),
+        shape=tuple(int(d) for d in t.shape),
+        dtype=DTYPE_NAMES[t.dtype],
+        nbytes=t.numel() * t.element_size(),
+        crc32=crc32_of(t) if crc else None,
+    )
+
+
+def prepare(
+    store_id: str,
+    sample_id: str,
+    gen: int,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    crc: bool,
+    screen: bool,
+    to_cpu: bool = True,
+) -> tuple[dict[str, torch.Tensor], dict[str, FeatureSpec]]:
+    """Validate a put: ids, dtypes, NaN/Inf screen; return (contiguous tensors, specs)."""
+    check_id("sample id", sample_id)
+    if not tensors:
+        raise ValueError(f"sample {sample_id!r}: put needs at least one tensor")
+    out, specs = {}, {}
+    for name, t in tensors.items():
+        check_id("tensor name", name)
+        t = as_cpu_contiguous(name, t) if to_cpu else t.detach().contiguous()
+        if screen:
+            screen_nonfinite(sample_id, name, t)
+        out[name] = t
+        specs[name] = make_spec(
+            store_id, sample_id, gen, name, t if t.device.type == "cpu" else t.cpu(), crc
+        )
+    return out, specs
+
+
+def empty_for(spec: FeatureSpec) -> torch.Tensor:
+    return torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+
+
+def check_crc(spec: FeatureSpec, t: torch.Tensor) -> None:
+    if spec.crc32 is not None and crc32_of(t) != spec.crc32:
+        raise IntegrityError(
+            f"feature {spec.key!r}: CRC32 mismatch (stored bytes differ from the spec)"
+        )
+
+
+def to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    if device is None:
+        return tensors
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def check_store_id(store_id: str) -> str:
+    try:
+        return check_id("store id", store_id)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e

@@ -1,0 +1,408 @@
+"""`shm://<store_id>` (or `shm:///abs/dir`): several processes on one host, no server.
+
+Layout under the store directory (default /dev/shm/specbus-<store_id>, i.e. RAM):
+
+    .lock                         flock'd for every state change; holds the counters
+                                  (resident bytes, samples, peak) as three int64s
+    procs/<pid>-<start>.<handle>  one file per open handle (who is attached)
+    samples/<sid>/g<gen>/<name>   a tensor's raw bytes; `.nbytes` = the sample's size
+    samples/<sid>/.g<gen>.<pid>-<start>.<rand>.tmp/   a put in progress (same files)
+    trash/<rand>                  removed outside the lock
+
+A put reserves its bytes against the budget under the lock (so usage is global and a put
+beyond the budget fails before writing), writes a tmp directory named after its writer,
+then renames it into place under the lock: readers never see a half-written sample.
+
+Reads copy once: `readinto` from the shared file straight into the tensor, which lives in a
+per-process pool of pre-faulted memory (freed when the tensor dies) or, when the pool is
+full, in fresh memory.
+
+GC policy (docs/store.md):
+- a put whose writer died (pid gone or reused) is reclaimed by any `gc()`;
+- `gc(live)`: complete samples whose id is not in `live` and older than `gc_grace_s` are
+  reclaimed (`live` = every sample id that may still be consumed, known to the caller);
+- the store lives while a process has it open: the last `close()` (or an `open` that finds
+  every attached process dead) removes it, unless `keep_on_close`. Handles still open at
+  interpreter exit are closed by an atexit hook; killed processes are noticed by the next
+  open or gc.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import os
+import shutil
+import struct
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from core.config import StoreConfig
+from core.contracts import FeatureSpec
+from core.errors import FeatureMissing, IntegrityError, StoreError, StoreFull
+from core.store import procs
+from core.store.base import (
+    DTYPES,
+    RefLike,
+    StoreUsage,
+    byte_view,
+    check_crc,
+    parse_key,
+    prepare,
+    sample_of,
+    specs_of,
+    to_device,
+)
+from core.store.pool import BufferPool
+
+SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+_STATS = struct.Struct("<qqq")  # resident bytes, samples, peak bytes
+
+_pool: BufferPool | None = None
+_pool_lock = threading.Lock()
+_open_handles: weakref.WeakSet[ShmStore] = weakref.WeakSet()
+
+
+def _recv_pool(nbytes: int) -> BufferPool | None:
+    global _pool
+    if nbytes <= 0:
+        return None
+    with _pool_lock:
+        if _pool is None:
+            _pool = BufferPool(nbytes)
+        return _pool
+
+
+def store_dir(store_id: str) -> Path:
+    return SHM_ROOT / f"specbus-{store_id}"
+
+
+class _Locked:
+    """Exclusive access to the store directory: a thread lock plus flock on `.lock`.
+
+    The last closer deletes the directory, lock file included; a waiter that then gets the
+    lock of the deleted file notices (inode changed) and retries on a fresh one.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.path = root / ".lock"
+        self.tlock = threading.RLock()
+        self.fd = -1
+
+    def __enter__(self) -> _Locked:
+        self.tlock.acquire()
+        while True:
+            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:
+                continue  # the directory vanished between mkdir and open
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return self
+            os.close(fd)
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = -1
+        self.tlock.release()
+
+    def read(self) -> tuple[int, int, int]:
+        data = os.pread(self.fd, _STATS.size, 0)
+        return _STATS.unpack(data) if len(data) == _STATS.size else (0, 0, 0)
+
+    def write(self, resident: int, count: int, peak: int) -> None:
+        os.pwrite(self.fd, _STATS.pack(max(resident, 0), max(count, 0), max(peak, resident)), 0)
+
+
+def _nbytes_of(d: Path) -> int:
+    try:
+        return int((d / ".nbytes").read_text())
+    except (FileNotFoundError, ValueError):
+        return sum(
+            f.stat().st_size for f in d.iterdir() if f.is_file() and not f.name.startswith(".")
+        )
+
+
+def _write_all(fd: int, t: torch.Tensor) -> None:
+    mv = memoryview(byte_view(t).numpy()).cast("B") if t.numel() else memoryview(b"")
+    done = 0
+    while done < len(mv):
+        done += os.write(fd, mv[done:])
+
+
+def _read_exact(fd: int, out: torch.Tensor) -> int:
+    mv = memoryview(out.numpy()).cast("B") if out.numel() else memoryview(bytearray())
+    got = 0
+    while got < len(mv):
+        n = os.readv(fd, [mv[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+class ShmStore:
+    def __init__(self, cfg: StoreConfig, store_id: str, root: Path | None = None):
+        self.cfg = cfg
+        self.store_id = store_id
+        self.root = root or store_dir(store_id)
+        self.uri = f"shm://{store_id}" if root is None else f"shm://{self.root}?store_id={store_id}"
+        self._lock = _Locked(self.root)
+        self._handle = f"{procs.token()}.{uuid.uuid4().hex[:8]}"
+        self._closed = False
+        with self._lock:
+            self._reap_if_abandoned()
+            (self.root / "procs").mkdir(exist_ok=True)
+            (self.root / "procs" / self._handle).touch()
+        _open_handles.add(self)
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def put(
+        self, sample_id: str, tensors: Mapping[str, torch.Tensor], gen: int = 0
+    ) -> dict[str, FeatureSpec]:
+        self._check_open()
+        kept, specs = prepare(
+            self.store_id,
+            sample_id,
+            gen,
+            tensors,
+            crc=self.cfg.crc,
+            screen=self.cfg.screen_nonfinite,
+        )
+        nbytes = sum(s.nbytes for s in specs.values())
+        sdir = self.root / "samples" / sample_id
+        tmp = sdir / f".g{gen}.{procs.token()}.{uuid.uuid4().hex[:8]}.tmp"
+        with self._lock:
+            resident, count, peak = self._lock.read()
+            if resident + nbytes > self.cfg.budget_bytes:
+                raise StoreFull(
+                    f"{self.uri}: putting sample {sample_id!r} ({nbytes} B) would exceed the budget "
+                    f"({resident} of {self.cfg.budget_bytes} B in use)"
+                )
+            tmp.mkdir(parents=True)
+            (tmp / ".nbytes").write_text(str(nbytes))  # the reservation, visible to gc
+            self._lock.write(resident + nbytes, count + 1, max(peak, resident + nbytes))
+        try:
+            for name, t in kept.items():
+                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    _write_all(fd, t)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            with self._lock:
+                shutil.rmtree(tmp, ignore_errors=True)
+                resident, count, peak = self._lock.read()
+                self._lock.write(resident - nbytes, count - 1, peak)
+            raise
+        trash = []
+        with self._lock:
+            final = sdir / f"g{gen}"
+            gone = (
+                [final] if final.exists() else []
+            )  # a re-put replaces, never keeps, the old value
+            gone += [d for d in sdir.iterdir() if d.name.startswith("g") and _gen_of(d.name) < gen]
+            freed = 0
+            for d in gone:
+                freed += _nbytes_of(d)
+                trash.append(self._to_trash(d))
+            os.rename(tmp, final)
+            resident, count, peak = self._lock.read()
+            self._lock.write(resident - freed, count - len(gone), peak)
+        for d in trash:
+            shutil.rmtree(d, ignore_errors=True)
+        return specs
+
+    def _to_trash(self, d: Path) -> Path:
+        (self.root / "trash").mkdir(exist_ok=True)
+        dest = self.root / "trash" / uuid.uuid4().hex
+        os.rename(d, dest)
+        return dest
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def get(
+        self, ref: RefLike, names: Iterable[str] | None = None, device=None
+    ) -> dict[str, torch.Tensor]:
+        self._check_open()
+        out = {}
+        for name, spec in specs_of(ref, names).items():
+            p = parse_key(spec.key, self.store_id)
+            path = self.root / "samples" / p.sample_id / f"g{p.gen}" / p.name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError as e:
+                raise FeatureMissing(spec.key) from e
+            try:
+                size = os.fstat(fd).st_size
+                if size != spec.nbytes:
+                    raise IntegrityError(
+                        f"feature {spec.key!r}: {size} bytes stored, the spec says {spec.nbytes} (short read)"
+                    )
+                flat = self._recv(spec.nbytes)
+                got = _read_exact(fd, flat)
+            finally:
+                os.close(fd)
+            if got != spec.nbytes:
+                raise IntegrityError(
+                    f"feature {spec.key!r}: short read, {got} of {spec.nbytes} bytes"
+                )
+            t = (
+                flat.view(DTYPES[spec.dtype]).reshape(spec.shape)
+                if spec.nbytes
+                else torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+            )
+            check_crc(spec, t)
+            out[name] = t
+        return to_device(out, device)
+
+    def _recv(self, nbytes: int) -> torch.Tensor:
+        pool = _recv_pool(self.cfg.pool_bytes)
+        if pool is not None and nbytes:
+            off = pool.alloc(nbytes)
+            if off is not None:
+                return pool.tensor(off, nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def release(self, ref: RefLike) -> None:
+        sample_id, gen = sample_of(specs_of(ref), self.store_id)
+        sdir = self.root / "samples" / sample_id
+        with self._lock:
+            d = sdir / f"g{gen}"
+            if not d.exists():
+                return
+            nbytes = _nbytes_of(d)
+            trash = self._to_trash(d)
+            resident, count, peak = self._lock.read()
+            self._lock.write(resident - nbytes, count - 1, peak)
+            with contextlib.suppress(OSError):
+                sdir.rmdir()  # fails while other generations or a put in progress remain
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def adopt(self, ref: RefLike) -> None:
+        for spec in specs_of(ref).values():
+            p = parse_key(spec.key, self.store_id)
+            path = self.root / "samples" / p.sample_id / f"g{p.gen}" / p.name
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError as e:
+                raise FeatureMissing(spec.key) from e
+            if size != spec.nbytes:
+                raise IntegrityError(
+                    f"feature {spec.key!r}: {size} bytes stored, the spec says {spec.nbytes}"
+                )
+
+    def gc(self, live: Iterable[str] | None = None, *, min_age_s: float | None = None) -> int:
+        """Reclaim puts of dead writers, trash, and (with `live`) unconsumable samples.
+
+        Also recomputes the counters from the directory, repairing any drift left by a
+        process killed between a file operation and its counter update.
+        """
+        live = set(live) if live is not None else None
+        grace = self.cfg.gc_grace_s if min_age_s is None else min_age_s
+        now = time.time()
+        freed = 0
+        trash = []
+        with self._lock:
+            resident = count = 0
+            samples = self.root / "samples"
+            for sdir in list(samples.iterdir()) if samples.exists() else []:
+                for d in list(sdir.iterdir()):
+                    nbytes = _nbytes_of(d)
+                    if d.name.endswith(".tmp"):
+                        orphan = not procs.alive(d.name.split(".")[2])
+                    else:
+                        age = now - _mtime(d / ".nbytes", d)
+                        orphan = live is not None and sdir.name not in live and age >= grace
+                    if orphan:
+                        freed += nbytes
+                        trash.append(self._to_trash(d))
+                    else:
+                        resident += nbytes
+                        count += 1
+                with contextlib.suppress(OSError):
+                    sdir.rmdir()
+            old_resident, _, peak = self._lock.read()
+            self._lock.write(resident, count, peak)
+            if (self.root / "trash").exists():
+                trash += list((self.root / "trash").iterdir())
+        for d in trash:
+            shutil.rmtree(d, ignore_errors=True)
+        return max(freed, old_resident - resident)
+
+    def usage(self) -> StoreUsage:
+        with self._lock:
+            resident, count, peak = self._lock.read()
+        return StoreUsage(resident, count, peak, self.cfg.budget_bytes)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _open_handles.discard(self)
+        with self._lock:
+            (self.root / "procs" / self._handle).unlink(missing_ok=True)
+            if not self.cfg.keep_on_close and not self._live_handles():
+                shutil.rmtree(self.root, ignore_errors=True)  # the last one out removes the store
+
+    def _live_handles(self) -> list[str]:
+        """Prune handles of dead processes; return the live ones."""
+        pdir = self.root / "procs"
+        live = []
+        for f in list(pdir.iterdir()) if pdir.exists() else []:
+            if procs.alive(f.name.split(".")[0]):
+                live.append(f.name)
+            else:
+                f.unlink(missing_ok=True)
+        return live
+
+    def _reap_if_abandoned(self) -> None:
+        """At open: a store every attached process left without closing (killed) is removed."""
+        if self.cfg.keep_on_close or self._live_handles():
+            return
+        for sub in ("samples", "trash"):
+            shutil.rmtree(self.root / sub, ignore_errors=True)
+        self._lock.write(0, 0, 0)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self.uri}: store handle is closed")
+
+
+def _gen_of(name: str) -> int:
+    try:
+        return int(name[1:])
+    except ValueError:
+        return -1
+
+
+def _mtime(path: Path, fallback: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return fallback.stat().st_mtime
+
+
+@atexit.register
+def _close_open_handles() -> None:
+    for store in list(_open_handles):
+        with contextlib.suppress(Exception):  # best effort at interpreter exit
+            store.close()

@@ -1,0 +1,257 @@
+"""Embedded Mooncake: `mooncake_master` + a store node (+ an HTTP metadata server) on loopback.
+
+`MooncakeServices(work_dir).start()` picks free loopback ports, starts the master (RPC and
+admin/metrics bound to 127.0.0.1), optionally the standalone HTTP metadata server on
+127.0.0.1 (the master's embedded one binds every interface, so it stays off; the default is
+the P2P handshake, which needs no metadata server), then the store node process that owns
+the segment memory. Readiness is read from the services (log line, admin /health, the
+node's segment listed by the master), never a sleep. `stop()` ends them by PID.
+
+Fault injection for tests: `kill_node()` (kill -9), `start_node()`, `kill_master()`,
+`restart_master()` (same ports; waits until the node has re-mounted its segment).
+
+Known limit (Mooncake 0.3.13): the transfer engine's own data/handshake listeners in the
+node and in every client bind all interfaces whatever MC_TCP_BIND_ADDRESS says; we set it
+anyway for versions that honour it. Firewall those ports on shared hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from core.config import MooncakeConfig, StoreConfig
+from core.store.mooncake import mooncake_uri
+from ops.services.common import (
+    LOOPBACK,
+    ServiceError,
+    find_binary,
+    free_port,
+    kill_pid,
+    stop_pid,
+    wait_for_log,
+    wait_for_port,
+)
+from ops.services.mooncake_node import READY
+
+
+class MooncakeServices:
+    def __init__(
+        self,
+        work_dir: str | Path,
+        *,
+        segment_bytes: int = 1 << 30,
+        metadata: str = "P2P",  # "P2P" or "http" (standalone metadata server on loopback)
+        host: str = LOOPBACK,
+        lease_ttl_ms: int | None = None,  # master's read lease (Mooncake default 10 s)
+        client_ttl_s: int | None = None,  # a dead node's segment is unmounted after this
+        put_start_timeout_s: int
+        | None = None,  # a writer killed mid-put frees its space after this
+    ):
+        if metadata.upper() not in ("P2P", "HTTP"):
+            raise ValueError(f"metadata {metadata!r} must be 'P2P' or 'http'")
+        self.work_dir = Path(work_dir)
+        self.segment_bytes = segment_bytes
+        self.host = host
+        self.http_metadata = metadata.upper() == "HTTP"
+        self.lease_ttl_ms = lease_ttl_ms
+        self.client_ttl_s = client_ttl_s
+        self.put_start_timeout_s = put_start_timeout_s
+        self.master_port = free_port(host)
+        self.admin_port = free_port(host)
+        self.metadata_port = free_port(host) if self.http_metadata else None
+        self.master: subprocess.Popen | None = None
+        self.node: subprocess.Popen | None = None
+        self.metadata_server: subprocess.Popen | None = None
+
+    # ---- what a client needs -----------------------------------------------------------------
+
+    @property
+    def master_address(self) -> str:
+        return f"{self.host}:{self.master_port}"
+
+    @property
+    def admin_address(self) -> str:
+        return f"{self.host}:{self.admin_port}"
+
+    @property
+    def metadata(self) -> str:
+        return f"http://{self.host}:{self.metadata_port}/metadata" if self.http_metadata else "P2P"
+
+    def config(self, **overrides) -> MooncakeConfig:
+        return MooncakeConfig(
+            master=self.master_address,
+            metadata=self.metadata,
+            admin=self.admin_address,
+            local_hostname=self.host,
+            segment_bytes=self.segment_bytes,
+            **overrides,
+        )
+
+    def uri(self, store_id: str) -> str:
+        return mooncake_uri(store_id, self.config())
+
+    def store_config(self, store_id: str, **fields) -> StoreConfig:
+        mc = fields.pop("mooncake", None) or self.config()
+        return StoreConfig(uri=f"mooncake://{store_id}", mooncake=mc, **fields)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 30.0) -> MooncakeServices:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.http_metadata:
+                self._start_metadata_server(timeout_s)
+            self.start_master(timeout_s)
+            self.start_node(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_metadata_server(self, timeout_s: float) -> None:
+        args = [
+            find_binary("mooncake_http_metadata_server"),
+            "--host",
+            self.host,
+            "--port",
+            str(self.metadata_port),
+        ]
+        self.metadata_server = self._spawn(args, "metadata.log")
+        wait_for_port(self.host, self.metadata_port, self.metadata_server, timeout_s)
+
+    def start_master(self, timeout_s: float = 30.0) -> None:
+        args = [
+            find_binary("mooncake_master"),
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.master_port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={self.admin_port}",
+            "--enable_http_metadata_server=false",
+        ]
+        if self.lease_ttl_ms is not None:
+            args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
+        if self.client_ttl_s is not None:
+            args.append(f"--client_ttl={self.client_ttl_s}")
+        if self.put_start_timeout_s is not None:
+            args += [
+                f"--put_start_discard_timeout_sec={self.put_start_timeout_s}",
+                f"--put_start_release_timeout_sec={self.put_start_timeout_s + 1}",
+            ]
+        self.master = self._spawn(args, "master.log")
+        wait_for_log(self.work_dir / "master.log", "Master service started", self.master, timeout_s)
+        wait_for_port(self.host, self.master_port, self.master, timeout_s)
+        self._wait(
+            lambda: json.loads(self._admin("/health")).get("service_ready") is True,
+            timeout_s,
+            "master ready",
+        )
+
+    def start_node(self, timeout_s: float = 30.0) -> None:
+        args = [
+            sys.executable,
+            "-m",
+            "ops.services.mooncake_node",
+            f"--master={self.master_address}",
+            f"--metadata={self.metadata}",
+            f"--segment-bytes={self.segment_bytes}",
+            f"--hostname={self.host}",
+        ]
+        self.node = self._spawn(args, "node.log", env={"MC_TCP_BIND_ADDRESS": self.host})
+        wait_for_log(self.work_dir / "node.log", READY, self.node, timeout_s)
+        self._wait(self.segment_mounted, timeout_s, "store node segment mounted")
+
+    def segment_mounted(self) -> bool:
+        try:
+            return bool(self._admin("/get_all_segments").strip())
+        except OSError:
+            return False
+
+    def kill_node(self) -> None:
+        if self.node:
+            kill_pid(self.node)
+
+    def kill_master(self) -> None:
+        if self.master:
+            kill_pid(self.master)
+
+    def restart_master(self, timeout_s: float = 30.0) -> None:
+        """Stop the master and start it on the same ports; return once the node re-mounted."""
+        if self.master:
+            stop_pid(self.master)
+        self.start_master(timeout_s)
+        self._wait(self.segment_mounted, timeout_s, "store node segment re-mounted")
+
+    def stop(self) -> None:
+        """SIGTERM every service at once (the node unmounts, the master exits), then reap."""
+        procs = [
+            p for p in (self.node, self.master, self.metadata_server) if p and p.poll() is None
+        ]
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            stop_pid(proc)  # waits; SIGKILL if it lingers
+
+    def __enter__(self) -> MooncakeServices:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _spawn(
+        self, args: list[str], log_name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        log = open(self.work_dir / log_name, "w")  # noqa: SIM115 - handed to the child
+        try:
+            return subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                cwd=Path(__file__).resolve().parents[2],  # so `-m ops.services...` resolves
+            )
+        finally:
+            log.close()
+
+    def _admin(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://{self.admin_address}{path}", timeout=2) as r:
+            return r.read().decode()
+
+    def _wait(self, check, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if check():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise ServiceError(
+            f"mooncake: {what} not reached after {timeout_s}s (logs in {self.work_dir})"
+        )
+
+
+def start_mooncake(
+    store: StoreConfig, run_dir: str | Path, **kw
+) -> tuple[MooncakeServices, StoreConfig]:
+    """For `specbus up --store mooncake`: start the services sized by the store config and
+    return them with the StoreConfig a client uses (its URI carries the addresses)."""
+    services = MooncakeServices(
+        Path(run_dir) / "mooncake", segment_bytes=store.mooncake.segment_bytes, **kw
+    ).start()
+    store_id = store.store_id or "default"
+    mc = services.config(
+        **store.mooncake.model_dump(
+            exclude={"master", "metadata", "admin", "local_hostname", "segment_bytes"}
+        )
+    )
+    cfg = store.model_copy(update={"uri": mooncake_uri(store_id, mc), "mooncake": mc})
+    return services, cfg

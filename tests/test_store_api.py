@@ -1,0 +1,167 @@
+"""The FeatureStore contract, on every backend (mem://, shm://, mooncake:// on a real master)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.errors import ConfigError, FeatureMissing, IntegrityError, StoreFull
+from core.store import FeatureStore, open_store
+from tests.fixtures.mooncake import mooncake_store_config
+
+BACKENDS = ["mem", "shm", "mooncake"]
+
+
+@pytest.fixture(params=BACKENDS)
+def make_store(request, store_id):
+    """A factory `make_store(**fields)` for a fresh store of the parametrized backend."""
+    opened = []
+
+    def make(**fields):
+        if request.param == "mooncake":
+            services = request.getfixturevalue("mooncake_services")
+            store = open_store(mooncake_store_config(services, store_id, **fields))
+        else:
+            store = open_store(f"{request.param}://{store_id}", pool_bytes=96 << 20, **fields)
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+def _sample(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden": torch.randn(2, 7, 16, generator=g).to(torch.bfloat16),
+        "logits": torch.randn(7, 11, generator=g).to(torch.float16),
+        "target": torch.randn(3, 5, generator=g),
+        "input_ids": torch.randint(0, 1000, (7,), generator=g),
+        "loss_mask": torch.rand(7, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+def test_round_trip_every_dtype(make_store):
+    store = make_store()
+    assert isinstance(store, FeatureStore)
+    tensors = _sample()
+    specs = store.put("a", tensors)
+    assert {n: (s.shape, s.dtype) for n, s in specs.items()} == {
+        n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()
+    }
+    assert all(
+        s.key == f"{store.uri.split('://')[1].split('?')[0]}/a/g0/{n}" for n, s in specs.items()
+    )
+    _assert_same(store.get(specs), tensors)
+    assert set(store.get(specs, names=["hidden", "loss_mask"])) == {"hidden", "loss_mask"}
+    usage = store.usage()
+    assert usage.resident_bytes >= sum(s.nbytes for s in specs.values()) and usage.num_samples == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_round_trip_64mb(make_store, dtype):
+    store = make_store()
+    big = torch.randn((64 << 20) // torch.finfo(dtype).bits * 8).to(dtype)
+    specs = store.put("big", {"hidden": big})
+    assert specs["hidden"].nbytes == 64 << 20
+    _assert_same(store.get(specs), {"hidden": big})
+    store.release(specs)
+
+
+def test_missing_sample_names_the_key(make_store):
+    store = make_store()
+    specs = store.put("a", {"x": torch.ones(3)})
+    store.release(specs)
+    store.release(specs)  # idempotent
+    with pytest.raises(FeatureMissing) as e:
+        store.get(specs)
+    assert e.value.key == specs["x"].key and specs["x"].key in str(e.value)
+
+
+def test_generation_supersedes_older(make_store):
+    store = make_store()
+    old = store.put("a", {"x": torch.zeros(4)}, gen=0)
+    new = store.put("a", {"x": torch.ones(4)}, gen=1)
+    assert new["x"].key.endswith("/a/g1/x")
+    with pytest.raises(FeatureMissing):
+        store.get(old)
+    assert torch.equal(store.get(new)["x"], torch.ones(4))
+    assert store.usage().num_samples == 1
+
+
+def test_rewriting_a_key_replaces_the_value(make_store):
+    store = make_store()
+    store.put("a", {"x": torch.zeros(4)})
+    specs = store.put("a", {"x": torch.arange(6.0)})
+    assert torch.equal(store.get(specs)["x"], torch.arange(6.0))
+    assert store.usage().num_samples == 1
+
+
+def test_budget_refuses_a_put_that_would_not_fit(make_store):
+    store = make_store()
+    # mooncake budgets count the whole cluster (shared by this session's tests): leave room
+    # for what is there now, then ask for more than the room.
+    base = store.usage().resident_bytes
+    store = make_store(budget_bytes=base + (1 << 20))
+    kept = store.put("fits", {"x": torch.zeros(128 << 10)})  # 512 KiB
+    with pytest.raises(StoreFull, match="budget"):
+        store.put("too-big", {"x": torch.zeros(256 << 10)})  # +1 MiB > budget
+    with pytest.raises(FeatureMissing):  # nothing of the refused sample was written
+        store.get(
+            {"x": kept["x"].model_copy(update={"key": kept["x"].key.replace("fits", "too-big")})}
+        )
+    store.release(kept)
+    store.put("now-fits", {"x": torch.zeros(200 << 10)})
+
+
+def test_nan_and_inf_rejected_at_put(make_store):
+    store = make_store()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.ones(5, 3)
+        t[2, 1] = bad
+        with pytest.raises(IntegrityError, match=r"'a'.*'hidden'"):
+            store.put("a", {"ids": torch.arange(3), "hidden": t.to(torch.bfloat16)})
+    assert store.usage().num_samples == 0
+    big_but_finite = torch.full((1000,), 60000.0, dtype=torch.float16)  # its fp16 sum overflows
+    store.put("b", {"x": big_but_finite})
+
+
+def test_crc_mismatch_raises(make_store):
+    store = make_store(crc=True)
+    specs = store.put("a", {"x": torch.arange(10.0)})
+    assert specs["x"].crc32 is not None
+    store.get(specs)
+    tampered = {"x": specs["x"].model_copy(update={"crc32": (specs["x"].crc32 + 1) % 2**32})}
+    with pytest.raises(IntegrityError, match="CRC32"):
+        store.get(tampered)
+
+
+def test_gc_reclaims_samples_nobody_will_consume(make_store):
+    store = make_store()
+    keep = store.put("keep", {"x": torch.ones(1000)})
+    store.put("orphan", {"x": torch.ones(1000)})
+    store.gc(live={"keep"}, min_age_s=3600)  # the orphan is too young yet
+    assert store.usage().num_samples == 2
+    assert store.gc(live={"keep"}, min_age_s=0) >= 4000
+    assert store.usage().num_samples == 1
+    store.get(keep)
+
+
+def test_bad_uris_and_ids_are_config_errors():
+    with pytest.raises(ConfigError, match="scheme"):
+        open_store("redis://x")
+    with pytest.raises(ConfigError, match="store id"):
+        open_store("mem://.hidden")
+    store = open_store("mem://ok")
+    with pytest.raises(ValueError, match="sample id"):
+        store.put("../escape", {"x": torch.ones(1)})
