@@ -86,6 +86,7 @@ class TargetConfig(Section):
     context_length: int | None = None  # None: the model config's max_position_embeddings
     capture_batch: int = Field(4, ge=1)
     tp_size: int = Field(1, ge=1)
+    cache_dir: Path | None = None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache/specbus
 
 
 class DraftConfig(Section):
@@ -116,6 +117,7 @@ class DataConfig(Section):
     last_turn_only: bool = False
     limit: int | None = Field(None, ge=1)
     holdout: int = Field(50, ge=0)
+    chat_template: str | None = None  # assistant-span markers (core.data.templates); None: detect
     epochs: int = Field(1, ge=1)
     seed: int = 0
 
@@ -125,6 +127,7 @@ class TrainingConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_ratio: float = Field(0.1, gt=0, le=1)  # wsd: the final fraction of steps that decays to 0
     warmup_ratio: float = Field(0.015, ge=0, le=1)
     grad_clip: float = Field(0.5, gt=0)
     micro_batch: int = Field(1, ge=1)

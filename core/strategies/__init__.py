@@ -1,0 +1,25 @@
+"""Training strategies (one per algorithm) behind a registry; importing this package registers
+the built-in ones. Later algorithms (dflash, domino) register with `register_strategy`."""
+
+from core.strategies import eagle3 as _eagle3  # noqa: F401  (registers "eagle3")
+from core.strategies.base import (
+    FeatureContract,
+    FeatureField,
+    StepContext,
+    Strategy,
+    TrainBatch,
+    available_strategies,
+    build_strategy,
+    register_strategy,
+)
+
+__all__ = [
+    "FeatureContract",
+    "FeatureField",
+    "StepContext",
+    "Strategy",
+    "TrainBatch",
+    "available_strategies",
+    "build_strategy",
+    "register_strategy",
+]

@@ -68,7 +68,9 @@ class HFEngine:
         tokenizer=None,
     ):
         self.cfg = cfg
-        self.path = resolve_target_dir(cfg.model, cache_dir)
+        self.path = resolve_target_dir(
+            cfg.model, cache_dir if cache_dir is not None else cfg.cache_dir
+        )
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.info = load_target_info(self.path, name=cfg.model)
