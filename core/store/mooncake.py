@@ -560,11 +560,14 @@ def _connect(mc: MooncakeConfig) -> _Connection:
 
 
 def _disconnect(conn: _Connection) -> None:
-    # Idle clients stay connected until exit: closing one takes ~1 s inside Mooncake, and the
-    # next handle on the same cluster reuses it. They contribute no segment, so holding one
-    # costs only its pool.
+    """Keep the most recently idle client connected (closing one takes ~1 s inside Mooncake
+    and the next handle on the same cluster reuses it); close any other idle one."""
     with _connections_lock:
         conn.handles -= 1
+        idle = [k for k, c in _connections.items() if c.handles == 0 and c is not conn]
+        doomed = [_connections.pop(k) for k in idle]
+    for c in doomed:
+        c.client.close()  # its pool lives on while tensors still use it (see pool.py)
 
 
 @atexit.register

@@ -188,10 +188,11 @@ class MooncakeServices:
         self._wait(self.segment_mounted, timeout_s, "store node segment re-mounted")
 
     def stop(self) -> None:
-        """SIGTERM every service at once (the node unmounts, the master exits), then reap."""
-        procs = [
-            p for p in (self.node, self.master, self.metadata_server) if p and p.poll() is None
-        ]
+        """Tear everything down: the node is killed (unmounting from a master that is going
+        away only costs a second), the others get SIGTERM; all are reaped."""
+        if self.node:
+            kill_pid(self.node)
+        procs = [p for p in (self.master, self.metadata_server) if p and p.poll() is None]
         for proc in procs:
             proc.terminate()
         for proc in procs:

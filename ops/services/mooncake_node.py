@@ -33,14 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.hostname)
-    from mooncake.store import MooncakeDistributedStore
-
-    from core.store.mooncake import metadata_address
+    from mooncake.store import MooncakeDistributedStore  # not torch, not core.store: starts fast
 
     store = MooncakeDistributedStore()
     rc = store.setup(
         args.hostname,
-        metadata_address(args.metadata),
+        "P2PHANDSHAKE" if args.metadata.upper() in ("P2P", "P2PHANDSHAKE") else args.metadata,
         args.segment_bytes,
         args.buffer_bytes,
         args.protocol,

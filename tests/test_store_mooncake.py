@@ -1,0 +1,242 @@
+"""mooncake:// on a real mooncake_master + store node: processes, leases, short reads, faults."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from core.contracts import FeatureSpec
+from core.errors import FeatureMissing, IntegrityError, StoreFull, StoreUnavailable
+from core.store import open_store
+from ops.services.mooncake import MooncakeServices
+from tests.fixtures.mooncake import FAST, mooncake_store_config
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.mooncake
+
+
+def spawn(code: str) -> subprocess.Popen:
+    prelude = "import torch; torch.set_num_threads(1)\nfrom core.store import open_store\n"
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_specs(child: subprocess.Popen, n: int) -> dict[str, FeatureSpec]:
+    specs = {}
+    for _ in range(n):
+        line = child.stdout.readline()
+        if not line:
+            child.kill()
+            raise AssertionError(f"child died: {child.stderr.read()}")
+        spec = FeatureSpec.model_validate_json(line)
+        specs[spec.name] = spec
+    return specs
+
+
+def raw_client(services: MooncakeServices):
+    """A plain Mooncake client, to tamper with objects behind the store's back."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert (
+        client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", services.master_address)
+        == 0
+    )
+    return client
+
+
+def wait_until(check, timeout_s: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout_s, f"{what} not within {timeout_s}s"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def test_master_binds_loopback_only(mooncake_services):
+    listening = [
+        c.laddr
+        for c in psutil.Process(mooncake_services.master.pid).net_connections()
+        if c.status == "LISTEN"
+    ]
+    assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+
+
+def test_put_in_one_process_get_in_another(mooncake_services, store_id):
+    here = open_store(mooncake_store_config(mooncake_services, store_id))
+    child = spawn(f"""
+        s = open_store({here.uri + "&buffer_bytes=" + str(32 << 20)!r})
+        specs = s.put("x", {{"h": torch.arange(4096.0).reshape(64, 64).bfloat16(), "m": torch.arange(9) % 2 == 0}})
+        for spec in specs.values():
+            print(spec.model_dump_json(), flush=True)
+        input()
+    """)
+    specs = read_specs(child, 2)
+    got = here.get(specs)
+    assert torch.equal(got["h"], torch.arange(4096.0).reshape(64, 64).bfloat16())
+    assert torch.equal(got["m"], torch.arange(9) % 2 == 0)
+    _, err = child.communicate("\n", timeout=60)  # the writer exits: its sample stays (node-owned)
+    assert child.returncode == 0, err
+    assert torch.equal(here.get(specs)["h"], got["h"])
+    here.release(specs)
+    with pytest.raises(FeatureMissing):
+        here.get(specs)
+    here.close()
+
+
+def test_short_or_long_object_is_an_integrity_error(mooncake_services, store_id):
+    store = open_store(mooncake_store_config(mooncake_services, store_id))
+    specs = store.put("x", {"h": torch.randn(1000)})
+    key = specs["h"].key
+    raw = raw_client(mooncake_services)
+    buf = torch.zeros(8000, dtype=torch.uint8)
+    for size in (1000, 8000):  # truncated, then larger than the spec
+        assert raw.remove(key, True) == 0
+        assert raw.put_from(key, buf.data_ptr(), size) == 0
+        with pytest.raises(IntegrityError, match="short read" if size < 4000 else "larger"):
+            store.get(specs)
+    raw.remove(key, True)
+    raw.close()
+    store.close()
+
+
+def test_release_under_a_read_lease_is_retried_until_gone(mooncake_services, store_id):
+    store = open_store(mooncake_store_config(mooncake_services, store_id))
+    specs = store.put("x", {"h": torch.randn(1 << 20)})
+    store.get(specs)  # takes a 500 ms read lease: the first remove is refused (-706)
+    store.release(specs)
+    assert store.usage().pending_release_bytes == 4 << 20
+    with pytest.raises(FeatureMissing, match="remove pending"):
+        store.get(specs)
+    took = wait_until(lambda: store.usage().num_samples == 0, 5, "the retried remove")
+    assert store.usage().pending_release_bytes == 0 and took < 3
+    store.close()
+
+
+def test_release_is_forced_when_the_lease_outlives_the_retries(tmp_path, store_id):
+    services = MooncakeServices(tmp_path, segment_bytes=64 << 20, lease_ttl_ms=60_000).start()
+    try:
+        cfg = mooncake_store_config(services, store_id)
+        store = open_store(
+            cfg.model_copy(
+                update={"mooncake": cfg.mooncake.model_copy(update={"force_release_after_s": 1.0})}
+            )
+        )
+        specs = store.put("x", {"h": torch.randn(1 << 20)})
+        store.get(specs)  # a 60 s lease
+        store.release(specs)
+        took = wait_until(lambda: store.usage().num_samples == 0, 6, "the forced remove")
+        assert 0.9 < took < 5
+        assert store.usage().resident_bytes == 0
+        store.close()
+    finally:
+        services.stop()
+
+
+def test_store_node_killed_raises_feature_missing_fast_then_recovers(private_mooncake, store_id):
+    store = open_store(mooncake_store_config(private_mooncake, store_id))
+    specs = store.put("x", {"h": torch.randn(1 << 20)})
+    private_mooncake.kill_node()
+    t0 = time.monotonic()
+    with pytest.raises(FeatureMissing, match=store_id):
+        store.get(specs)
+    assert time.monotonic() - t0 < 5
+    # once the master drops the dead node's segment (client TTL 2 s), puts say why they fail
+    wait_until(lambda: store.usage().capacity_bytes == 0, 10, "the master dropping the segment")
+    with pytest.raises(StoreUnavailable, match="no store node"):
+        store.put("y", {"h": torch.randn(10)})
+    with pytest.raises(FeatureMissing):
+        store.get(specs)
+    private_mooncake.start_node()
+    new = store.put("y", {"h": torch.arange(10.0)})
+    assert torch.equal(store.get(new)["h"], torch.arange(10.0))
+    store.close()
+
+
+def test_master_restart_gives_clear_errors_then_recovers(private_mooncake, store_id):
+    store = open_store(mooncake_store_config(private_mooncake, store_id))
+    specs = store.put("x", {"h": torch.randn(1 << 20)})
+    private_mooncake.kill_master()
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        store.put("y", {"h": torch.randn(10)})
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        store.get(specs)
+    assert time.monotonic() - t0 < 15  # bounded: Mooncake's RPC gives up after ~4 s
+    private_mooncake.restart_master()
+    with pytest.raises(FeatureMissing):  # the new master knows no objects: recapture
+        store.get(specs)
+    new = store.put("y", {"h": torch.arange(10.0)})
+    assert torch.equal(store.get(new)["h"], torch.arange(10.0))
+    store.close()
+
+
+def test_killed_writer_leaks_nothing_after_gc(private_mooncake, store_id):
+    store = open_store(mooncake_store_config(private_mooncake, store_id))
+    assert store.usage().resident_bytes == 0
+    child = spawn(f"""
+        s = open_store({store.uri + "&buffer_bytes=" + str(48 << 20)!r})
+        s.put("done", {{"h": torch.ones(1 << 20)}})
+        print("ready", flush=True)
+        while True:  # put until killed: the kill may land mid-put
+            s.put("busy", {{"h": torch.ones(8 << 20)}})
+    """)
+    assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.poll() else ""
+    time.sleep(0.3)
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    assert store.usage().resident_bytes > 0
+
+    def reclaimed():
+        store.gc(live=set(), min_age_s=0)  # nothing was published: nobody will consume
+        return store.usage().resident_bytes == 0  # a half-done put is dropped by the master
+
+    wait_until(reclaimed, 10, "resident bytes back to 0")
+    assert store.usage().num_samples == 0
+    store.close()
+
+
+def test_full_segment_is_store_full(tmp_path, store_id):
+    services = MooncakeServices(tmp_path, segment_bytes=32 << 20, **FAST).start()
+    try:
+        store = open_store(mooncake_store_config(services, store_id))
+        kept = [store.put(f"s{i}", {"h": torch.ones(2 << 20)}) for i in range(3)]  # 24 MiB
+        with pytest.raises(StoreFull, match="full"):
+            store.put("s3", {"h": torch.ones(4 << 20)})  # 16 MiB more
+        store.release(kept[0])
+        store.put("s3", {"h": torch.ones(1 << 20)})
+        store.close()
+    finally:
+        services.stop()
+
+
+def test_http_metadata_server_on_loopback(tmp_path, store_id):
+    services = MooncakeServices(tmp_path, segment_bytes=32 << 20, metadata="http", **FAST).start()
+    try:
+        listening = [
+            c.laddr
+            for c in psutil.Process(services.metadata_server.pid).net_connections()
+            if c.status == "LISTEN"
+        ]
+        assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+        store = open_store(mooncake_store_config(services, store_id))
+        assert "metadata=http" in store.uri
+        specs = store.put("x", {"h": torch.arange(100)})
+        assert torch.equal(store.get(specs)["h"], torch.arange(100))
+        store.close()
+    finally:
+        services.stop()

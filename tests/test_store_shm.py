@@ -1,0 +1,182 @@
+"""shm:// across real processes: shared samples and usage, short reads, killed writers, owner death."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.errors import FeatureMissing, IntegrityError
+from core.store import open_store
+from core.store.shm import store_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spawn(code: str) -> subprocess.Popen:
+    """A child python process running `code` (with torch single-threaded), stdout piped."""
+    prelude = "import torch; torch.set_num_threads(1)\nfrom core.store import open_store\n"
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_line(proc: subprocess.Popen, expected: str) -> None:
+    line = proc.stdout.readline()
+    if line.strip() != expected:
+        proc.kill()
+        raise AssertionError(f"child said {line!r}; stderr: {proc.stderr.read()}")
+
+
+@pytest.fixture
+def uri(store_id):
+    yield f"shm://{store_id}"
+    shutil.rmtree(store_dir(store_id), ignore_errors=True)  # only matters when a test failed
+
+
+def test_put_in_one_process_get_in_another(uri):
+    here = open_store(uri, pool_bytes=8 << 20)
+    child = spawn(f"""
+        s = open_store({uri!r}, pool_bytes=0)
+        specs = s.put("x", {{"h": torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).bfloat16(), "ids": torch.arange(5)}})
+        print(specs["h"].model_dump_json(), flush=True)
+        print(specs["ids"].model_dump_json(), flush=True)
+        input()  # stay attached until the parent has read
+        s.close()
+    """)
+    from core.contracts import FeatureSpec
+
+    specs = {
+        s.name: s
+        for s in (FeatureSpec.model_validate_json(child.stdout.readline()) for _ in range(2))
+    }
+    assert here.usage().num_samples == 1  # global usage: the child's put is counted here
+    got = here.get(specs)
+    assert torch.equal(got["h"], torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).bfloat16())
+    assert torch.equal(got["ids"], torch.arange(5))
+    got["ids"].fill_(-1)  # a read is a copy: mutating it does not touch the store
+    assert torch.equal(here.get(specs)["ids"], torch.arange(5))
+    here.release(specs)
+    _, err = child.communicate("\n", timeout=30)
+    assert child.returncode == 0, err
+    assert here.usage().resident_bytes == 0
+    here.close()
+    assert not store_dir(uri.split("://")[1]).exists()  # the last one out removed the store
+
+
+def test_truncated_object_is_a_short_read(uri, store_id):
+    store = open_store(uri, crc=True)
+    specs = store.put("x", {"h": torch.randn(1000)})
+    path = store_dir(store_id) / "samples" / "x" / "g0" / "h"
+    os.truncate(path, 1000)
+    with pytest.raises(IntegrityError, match="short read"):
+        store.get(specs)
+    specs = store.put("x", {"h": torch.randn(1000)})
+    with open(path, "r+b") as f:  # same size, different bytes
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(IntegrityError, match="CRC32"):
+        store.get(specs)
+    store.close()
+
+
+def test_writer_killed_mid_put_leaks_nothing_after_gc(uri):
+    here = open_store(uri, pool_bytes=0)
+    child = spawn(f"""
+        s = open_store({uri!r}, pool_bytes=0)
+        print("ready", flush=True)
+        while True:  # put big samples until killed; the kill lands inside one of them
+            s.put("big", {{f"t{{i}}": torch.ones(2 << 20) for i in range(16)}})
+    """)
+    wait_line(child, "ready")
+    sample_dir = store_dir(uri.split("://")[1]) / "samples" / "big"
+    deadline = time.monotonic() + 30
+    while True:  # freeze the writer while a put is in flight (its tmp directory exists)
+        assert time.monotonic() < deadline, "never caught the writer mid-put"
+        if sample_dir.exists() and any(d.name.endswith(".tmp") for d in sample_dir.iterdir()):
+            child.send_signal(signal.SIGSTOP)
+            if any(d.name.endswith(".tmp") for d in sample_dir.iterdir()):
+                break
+            child.send_signal(signal.SIGCONT)
+        time.sleep(0.001)
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    assert here.usage().resident_bytes > 0  # the dead writer's reservation is still counted
+    here.gc(live={"big"})  # the complete sample (if any) is live; the half-written one is not
+    leftover = here.usage()
+    assert leftover.resident_bytes in (0, 128 << 20) and leftover.num_samples in (0, 1)
+    here.gc(live=set(), min_age_s=0)
+    assert here.usage().resident_bytes == 0 and here.usage().num_samples == 0
+    samples = store_dir(uri.split("://")[1]) / "samples"
+    assert not samples.exists() or not any(samples.iterdir())
+    here.close()
+
+
+def test_store_of_a_killed_owner_is_removed_by_the_next_open(uri, store_id):
+    child = spawn(f"""
+        s = open_store({uri!r}, pool_bytes=0)
+        s.put("x", {{"h": torch.ones(1 << 20)}})
+        print("ready", flush=True)
+        input()
+    """)
+    wait_line(child, "ready")
+    assert (store_dir(store_id) / "samples" / "x").exists()
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    store = open_store(uri)  # every process attached to the store is dead: nobody will consume
+    assert store.usage().resident_bytes == 0 and store.usage().num_samples == 0
+    assert not (store_dir(store_id) / "samples").exists()
+    store.close()
+    assert not store_dir(store_id).exists()
+
+
+def test_complete_samples_survive_their_writer_while_someone_is_attached(uri):
+    here = open_store(uri)
+    child = spawn(f"""
+        s = open_store({uri!r}, pool_bytes=0)
+        specs = s.put("x", {{"h": torch.ones(1 << 20)}})
+        print(specs["h"].model_dump_json(), flush=True)
+        input()
+    """)
+    from core.contracts import FeatureSpec
+
+    spec = FeatureSpec.model_validate_json(child.stdout.readline())
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    here.gc()  # the sample is complete and may be published: it stays
+    assert torch.equal(here.get({"h": spec})["h"], torch.ones(1 << 20))
+    here.adopt({"h": spec})
+    assert here.gc(live=set(), min_age_s=0) == 4 << 20  # nobody will consume it
+    with pytest.raises(FeatureMissing):
+        here.get({"h": spec})
+    here.close()
+
+
+def test_pooled_reads_return_their_memory(uri):
+    store = open_store(uri, pool_bytes=16 << 20)
+    specs = store.put("x", {"h": torch.randn(1 << 20)})  # 4 MiB
+    from core.store import shm
+
+    pool = shm._recv_pool(16 << 20)
+    free = pool.free_bytes()
+    for _ in range(20):  # 80 MiB read through a 16 MiB pool: chunks come back as tensors die
+        t = store.get(specs)["h"]
+        view = t[10:20]
+        del t
+        assert torch.equal(view, store.get(specs)["h"][10:20])
+        del view
+    assert pool.free_bytes() == free
+    store.close()
