@@ -1,0 +1,14 @@
+"""The JetStream bus: the only package that imports nats.
+
+Modules, one concern each (see docs/bus.md for the semantics as built):
+    subjects    names of a run's streams, subjects, consumer groups, KV bucket
+    connection  connect(cfg) -> Bus: reconnect, quiet errors, auth
+    topology    declare(bus, cfg, run) -> Topology (streams, consumers, RunKV), idempotent
+    publisher   Publisher: dedup ids, trace headers, windowed async PubAcks, safe retries
+    pull        Puller: the cheap pull protocol under leases and replay
+    lease       Leases (a consumer-group member) and Lease: fetch, ack/nak/term, heartbeat
+    dead        dead_letter, list_dead: the DEAD stream with reasons and originals
+    replay      replay (read a stream from a sequence), get, reposition (resume)
+    lag         lag(bus, run, group): pending + ack-pending in messages and bytes
+    status      run_status(bus, run): what `specbus status` prints
+"""

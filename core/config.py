@@ -36,6 +36,7 @@ class BusConfig(Section):
     tls_key: Path | None = None
     connect_timeout_s: float = Field(5.0, gt=0)
     max_reconnect_attempts: int = -1  # forever: a restarted broker is a normal event
+    reconnect_wait_s: float = Field(0.5, gt=0)
     replicas: int = Field(1, ge=1, le=5)  # 3 on a JetStream cluster
     ack_wait_s: float = Field(60.0, gt=0)
     max_deliver: int = Field(5, ge=1)
@@ -45,6 +46,7 @@ class BusConfig(Section):
     nak_delay_s: float = Field(1.0, ge=0)
     heartbeat_s: float = Field(10.0, gt=0)
     fetch_timeout_s: float = Field(1.0, gt=0)
+    publish_window: int = Field(1024, ge=1)  # async publishes awaiting their PubAck at once
 
 
 class MooncakeConfig(Section):
@@ -75,6 +77,7 @@ class StoreConfig(Section):
     gc_grace_s: float = Field(60.0, ge=0)  # gc(live) spares samples younger than this
     pool_bytes: int = Field(256 << 20, ge=0)  # shm: pre-faulted receive pool per process (0: none)
     keep_on_close: bool = False  # shm: keep the store when its last process closes it
+    recycle_bytes: int = Field(256 << 20, ge=0)  # shm: released files kept for reuse (0: none)
 
 
 class TargetConfig(Section):
@@ -133,6 +136,7 @@ class TrainingConfig(Section):
     micro_batch: int = Field(1, ge=1)
     accumulation: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
+    max_minutes: float | None = Field(None, gt=0)  # stop (all ranks together) after this long
     total_steps: int | None = Field(None, ge=1)  # schedule length when the data size is unknown
     seed: int = 0
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"

@@ -1,0 +1,134 @@
+"""A connection to the broker: NATS core + JetStream, with reconnect, quiet errors and auth.
+
+`await connect(cfg)` returns a `Bus`. Guarantees:
+- the first connection is tried for about `cfg.connect_timeout_s`, then `BusError`;
+- once connected, a lost broker is reconnected to forever (`cfg.max_reconnect_attempts=-1`),
+  a restarted broker is a normal event; pending publishes are buffered meanwhile;
+- client errors are logged as one line each (repeats of the same error at DEBUG), never
+  as a traceback per reconnect attempt;
+- auth comes from the config: user/password, token, a creds file (JWT + nkey), TLS (CA, and a
+  client cert/key for mutual TLS). Secrets are never logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from core.config import BusConfig
+from core.errors import BusError
+
+log = logging.getLogger("specbus.bus")
+
+
+class Bus:
+    """One broker connection: `nc` (core NATS), `js` (JetStream), and the bus config it used."""
+
+    def __init__(self, nc: NATS, cfg: BusConfig, url: str, quiet: _QuietErrors | None = None):
+        self.nc = nc
+        self._quiet = quiet
+        self.js: JetStreamContext = nc.jetstream(timeout=cfg.connect_timeout_s)
+        self.cfg = cfg
+        self.url = url
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until everything written (acks included) reached the server."""
+        await self.nc.flush(timeout=timeout_s)
+
+    async def close(self) -> None:
+        """Flush what is buffered and close; idempotent."""
+        if self.nc.is_closed:
+            return
+        if self._quiet is not None:
+            self._quiet.closing = True
+        try:
+            await self.nc.drain()
+        except Exception:  # a dead broker at shutdown: nothing left to flush to
+            await self.nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class _QuietErrors:
+    """Error/disconnect callbacks that log one line, and only once per distinct error."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.last = ""
+        self.closing = False
+
+    async def error(self, e: Exception) -> None:
+        line = f"{type(e).__name__}: {e}".strip()
+        level = logging.DEBUG if line == self.last else logging.WARNING
+        self.last = line
+        log.log(level, "nats[%s] %s", self.name, line)
+
+    async def disconnected(self) -> None:
+        if self.closing:
+            return
+        log.warning("nats[%s] disconnected; reconnecting", self.name)
+
+    async def reconnected(self) -> None:
+        self.last = ""
+        log.warning("nats[%s] reconnected", self.name)
+
+
+def _tls_context(cfg: BusConfig) -> ssl.SSLContext | None:
+    if not (cfg.tls_ca or cfg.tls_cert):
+        return None
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise BusError("bus.tls_cert and bus.tls_key must be set together (mutual TLS)")
+    ctx = ssl.create_default_context(
+        ssl.Purpose.SERVER_AUTH, cafile=str(cfg.tls_ca) if cfg.tls_ca else None
+    )
+    if cfg.tls_cert:
+        ctx.load_cert_chain(str(cfg.tls_cert), str(cfg.tls_key))
+    return ctx
+
+
+async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus") -> Bus:
+    """Connect to `url` (default `cfg.url`). Raises `BusError` if no broker answers in time."""
+    url = url or cfg.url
+    if not url:
+        raise BusError("no broker URL: pass --url, set bus.url, or start one with `specbus up`")
+    quiet = _QuietErrors(name)
+    # The first connection is bounded (a typo in the URL must fail, not hang); reconnects are not.
+    initial_attempts = max(1, int(cfg.connect_timeout_s / cfg.reconnect_wait_s))
+    options = dict(
+        servers=[url],
+        name=name,
+        connect_timeout=cfg.connect_timeout_s,
+        reconnect_time_wait=cfg.reconnect_wait_s,
+        max_reconnect_attempts=initial_attempts,
+        error_cb=quiet.error,
+        disconnected_cb=quiet.disconnected,
+        reconnected_cb=quiet.reconnected,
+        tls=_tls_context(cfg),
+    )
+    if cfg.user is not None:
+        options.update(user=cfg.user, password=cfg.password or "")
+    if cfg.token is not None:
+        options["token"] = cfg.token
+    if cfg.creds_file is not None:
+        if not cfg.creds_file.exists():
+            raise BusError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
+        options["user_credentials"] = str(cfg.creds_file)
+    try:
+        nc = await nats.connect(**options)
+    except Exception as e:
+        raise BusError(f"cannot connect to the broker at {url}: {type(e).__name__}: {e}") from e
+    # From now on a lost broker is retried per config (forever by default).
+    nc.options["max_reconnect_attempts"] = cfg.max_reconnect_attempts
+    return Bus(nc, cfg, url, quiet)

@@ -1,0 +1,161 @@
+"""Dead letters: what the consumer groups gave up on, with the reason and the original.
+
+Two ways into the run's DEAD stream:
+- explicit: `dead_letter(...)` (what `Lease.term(reason)` and the bad-record path of
+  `Leases.fetch` call) publishes a copy of the original payload and headers to
+  `specbus.<run>.dead.<tasks|samples>` with `Specbus-Dead-Reason`, `-Detail`, `-Source-Stream`,
+  `-Source-Seq`, `-Source-Subject`, `-Deliveries`, `-Consumer` headers (dedup id
+  `dead:<stream>:<seq>`, so a retried dead-lettering is stored once), then terminates the
+  original with `+TERM <reason>`;
+- captured: the server's advisories for the run's TASKS and SAMPLES consumers land in DEAD by
+  subject: MAX_DELIVERIES (a message nobody acked within `max_deliver` deliveries) and
+  MSG_TERMINATED (a term by any client, with its reason).
+
+`list_dead` reads DEAD back as `DeadLetter`s: for an advisory the original is read from its
+source stream by sequence (None once retention removed it); a termination advisory that
+follows an explicit dead letter of the same message is folded into it (one entry per message).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import orjson
+from nats.aio.msg import Msg
+
+from bus import headers as H
+from bus.connection import Bus
+from bus.replay import Stored, get, replay
+from bus.subjects import ADVISORY_MAX_DELIVERIES, ADVISORY_TERMINATED, Names
+
+if TYPE_CHECKING:
+    from bus.publisher import Ack, Publisher
+
+MAX_DELIVERIES = "max_deliveries"
+
+
+class Delivery(Protocol):
+    """What dead-lettering needs of a delivered message (a `bus.lease.Lease` is one)."""
+
+    msg: Msg
+    stream: str
+    consumer: str
+    seq: int
+    deliveries: int
+
+
+async def dead_letter(
+    publisher: Publisher, names: Names, item: Delivery, reason: str, detail: str = ""
+) -> Ack | None:
+    """Copy `item` into DEAD with `reason`, then terminate it (no more redeliveries).
+
+    A `Lease` is marked settled first; one that was already settled is left alone (returns
+    None), so dead-lettering is idempotent like every settlement.
+    """
+    mark = getattr(item, "mark_settled", None)
+    if mark is not None and not mark("term"):
+        return None
+    reason = H.one_line(reason) or "unspecified"
+    kind = names.kind_of_stream(item.stream)
+    hdrs = {k: v for k, v in (item.msg.headers or {}).items() if k != H.MSG_ID}
+    original_id = (item.msg.headers or {}).get(H.MSG_ID)
+    if original_id:
+        hdrs["Specbus-Source-Msg-Id"] = original_id
+    hdrs.update(
+        {
+            H.MSG_ID: f"dead:{item.stream}:{item.seq}",
+            H.DEAD_REASON: reason,
+            H.SOURCE_STREAM: item.stream,
+            H.SOURCE_SEQ: str(item.seq),
+            H.SOURCE_SUBJECT: item.msg.subject,
+            H.DELIVERIES: str(item.deliveries),
+            H.CONSUMER: item.consumer,
+        }
+    )
+    if detail:
+        hdrs[H.DEAD_DETAIL] = H.one_line(detail)
+    ack = (await publisher.publish_payloads([(names.dead(kind), item.msg.data, hdrs)]))[0]
+    await publisher.bus.nc.publish(item.msg.reply, b"+TERM " + reason.encode())
+    return ack
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One dead message. `data` is the original payload (None if no longer stored)."""
+
+    dead_seq: int  # sequence in the DEAD stream
+    kind: str  # "explicit" | "max_deliveries" | "terminated"
+    reason: str
+    stream: str
+    seq: int
+    consumer: str
+    deliveries: int
+    data: bytes | None
+    headers: dict[str, str] = field(default_factory=dict)
+    detail: str = ""
+    subject: str = ""
+
+
+def _explicit(entry: Stored) -> DeadLetter:
+    h = entry.headers
+    return DeadLetter(
+        dead_seq=entry.seq,
+        kind="explicit",
+        reason=h.get(H.DEAD_REASON, "unspecified"),
+        stream=h.get(H.SOURCE_STREAM, ""),
+        seq=int(h.get(H.SOURCE_SEQ, 0)),
+        consumer=h.get(H.CONSUMER, ""),
+        deliveries=int(h.get(H.DELIVERIES, 0)),
+        data=entry.data,
+        headers={
+            k: v
+            for k, v in h.items()
+            if not k.startswith(("Specbus-Dead-", "Specbus-Source-", "Nats-"))
+        },
+        detail=h.get(H.DEAD_DETAIL, ""),
+        subject=h.get(H.SOURCE_SUBJECT, ""),
+    )
+
+
+async def _from_advisory(bus: Bus, entry: Stored) -> DeadLetter:
+    adv = orjson.loads(entry.data)
+    stream, seq = adv.get("stream", ""), int(adv.get("stream_seq", 0))
+    original = await get(bus, stream, seq) if stream and seq else None
+    if entry.subject.startswith(ADVISORY_MAX_DELIVERIES):
+        kind, reason = MAX_DELIVERIES, MAX_DELIVERIES
+        detail = f"not acked after {adv.get('deliveries')} deliveries"
+    else:
+        kind, reason, detail = "terminated", adv.get("reason") or "terminated", ""
+    if original is None:
+        detail = (detail + "; " if detail else "") + f"original no longer stored in {stream}"
+    return DeadLetter(
+        dead_seq=entry.seq,
+        kind=kind,
+        reason=reason,
+        stream=stream,
+        seq=seq,
+        consumer=adv.get("consumer", ""),
+        deliveries=int(adv.get("deliveries", 0)),
+        data=None if original is None else original.data,
+        headers={} if original is None else original.headers,
+        detail=detail,
+        subject="" if original is None else original.subject,
+    )
+
+
+async def list_dead(bus: Bus, run: str, *, limit: int | None = None) -> list[DeadLetter]:
+    """The run's dead letters, oldest first (the last `limit` if given)."""
+    names = Names(run)
+    entries: list[DeadLetter] = []
+    explicit: set[tuple[str, int]] = set()
+    async for entry in replay(bus, names.dead_stream):
+        if entry.subject.startswith((ADVISORY_MAX_DELIVERIES, ADVISORY_TERMINATED)):
+            dl = await _from_advisory(bus, entry)
+            if dl.kind == "terminated" and (dl.stream, dl.seq) in explicit:
+                continue
+        else:
+            dl = _explicit(entry)
+            explicit.add((dl.stream, dl.seq))
+        entries.append(dl)
+    return entries if limit is None else entries[-limit:]

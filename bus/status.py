@@ -1,0 +1,87 @@
+"""What `specbus status` shows for a run: streams, consumers, lag, KV markers, dead letters.
+
+`run_status(bus, run)` returns a JSON-able dict; missing pieces (a run never declared) are
+None rather than errors, so status works on a fresh broker too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nats.js.errors import NotFoundError
+
+from bus.connection import Bus
+from bus.lag import lag
+from bus.subjects import PRODUCERS, TRAINERS, Names
+from bus.topology import open_kv
+
+
+async def _stream(bus: Bus, name: str) -> dict[str, Any] | None:
+    try:
+        info = await bus.js.stream_info(name)
+    except NotFoundError:
+        return None
+    s = info.state
+    return {
+        "messages": s.messages,
+        "bytes": s.bytes,
+        "first_seq": s.first_seq,
+        "last_seq": s.last_seq,
+        "consumers": s.consumer_count,
+        "subjects": info.config.subjects,
+        "max_age_s": info.config.max_age,
+    }
+
+
+async def _consumer(bus: Bus, stream: str, group: str) -> dict[str, Any] | None:
+    try:
+        info = await bus.js.consumer_info(stream, group)
+    except NotFoundError:
+        return None
+    c = info.config
+    return {
+        "pending": info.num_pending,
+        "ack_pending": info.num_ack_pending,
+        "redelivered": info.num_redelivered,
+        "waiting": info.num_waiting,
+        "delivered_seq": info.delivered.stream_seq if info.delivered else 0,
+        "ack_floor_seq": info.ack_floor.stream_seq if info.ack_floor else 0,
+        "ack_wait_s": c.ack_wait,
+        "max_deliver": c.max_deliver,
+        "max_ack_pending": c.max_ack_pending,
+        "deliver_policy": str(getattr(c.deliver_policy, "value", c.deliver_policy)),
+        "opt_start_seq": c.opt_start_seq,
+    }
+
+
+async def run_status(bus: Bus, run: str) -> dict[str, Any]:
+    names = Names(run)
+    streams = {
+        n: await _stream(bus, n)
+        for n in (names.tasks_stream, names.samples_stream, names.dead_stream)
+    }
+    consumers, lags = {}, {}
+    for group in (PRODUCERS, TRAINERS):
+        stream = names.stream_of(group)
+        consumers[group] = await _consumer(bus, stream, group)
+        lags[group] = (await lag(bus, run, group)).as_dict() if consumers[group] else None
+    kv = await open_kv(bus, run)
+    markers = None
+    if kv is not None:
+        manifest = await kv.get_manifest()
+        markers = {
+            "manifest": None if manifest is None else sorted(manifest),
+            "feed_complete": await kv.feed_complete(),
+            "checkpoint": await kv.get_checkpoint(),
+        }
+    dead = streams[names.dead_stream]
+    return {
+        "run": run,
+        "url": bus.url,
+        "declared": all(s is not None for s in streams.values()),
+        "streams": streams,
+        "consumers": consumers,
+        "lag": lags,
+        "kv": markers,
+        "dead_messages": None if dead is None else dead["messages"],
+    }

@@ -1,0 +1,277 @@
+"""The broker objects of a run, declared idempotently from the bus config.
+
+`await declare(bus, cfg, run)` makes sure these exist and returns a `Topology`:
+- streams TASKS, SAMPLES, DEAD: limits retention, file storage, `cfg.replicas`, a duplicate
+  window of `cfg.duplicate_window_s`, direct get allowed (replay, lag sampling, dead-letter
+  recovery read single messages); SAMPLES also ages out after `cfg.samples_max_age_s`.
+  DEAD listens on the run's explicit dead-letter subjects and on the server's max-deliveries
+  and termination advisories for TASKS and SAMPLES;
+- durable pull consumers "producers" (TASKS) and "trainers" (SAMPLES): explicit ack,
+  `ack_wait`, `max_deliver`, `max_ack_pending` from the config, deliver all;
+- the run's KV bucket (`RunKV`): manifest, feed-complete and train-complete markers,
+  checkpoint pointer.
+
+Declaring again with the same config changes nothing. With a changed config, what the server
+can change in place is updated and logged (stream: subjects, max_age, duplicate_window,
+replicas, allow_direct; consumer: ack_wait, max_deliver, max_ack_pending); what it cannot
+(storage, retention, ack policy) raises `BusError` naming the stream and field. A consumer's
+start position is never touched by `declare` (`bus.replay.reposition` owns it), so
+re-declaring after a resume keeps the resumed position.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from bus.connection import Bus
+from bus.subjects import PRODUCERS, TRAINERS, Names
+from core.config import BusConfig
+from core.errors import BusError
+
+log = logging.getLogger("specbus.bus")
+
+# Fields the server refuses to change on an existing stream / consumer.
+_FIXED_STREAM = ("retention", "storage")
+_MUTABLE_STREAM = ("subjects", "max_age", "duplicate_window", "num_replicas", "allow_direct")
+_FIXED_CONSUMER = ("ack_policy",)
+_MUTABLE_CONSUMER = ("ack_wait", "max_deliver", "max_ack_pending")
+
+KEY_MANIFEST = "manifest"
+KEY_FEED_COMPLETE = "feed_complete"
+KEY_CHECKPOINT = "checkpoint"
+KEY_TRAIN_COMPLETE = "train_complete"
+
+
+def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
+    common = dict(
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=cfg.replicas,
+        duplicate_window=cfg.duplicate_window_s,
+        allow_direct=True,
+    )
+    return [
+        StreamConfig(name=names.tasks_stream, subjects=[names.tasks], max_age=0, **common),
+        StreamConfig(
+            name=names.samples_stream,
+            subjects=[names.samples],
+            max_age=cfg.samples_max_age_s,
+            **common,
+        ),
+        StreamConfig(name=names.dead_stream, subjects=names.dead_subjects(), max_age=0, **common),
+    ]
+
+
+def consumer_config(group: str, cfg: BusConfig) -> ConsumerConfig:
+    return ConsumerConfig(
+        name=group,
+        durable_name=group,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=cfg.ack_wait_s,
+        max_deliver=cfg.max_deliver,
+        max_ack_pending=cfg.max_ack_pending,
+    )
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return abs((a or 0.0) - (b or 0.0)) > 1e-6
+    if isinstance(a, list) or isinstance(b, list):
+        return sorted(a or []) != sorted(b or [])
+    return a != b
+
+
+async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
+    try:
+        info = await bus.js.stream_info(want.name)
+    except NotFoundError:
+        try:
+            await bus.js.add_stream(want)
+            log.info("declared stream %s", want.name)
+            return
+        except APIError as e:  # another process won the race: compare with what it created
+            try:
+                info = await bus.js.stream_info(want.name)
+            except NotFoundError:
+                raise BusError(f"cannot create stream {want.name}: {e}") from e
+    have = info.config
+    for field in _FIXED_STREAM:
+        if _differs(getattr(have, field), getattr(want, field)):
+            raise BusError(
+                f"stream {want.name} exists with {field}={getattr(have, field)}, the config wants "
+                f"{getattr(want, field)}; the server cannot change it in place (use another run name)"
+            )
+    changes = {
+        f: (getattr(have, f), getattr(want, f))
+        for f in _MUTABLE_STREAM
+        if _differs(getattr(have, f), getattr(want, f))
+    }
+    if not changes:
+        return
+    for field, (_, new) in changes.items():
+        setattr(have, field, new)
+    try:
+        await bus.js.update_stream(have)
+    except APIError as e:
+        raise BusError(f"cannot update stream {want.name} ({changes}): {e}") from e
+    log.warning(
+        "updated stream %s: %s",
+        want.name,
+        ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()),
+    )
+
+
+async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
+    try:
+        info = await bus.js.consumer_info(stream, want.durable_name)
+    except NotFoundError:
+        try:
+            await bus.js.add_consumer(stream, want)
+            log.info("declared consumer %s on %s", want.durable_name, stream)
+        except APIError as e:
+            raise BusError(f"cannot create consumer {want.durable_name} on {stream}: {e}") from e
+        return
+    have = info.config
+    for field in _FIXED_CONSUMER:
+        if _differs(getattr(have, field), getattr(want, field)):
+            raise BusError(
+                f"consumer {stream}/{want.durable_name} exists with {field}={getattr(have, field)}"
+            )
+    changes = {
+        f: (getattr(have, f), getattr(want, f))
+        for f in _MUTABLE_CONSUMER
+        if _differs(getattr(have, f), getattr(want, f))
+    }
+    if not changes:
+        return
+    for field, (_, new) in changes.items():
+        setattr(have, field, new)
+    try:
+        await bus.js.add_consumer(stream, have)  # create-or-update; keeps the start position
+    except APIError as e:
+        raise BusError(
+            f"cannot update consumer {stream}/{want.durable_name} ({changes}): {e}"
+        ) from e
+    log.warning(
+        "updated consumer %s/%s: %s",
+        stream,
+        want.durable_name,
+        ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items()),
+    )
+
+
+class RunKV:
+    """The run's KV bucket (JSON values): manifest, feed-complete marker (task count),
+    train-complete marker, latest checkpoint pointer.
+
+    `get_*` return None when the key was never written. Every put overwrites (history 5).
+    """
+
+    def __init__(self, kv: KeyValue):
+        self.kv = kv
+
+    async def _put(self, key: str, value: Any) -> int:
+        try:
+            return await self.kv.put(key, orjson.dumps(value))
+        except Exception as e:
+            raise BusError(f"cannot write KV key {key!r}: {e}") from e
+
+    async def _get(self, key: str) -> Any:
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None
+        except Exception as e:
+            raise BusError(f"cannot read KV key {key!r}: {e}") from e
+        return orjson.loads(entry.value) if entry.value else None
+
+    async def put_manifest(self, manifest: dict[str, Any]) -> int:
+        return await self._put(KEY_MANIFEST, manifest)
+
+    async def get_manifest(self) -> dict[str, Any] | None:
+        return await self._get(KEY_MANIFEST)
+
+    async def mark_feed_complete(self, task_count: int) -> int:
+        """The feeder is done: `task_count` tasks were published for this run."""
+        return await self._put(KEY_FEED_COMPLETE, {"task_count": int(task_count)})
+
+    async def feed_complete(self) -> int | None:
+        """The published task count once the feeder finished, else None."""
+        value = await self._get(KEY_FEED_COMPLETE)
+        return None if value is None else int(value["task_count"])
+
+    async def mark_train_complete(self, summary: dict[str, Any]) -> int:
+        """Training finished (`summary`: steps, samples, final checkpoint...); producers stop."""
+        return await self._put(KEY_TRAIN_COMPLETE, summary)
+
+    async def train_complete(self) -> dict[str, Any] | None:
+        return await self._get(KEY_TRAIN_COMPLETE)
+
+    async def put_checkpoint(self, pointer: dict[str, Any]) -> int:
+        return await self._put(KEY_CHECKPOINT, pointer)
+
+    async def get_checkpoint(self) -> dict[str, Any] | None:
+        return await self._get(KEY_CHECKPOINT)
+
+
+async def open_kv(
+    bus: Bus, run: str, *, create: bool = False, cfg: BusConfig | None = None
+) -> RunKV | None:
+    """The run's KV bucket; None if it does not exist and `create` is False."""
+    names = Names(run)
+    try:
+        return RunKV(await bus.js.key_value(names.kv_bucket))
+    except (BucketNotFoundError, NotFoundError):
+        if not create:
+            return None
+    cfg = cfg or bus.cfg
+    kv_cfg = KeyValueConfig(
+        bucket=names.kv_bucket,
+        history=5,
+        storage=StorageType.FILE,
+        replicas=cfg.replicas,
+        direct=True,
+        description=f"specbus run {run}",
+    )
+    try:
+        return RunKV(await bus.js.create_key_value(kv_cfg))
+    except APIError as e:
+        try:  # created concurrently by another process
+            return RunKV(await bus.js.key_value(names.kv_bucket))
+        except Exception:
+            raise BusError(f"cannot create KV bucket {names.kv_bucket}: {e}") from e
+
+
+@dataclass
+class Topology:
+    names: Names
+    kv: RunKV
+
+
+async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> Topology:
+    """Declare the run's streams, consumers and KV bucket (idempotent; see module doc)."""
+    cfg = cfg or bus.cfg
+    names = Names(run)
+    for stream in stream_configs(names, cfg):
+        await _ensure_stream(bus, stream)
+    for group in (PRODUCERS, TRAINERS):
+        await _ensure_consumer(bus, names.stream_of(group), consumer_config(group, cfg))
+    kv = await open_kv(bus, run, create=True, cfg=cfg)
+    assert kv is not None
+    return Topology(names, kv)

@@ -1,0 +1,322 @@
+"""Bus throughput: SampleRefs end to end through the specbus bus layer vs raw nats-py.
+
+    python -m ops.bench.bus [--refs 20000] [--repeat 1]
+
+Starts its own embedded nats-server (file storage, loopback). For each mode, one publishing
+process and one consuming process (fetch + ack), started and connected before the clock
+starts; the clock runs from "go" until the consumer acked the last ref (and flushed).
+
+- raw: nats-py doing the same job as a careful hand-written client: the publisher encodes
+  each SampleRef (`to_bytes`) and sends it with `js.publish_async`, a `Nats-Msg-Id` and a
+  window of outstanding PubAcks; the consumer `pull_subscribe_bind(...).fetch(256)`s,
+  decodes each ref (`SampleRef.from_bytes`) and `msg.ack()`s it.
+- raw-bytes: the same without encoding/decoding (pre-encoded payloads, never parsed): the
+  transport's ceiling, shown so the cost of validating records stays visible.
+- bus: `bus.publisher.Publisher.publish_many` (encodes each SampleRef, dedup id, trace
+  headers, awaits PubAcks) and `bus.lease.Leases.fetch(256)` (parses and validates each
+  SampleRef, dead-letters bad ones, tracks credit) + `Lease.ack()`.
+- bus-confirmed: as bus, but acking windows of 32 with `Leases.ack_all(confirm=True)`
+  (every ack confirmed by the server: the optimizer-boundary path).
+
+Prints refs/s per mode (and CPU per ref of each process), and the ratios bus / raw and
+bus / raw-bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from pathlib import Path
+
+WINDOW = 1024
+FETCH = 256
+CONFIRM_WINDOW = 32
+
+
+def sample_refs(n: int, run: str):
+    """n distinct SampleRefs of a realistic size (~1 KB: EAGLE3-style features)."""
+    from core.contracts import FeatureSpec, Provenance, SampleRef
+
+    feats = {
+        name: FeatureSpec(
+            name=name, key=f"{run}/s0/{name}", shape=shape, dtype=dtype, nbytes=nbytes
+        )
+        for name, shape, dtype, nbytes in [
+            ("aux_hidden_states", (1, 512, 2304), "bfloat16", 2 * 512 * 2304),
+            ("hidden_states", (1, 512, 768), "bfloat16", 2 * 512 * 768),
+            ("input_ids", (1, 512), "int64", 8 * 512),
+            ("loss_mask", (1, 512), "uint8", 512),
+        ]
+    }
+    template = SampleRef(
+        sample_id="s0",
+        run_id=run,
+        task_id="t0",
+        task_seq=0,
+        store_uri=f"shm:///dev/shm/specbus/{run}",
+        features=feats,
+        nbytes=sum(f.nbytes for f in feats.values()),
+        num_tokens=512,
+        strategy="eagle3",
+        target_fingerprint="f" * 16,
+        tokenizer_fingerprint="e" * 16,
+        provenance=Provenance(producer_id="bench-producer-0", engine="hf"),
+    )
+    return [
+        template.model_copy(
+            update={"sample_id": f"s{i:08d}", "task_id": f"t{i:08d}", "task_seq": i}
+        )
+        for i in range(n)
+    ]
+
+
+# ---------------------------------------------------------------- raw nats-py
+async def _wait_go(ready, go) -> tuple[float, float]:
+    ready.set()
+    await asyncio.get_running_loop().run_in_executor(None, go.wait)
+    return time.perf_counter(), time.process_time()
+
+
+async def raw_publisher(
+    url: str, run: str, n: int, ready, go, records: bool
+) -> tuple[float, float, int]:
+    """`records`: encode each SampleRef in the loop (`to_bytes`), else publish pre-encoded bytes."""
+    import nats
+
+    refs = sample_refs(n, run)
+    payloads = None if records else [r.to_bytes() for r in refs]
+    nc = await nats.connect(url)
+    js = nc.jetstream(publish_async_max_pending=WINDOW)
+    t0, cpu0 = await _wait_go(ready, go)
+    futs = []
+    for i in range(n):
+        data = refs[i].to_bytes() if records else payloads[i]
+        futs.append(
+            await js.publish_async(f"rawbench.{run}", data, headers={"Nats-Msg-Id": f"{run}:s{i}"})
+        )
+        if len(futs) >= WINDOW:
+            await asyncio.gather(*futs)
+            futs = []
+    await asyncio.gather(*futs)
+    timing = (time.perf_counter() - t0, time.process_time() - cpu0, 0)
+    await nc.close()
+    return timing
+
+
+async def raw_consumer(
+    url: str, run: str, n: int, ready, go, records: bool
+) -> tuple[float, float, int]:
+    """`records`: decode each payload (`SampleRef.from_bytes`) before acking it."""
+    import nats
+
+    from core.contracts import SampleRef
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    sub = await js.pull_subscribe_bind("c", stream=f"RAWBENCH_{run}")
+    t0, cpu0 = await _wait_go(ready, go)
+    got = fetches = 0
+    while got < n:
+        fetches += 1
+        try:
+            msgs = await sub.fetch(FETCH, timeout=1.0)
+        except (asyncio.TimeoutError, nats.errors.TimeoutError):
+            continue
+        for msg in msgs:
+            if records:
+                SampleRef.from_bytes(msg.data)
+            await msg.ack()
+        got += len(msgs)
+    await nc.flush()
+    timing = (time.perf_counter() - t0, time.process_time() - cpu0, fetches)
+    await nc.close()
+    return timing
+
+
+async def raw_setup(url: str, run: str) -> None:
+    import nats
+    from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.add_stream(
+        StreamConfig(
+            name=f"RAWBENCH_{run}",
+            subjects=[f"rawbench.{run}"],
+            storage=StorageType.FILE,
+            duplicate_window=120,
+        )
+    )
+    await js.add_consumer(
+        f"RAWBENCH_{run}",
+        ConsumerConfig(
+            durable_name="c", ack_policy=AckPolicy.EXPLICIT, ack_wait=60, max_ack_pending=1024
+        ),
+    )
+    await nc.close()
+
+
+# ---------------------------------------------------------------- specbus bus layer
+def _bus_cfg():
+    from core.config import BusConfig
+
+    return BusConfig(ack_wait_s=60, max_ack_pending=1024, publish_window=WINDOW)
+
+
+async def bus_publisher(url: str, run: str, n: int, ready, go) -> tuple[float, float, int]:
+    from bus.connection import connect
+    from bus.publisher import Publisher
+    from bus.subjects import Names
+
+    refs = sample_refs(n, run)
+    bus = await connect(_bus_cfg(), url, name="bench-publisher")
+    pub = Publisher(bus)
+    await pub.publish(Names(run).samples, refs[0])  # warm the inbox subscription
+    t0, cpu0 = await _wait_go(ready, go)
+    acks = await pub.publish_many(Names(run).samples, refs)
+    timing = (time.perf_counter() - t0, time.process_time() - cpu0, 0)
+    assert sum(a.duplicate for a in acks) == 1, "only the warm-up ref is a duplicate"
+    await bus.close()
+    return timing
+
+
+async def bus_consumer(
+    url: str, run: str, n: int, ready, go, confirm: bool
+) -> tuple[float, float, int]:
+    from bus.connection import connect
+    from bus.lease import Leases
+
+    bus = await connect(_bus_cfg(), url, name="bench-consumer")
+    group = await Leases.join(bus, run, "trainers")
+    t0, cpu0 = await _wait_go(ready, go)
+    got = fetches = 0
+    while got < n:
+        fetches += 1
+        leases = await group.fetch(CONFIRM_WINDOW if confirm else FETCH, 1.0)
+        if confirm:
+            await group.ack_all(leases, confirm=True)
+        else:
+            for lease in leases:
+                await lease.ack()
+        got += len(leases)
+    await bus.flush()
+    timing = (time.perf_counter() - t0, time.process_time() - cpu0, fetches)
+    await bus.close()
+    return timing
+
+
+async def bus_setup(url: str, run: str) -> None:
+    from bus.connection import connect
+    from bus.topology import declare
+
+    bus = await connect(_bus_cfg(), url)
+    await declare(bus, None, run)
+    await bus.close()
+
+
+# ---------------------------------------------------------------- driver
+def _child(role: str, result, fn, *args) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    result.put((role, *asyncio.run(fn(*args))))
+
+
+def run_mode(url: str, server_pid: int, mode: str, n: int, tag: str) -> dict:
+    ctx = mp.get_context("spawn")
+    run = f"bench{tag}{mode.replace('-', '')}"
+    if mode.startswith("raw"):
+        asyncio.run(raw_setup(url, run))
+        records = mode == "raw"
+        roles = [("publish", raw_publisher, (records,)), ("consume", raw_consumer, (records,))]
+    else:
+        asyncio.run(bus_setup(url, run))
+        roles = [
+            ("publish", bus_publisher, ()),
+            ("consume", bus_consumer, (mode == "bus-confirmed",)),
+        ]
+    go, result = ctx.Event(), ctx.Queue()
+    procs, readies = [], []
+    for role, fn, extra in roles:
+        ready = ctx.Event()
+        p = ctx.Process(target=_child, args=(role, result, fn, url, run, n, ready, go, *extra))
+        p.start()
+        procs.append(p)
+        readies.append(ready)
+    for ready in readies:
+        if not ready.wait(120):
+            raise RuntimeError(f"{mode}: a bench process did not get ready")
+    server_cpu0 = _cpu_of(server_pid)
+    t0 = time.perf_counter()
+    go.set()
+    got = {role: rest for role, *rest in (result.get(timeout=600) for _ in procs)}
+    wall = time.perf_counter() - t0
+    server_cpu = _cpu_of(server_pid) - server_cpu0
+    for p in procs:
+        p.join(30)
+    return {
+        "mode": mode,
+        "refs_per_s": n / got["consume"][0],
+        "publish_refs_per_s": n / got["publish"][0],
+        "wall_s": wall,
+        "refs_per_fetch": n / max(got["consume"][2], 1),
+        "cpu_us_per_ref": {
+            "publisher": 1e6 * got["publish"][1] / n,
+            "consumer": 1e6 * got["consume"][1] / n,
+            "server": 1e6 * server_cpu / n,
+        },
+    }
+
+
+def _cpu_of(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc), 0.0 if unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from ops.services.nats import NatsServer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--refs", type=int, default=20000)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--modes", default="raw-bytes,raw,bus,bus-confirmed")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, NatsServer(tmp) as server:
+        for rep in range(args.repeat):
+            for mode in modes:
+                row = run_mode(server.url, server.pid, mode, args.refs, f"r{rep}")
+                rows.append(row)
+                print(
+                    f"{mode:>14}: {row['refs_per_s']:9.0f} refs/s end to end "
+                    f"(publisher {row['publish_refs_per_s']:.0f} refs/s, {row['refs_per_fetch']:.0f} refs/fetch; CPU us/ref: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in row["cpu_us_per_ref"].items())
+                    + ")",
+                    flush=True,
+                )
+    summary = {}
+    for mode in modes:
+        vals = [r["refs_per_s"] for r in rows if r["mode"] == mode]
+        summary[mode] = sum(vals) / len(vals)
+    for base in ("raw", "raw-bytes"):
+        if base in summary and "bus" in summary:
+            print(
+                f"ratio bus/{base}: {summary['bus'] / summary[base]:.2f}  (mean of {args.repeat} run(s): bus {summary['bus']:.0f}, {base} {summary[base]:.0f} refs/s)"
+            )
+    return summary
+
+
+if __name__ == "__main__":
+    main()
