@@ -180,3 +180,26 @@ def test_pooled_reads_return_their_memory(uri):
         del view
     assert pool.free_bytes() == free
     store.close()
+
+
+def test_released_files_are_recycled_within_bounds(uri):
+    mib = 1 << 20
+    store = open_store(uri, budget_bytes=10 * mib, recycle_bytes=6 * mib, pool_bytes=0)
+    a = store.put("a", {"x": torch.randn(mib // 4 * 4), "y": torch.randn(mib // 4)})  # 4 + 1 MiB
+    store.release(a)
+    assert store.usage().cached_bytes == 5 * mib and store.usage().resident_bytes == 0
+    b_x = torch.randn(mib // 2)  # 2 MiB, written into the recycled 4 MiB file (shrunk)
+    b = store.put("b", {"x": b_x})
+    assert store.usage().cached_bytes == 1 * mib
+    assert torch.equal(store.get(b)["x"], b_x)
+    with pytest.raises(FeatureMissing):  # a's files now hold b's bytes: a is gone, not torn
+        store.get(a)
+    c_x = torch.randn(2 * mib)  # 8 MiB, written into the recycled 1 MiB file (grown)
+    c = store.put("c", {"x": c_x})
+    assert store.usage().cached_bytes == 0 and store.usage().resident_bytes == 10 * mib
+    assert torch.equal(store.get(c)["x"], c_x) and torch.equal(store.get(b)["x"], b_x)
+    store.release(b)
+    store.release(c)  # 2 MiB fits the 6 MiB cache, then 8 MiB does not: deleted
+    assert store.usage().cached_bytes == 2 * mib and store.usage().resident_bytes == 0
+    store.close()
+    assert not store_dir(uri.split("://")[1]).exists()

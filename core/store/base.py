@@ -64,6 +64,7 @@ class StoreUsage:
     budget_bytes: int
     capacity_bytes: int | None = None
     pending_release_bytes: int = 0
+    cached_bytes: int = 0  # shm: released files kept for reuse (bounded; not samples)
 
     @property
     def fraction(self) -> float:
