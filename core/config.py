@@ -36,6 +36,7 @@ class BusConfig(Section):
     tls_key: Path | None = None
     connect_timeout_s: float = Field(5.0, gt=0)
     max_reconnect_attempts: int = -1  # forever: a restarted broker is a normal event
+    reconnect_wait_s: float = Field(0.5, gt=0)
     replicas: int = Field(1, ge=1, le=5)  # 3 on a JetStream cluster
     ack_wait_s: float = Field(60.0, gt=0)
     max_deliver: int = Field(5, ge=1)
@@ -45,6 +46,7 @@ class BusConfig(Section):
     nak_delay_s: float = Field(1.0, ge=0)
     heartbeat_s: float = Field(10.0, gt=0)
     fetch_timeout_s: float = Field(1.0, gt=0)
+    publish_window: int = Field(1024, ge=1)  # async publishes awaiting their PubAck at once
 
 
 class MooncakeConfig(Section):
@@ -75,6 +77,7 @@ class StoreConfig(Section):
     gc_grace_s: float = Field(60.0, ge=0)  # gc(live) spares samples younger than this
     pool_bytes: int = Field(256 << 20, ge=0)  # shm: pre-faulted receive pool per process (0: none)
     keep_on_close: bool = False  # shm: keep the store when its last process closes it
+    recycle_bytes: int = Field(256 << 20, ge=0)  # shm: released files kept for reuse (0: none)
 
 
 class TargetConfig(Section):
@@ -86,6 +89,7 @@ class TargetConfig(Section):
     context_length: int | None = None  # None: the model config's max_position_embeddings
     capture_batch: int = Field(4, ge=1)
     tp_size: int = Field(1, ge=1)
+    cache_dir: Path | None = None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache/specbus
 
 
 class DraftConfig(Section):
@@ -116,6 +120,7 @@ class DataConfig(Section):
     last_turn_only: bool = False
     limit: int | None = Field(None, ge=1)
     holdout: int = Field(50, ge=0)
+    chat_template: str | None = None  # assistant-span markers (core.data.templates); None: detect
     epochs: int = Field(1, ge=1)
     seed: int = 0
 
@@ -125,11 +130,13 @@ class TrainingConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_ratio: float = Field(0.1, gt=0, le=1)  # wsd: the final fraction of steps that decays to 0
     warmup_ratio: float = Field(0.015, ge=0, le=1)
     grad_clip: float = Field(0.5, gt=0)
     micro_batch: int = Field(1, ge=1)
     accumulation: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
+    max_minutes: float | None = Field(None, gt=0)  # stop (all ranks together) after this long
     total_steps: int | None = Field(None, ge=1)  # schedule length when the data size is unknown
     seed: int = 0
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
