@@ -24,7 +24,7 @@ from core.errors import CaptureError, ConfigError
 from core.models.target import TargetHeads, TargetInfo
 
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass(frozen=True)

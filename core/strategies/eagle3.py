@@ -42,6 +42,11 @@ from core.strategies.base import (
 )
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (the reference's `.float()`; fp64 stays fp64 for exact tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 @dataclass(frozen=True)
 class Teacher:
     """Per-position teacher tensors, padded with K positions at the end."""
@@ -59,7 +64,7 @@ def compute_teacher(
     loss_mask_BL1: torch.Tensor,
     ttt_length: int,
 ) -> Teacher:
-    logits = target_logits_BLV.float()
+    logits = upcast(target_logits_BLV)
     target_ids = logits.argmax(-1)
     position_mask = t2d_V[target_ids][..., None].int() * loss_mask_BL1
     draft_logits = logits[..., t2d_V]
@@ -77,7 +82,7 @@ def step_loss(
     logits_BLVd: torch.Tensor, target_p_BLVd: torch.Tensor, position_mask_BL1: torch.Tensor
 ) -> torch.Tensor:
     """-sum(position_mask * target_p * log_softmax(logits)) averaged over all B*L positions."""
-    logp = torch.log_softmax(logits_BLVd.float(), dim=2)
+    logp = torch.log_softmax(upcast(logits_BLVd), dim=2)
     return -torch.sum(position_mask_BL1 * (target_p_BLVd * logp), 2).mean()
 
 
@@ -85,7 +90,7 @@ def step_loss(
 def acceptance_rate(
     logits_BLVd: torch.Tensor, target_p_on_draft_BLVd: torch.Tensor, position_mask_BL1: torch.Tensor
 ) -> torch.Tensor:
-    draft_p = torch.softmax(logits_BLVd.float(), dim=-1).to(target_p_on_draft_BLVd.dtype)
+    draft_p = torch.softmax(upcast(logits_BLVd), dim=-1).to(target_p_on_draft_BLVd.dtype)
     per_token = torch.minimum(target_p_on_draft_BLVd, draft_p).sum(-1)
     mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
     return (per_token * mask).sum() / mask.sum().clamp_min(1e-8)

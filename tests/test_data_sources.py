@@ -1,0 +1,56 @@
+"""Dataset sources: packaged GSM8K and chatterbot dialogues, JSONL files, the held-back split."""
+
+import pytest
+
+from core.data.datasets import (
+    chatterbot_records,
+    gsm8k_records,
+    load_jsonl,
+    load_source,
+    split_holdout,
+)
+from core.errors import ConfigError
+
+
+def test_gsm8k_pairs_each_payload_question_with_its_reference_answer():
+    records = gsm8k_records()
+    assert len(records) == 1319
+    first = records[0]["messages"]
+    assert [m["role"] for m in first] == ["user", "assistant"]
+    assert first[0]["content"].startswith("Question: Janet") and first[0]["content"].endswith(
+        "Answer:"
+    )
+    assert first[1]["content"].endswith("#### 18") and "<<" not in first[1]["content"]
+    prompts = load_source("gsm8k-prompts")
+    assert len(prompts) == 1319 and [m["role"] for m in prompts[0]["messages"]] == ["user"]
+
+
+def test_chatterbot_dialogues_alternate_user_and_assistant():
+    records = chatterbot_records()
+    assert len(records) > 100
+    for record in records:
+        roles = [m["role"] for m in record["messages"]]
+        assert roles[0] == "user" and all(a != b for a, b in zip(roles, roles[1:], strict=False))
+    assert chatterbot_records() == records  # deterministic order
+
+
+def test_jsonl_loading_names_the_bad_line(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "a"}\n\n{"input_ids": [1, 2]}\n')
+    assert load_source(str(good)) == [{"text": "a"}, {"input_ids": [1, 2]}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{oops\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2"):
+        load_jsonl(bad)
+    with pytest.raises(ConfigError, match="nope"):
+        load_source("nope")
+
+
+def test_holdout_is_the_tail_and_limit_caps_the_train_part():
+    records = [{"text": str(i)} for i in range(10)]
+    train, held = split_holdout(records, holdout=3, limit=4)
+    assert [r["text"] for r in train] == ["0", "1", "2", "3"]
+    assert [r["text"] for r in held] == ["7", "8", "9"]
+    assert split_holdout(records, 0) == (records, [])
+    with pytest.raises(ConfigError, match="holdout"):
+        split_holdout(records, 10)
