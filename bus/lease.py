@@ -307,9 +307,14 @@ class Leases:
             interval_s = min(self.cfg.heartbeat_s, self.ack_wait_s / 3)
         return Heartbeat(self, None if leases is None else list(leases), interval_s)
 
-    async def close(self) -> None:
-        """Stop pulling. Unsettled leases are left to expire and be redelivered."""
-        await self._puller.stop()
+    async def close(self, *, nak_held: bool = True) -> None:
+        """Stop pulling. Deliveries never handed out are nak'd (redelivered at once); so are
+        unsettled leases, unless `nak_held=False` (then they expire after `ack_wait`)."""
+        for msg in await self._puller.stop():
+            await self.bus.nc.publish(msg.reply, _NAK)
+        if nak_held:
+            for lease in list(self._held):
+                await lease.nak(0)
 
 
 class Heartbeat:

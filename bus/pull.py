@@ -5,17 +5,19 @@ costs more than the message itself at thousands of messages per second. `Puller`
 once to `<inbox>.*`, names every pull request `<inbox>.<n>`, and collects deliveries in a
 deque fed by the subscription callback; a fetch only sleeps when nothing is buffered.
 
-A fetch of n:
-1. takes what is already buffered (deliveries of earlier requests that arrived late: they are
-   leased to this member, so they are handed out, never dropped);
-2. asks for the rest with `no_wait`: the server delivers what is available now and ends the
-   request with a status (404 no messages, 408, 409 max ack pending...);
-3. only if that brought nothing, waits up to the timeout for one message (a lingering request
-   of batch 1 whose `expires` ends before the client gives up), then takes whatever else is
-   available with another `no_wait` request.
-So a fetch returns as soon as anything is available, and never leaves a request open that
-could lease more than it asked for after it returned (except the single late message of step 3,
-which the next fetch hands out).
+A fetch of n takes what is already buffered (deliveries that arrived after an earlier fetch
+returned: they are leased to this member, so they are handed out, never dropped), then sends
+one request `{"batch": rest, "no_wait": true, "expires": timeout}`. The server (2.10+, checked
+against 2.15) answers it as follows:
+- messages available: delivers up to `rest` at once, then "404 No Messages" if it ran out;
+- nothing available: waits up to `expires` and ends the request right after the first
+  delivery ("404") or at expiry ("408");
+- the consumer's `max_ack_pending` is reached (other members hold the credit): delivers as
+  acks free credit until `expires`. Here the fetch returns once deliveries pause for
+  `linger_s`, and later deliveries of that request wait in the buffer for the next fetch.
+So a fetch returns as soon as something is available and never outlives its timeout; a
+request never outlives its `expires` (a `no_wait` request *without* `expires` would stay
+parked on the server while credit is exhausted, so every waiting request carries one).
 """
 
 from __future__ import annotations
@@ -32,16 +34,18 @@ from core.errors import BusError
 
 _STATUS = "Status"
 _DESCRIPTION = "Description"
-_EXPIRES_MARGIN_S = 0.02  # the server ends a lingering request this much before the client does
+_EXPIRES_MARGIN_S = 0.01  # the server ends a request this much before the client gives up
+_MIN_EXPIRES_S = 0.005
 
 
 class Puller:
     """Pull deliveries of one consumer (durable or ephemeral) of one stream into this process."""
 
-    def __init__(self, bus: Bus, stream: str, consumer: str):
+    def __init__(self, bus: Bus, stream: str, consumer: str, *, linger_s: float = 0.005):
         self.bus = bus
         self.stream = stream
         self.consumer = consumer
+        self.linger_s = linger_s
         self._next_subject = f"{bus.js._prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._buffer: deque[Msg] = deque()
         self._inbox = ""
@@ -62,24 +66,27 @@ class Puller:
             self._sub = await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
         return self
 
-    async def stop(self) -> None:
+    async def stop(self) -> list[Msg]:
+        """Unsubscribe; returns the deliveries still buffered (the caller settles them)."""
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
+        left = list(self._buffer)
+        self._buffer.clear()
+        return left
 
     async def _on_msg(self, msg: Msg) -> None:
         headers = msg.headers
-        if headers and _STATUS in headers and not msg.reply:
+        if not msg.reply and headers and _STATUS in headers:
             status = headers[_STATUS]
             if status == "100":  # idle heartbeat / flow control: not an end of request
                 return
             rid = int(msg.subject.rsplit(".", 1)[1])
             if rid > self._ended:
                 self._ended = rid
-            if status not in ("404", "408", "409"):
-                self._error = f"{status} {headers.get(_DESCRIPTION, '')}".strip()
-            elif status == "409" and "deleted" in headers.get(_DESCRIPTION, "").lower():
-                self._error = f"409 {headers.get(_DESCRIPTION)}"
+            description = headers.get(_DESCRIPTION, "")
+            if status not in ("404", "408", "409") or "deleted" in description.lower():
+                self._error = f"{status} {description}".strip()
         else:
             self._buffer.append(msg)
         w = self._wakeup
@@ -88,27 +95,31 @@ class Puller:
 
     async def _request(self, batch: int, expires_s: float | None) -> int:
         self._rid += 1
-        req: dict = {"batch": batch}
-        if expires_s is None:
-            req["no_wait"] = True
-        else:
-            req["expires"] = int(expires_s * 1e9)
+        req: dict = {"batch": batch, "no_wait": True}
+        if expires_s is not None:
+            req["expires"] = int(max(expires_s, _MIN_EXPIRES_S) * 1e9)
         await self.bus.nc.publish(
             self._next_subject, orjson.dumps(req), reply=f"{self._inbox}.{self._rid}"
         )
         return self._rid
 
     async def _wait(self, rid: int, want: int, deadline: float) -> None:
-        """Until `want` deliveries are buffered, request `rid` ended, or the deadline passed."""
+        """Until `want` deliveries are buffered, request `rid` ended, the deliveries paused for
+        `linger_s`, or the deadline passed."""
+        loop = asyncio.get_running_loop()
         while len(self._buffer) < want and self._ended < rid:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            self._wakeup = asyncio.get_running_loop().create_future()
+            have = len(self._buffer)
+            self._wakeup = loop.create_future()
             try:
-                await asyncio.wait_for(self._wakeup, remaining)
+                await asyncio.wait_for(
+                    self._wakeup, min(remaining, self.linger_s) if have else remaining
+                )
             except asyncio.TimeoutError:
-                return
+                if have:
+                    return
             finally:
                 self._wakeup = None
 
@@ -117,15 +128,12 @@ class Puller:
         while buf and len(out) < n:
             out.append(buf.popleft())
 
-    def _raise_error(self) -> None:
-        if self._error:
-            error, self._error = self._error, None
-            raise BusError(f"pull from {self.stream}/{self.consumer} failed: {error}")
-
     async def fetch(self, n: int, timeout_s: float, *, wait: bool = True) -> list[Msg]:
         """Up to `n` deliveries, as soon as any is available, else after `timeout_s` (maybe none).
 
-        With `wait=False` it returns after step 2 (what is available now). Raises `BusError` if the server answers with an error (consumer deleted, no stream...).
+        `wait=False` sends a plain `no_wait` request: only what is available now (use it only
+        on consumers without ack credit limits, e.g. replay's ack-less ones). Raises `BusError`
+        if the server answers with an error (consumer deleted, no such consumer...).
         """
         await self.start()
         out: list[Msg] = []
@@ -133,19 +141,10 @@ class Puller:
         if len(out) == n:
             return out
         deadline = time.monotonic() + timeout_s
-        rid = await self._request(n - len(out), None)
+        rid = await self._request(n - len(out), timeout_s - _EXPIRES_MARGIN_S if wait else None)
         await self._wait(rid, n - len(out), deadline)
         self._take(n, out)
-        self._raise_error()
-        remaining = deadline - time.monotonic()
-        if out or not wait or remaining <= _EXPIRES_MARGIN_S * 2:
-            return out
-        rid = await self._request(1, remaining - _EXPIRES_MARGIN_S)
-        await self._wait(rid, 1, deadline)
-        self._take(n, out)
-        self._raise_error()
-        if out and len(out) < n:
-            rid = await self._request(n - len(out), None)
-            await self._wait(rid, n - len(out), time.monotonic() + timeout_s)
-            self._take(n, out)
+        if self._error:
+            error, self._error = self._error, None
+            raise BusError(f"pull from {self.stream}/{self.consumer} failed: {error}")
         return out
