@@ -31,6 +31,8 @@ class Bus:
     def __init__(self, nc: NATS, cfg: BusConfig, url: str, quiet: _QuietErrors | None = None):
         self.nc = nc
         self._quiet = quiet
+        if quiet is not None:
+            quiet.bus = self
         self.js: JetStreamContext = nc.jetstream(timeout=cfg.connect_timeout_s)
         self.cfg = cfg
         self.url = url
@@ -38,6 +40,11 @@ class Bus:
     @property
     def connected(self) -> bool:
         return self.nc.is_connected
+
+    @property
+    def reconnects(self) -> int:
+        """How many times this connection was re-established (requests in flight were lost)."""
+        return self._quiet.reconnects if self._quiet is not None else 0
 
     async def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until everything written (acks included) reached the server."""
@@ -68,6 +75,8 @@ class _QuietErrors:
         self.name = name
         self.last = ""
         self.closing = False
+        self.reconnects = 0
+        self.bus: Bus | None = None
 
     async def error(self, e: Exception) -> None:
         line = f"{type(e).__name__}: {e}".strip()
@@ -81,6 +90,7 @@ class _QuietErrors:
         log.warning("nats[%s] disconnected; reconnecting", self.name)
 
     async def reconnected(self) -> None:
+        self.reconnects += 1
         self.last = ""
         log.warning("nats[%s] reconnected", self.name)
 

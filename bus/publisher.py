@@ -135,6 +135,18 @@ class Publisher:
                 fut.cancel()
         return futs
 
+    async def _await_acks(self, futs: list[asyncio.Future], reconnects: int) -> None:
+        """Until all PubAcks came, `ack_timeout_s` passed, or the connection was re-established
+        (a PubAck of a message sent before a reconnect may never come: re-send at once)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ack_timeout_s
+        pending = {f for f in futs if not f.done()}
+        while pending and self.bus.reconnects == reconnects:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            _, pending = await asyncio.wait(pending, timeout=min(remaining, 0.25))
+
     async def publish_payloads(self, items: list[tuple[str, bytes, dict[str, str]]]) -> list[Ack]:
         """Publish (subject, payload, headers) triples; headers must hold `Nats-Msg-Id`."""
         await self._start()
@@ -142,8 +154,9 @@ class Publisher:
         for start in range(0, len(items), self.window):
             todo = list(range(start, min(start + self.window, len(items))))
             for attempt in range(self.retries + 1):
+                reconnects = self.bus.reconnects
                 futs = await self._send_window([items[i] for i in todo])
-                await asyncio.wait(futs, timeout=self.ack_timeout_s)
+                await self._await_acks(futs, reconnects)
                 missing = []
                 for i, fut in zip(todo, futs, strict=True):
                     if fut.cancelled() or not fut.done():
@@ -157,10 +170,12 @@ class Publisher:
                 if not missing:
                     break
                 log.warning(
-                    "%d PubAcks missing after %.1fs (attempt %d); re-sending with the same ids",
+                    "%d PubAcks missing (attempt %d); re-sending with the same ids",
                     len(missing),
-                    self.ack_timeout_s,
                     attempt + 1,
+                )
+                await asyncio.sleep(
+                    self.bus.cfg.reconnect_wait_s if self.bus.reconnects == reconnects else 0
                 )
                 todo = missing
             else:
