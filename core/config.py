@@ -63,6 +63,7 @@ class MooncakeConfig(Section):
     release_retry_s: float = Field(0.5, gt=0)  # first retry of a remove refused under a read lease
     force_release_after_s: float = Field(15.0, gt=0)  # then force it (> the master's 10 s lease)
     http_timeout_s: float = Field(5.0, gt=0)
+    usage_refresh_s: float = Field(0.25, ge=0)  # budget checks reuse the master's count this long
 
 
 class StoreConfig(Section):

@@ -165,3 +165,13 @@ def test_bad_uris_and_ids_are_config_errors():
     store = open_store("mem://ok")
     with pytest.raises(ValueError, match="sample id"):
         store.put("../escape", {"x": torch.ones(1)})
+
+
+def test_alloc_then_put(make_store):
+    store = make_store()
+    t = store.alloc((3, 1000), torch.bfloat16)
+    t.copy_(torch.randn(3, 1000))
+    want = t.clone()
+    specs = store.put("a", {"hidden": t, "ids": torch.arange(4)})
+    del t  # the store does not depend on the caller keeping its tensor
+    _assert_same(store.get(specs), {"hidden": want, "ids": torch.arange(4)})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -107,6 +108,11 @@ class FeatureStore(Protocol):
         ...
 
     def usage(self) -> StoreUsage: ...
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor to fill and then `put`; where the backend can (Mooncake: registered
+        transfer memory), putting it costs no staging copy. Any tensor can be put anyway."""
+        ...
 
     def close(self) -> None: ...
 
@@ -205,6 +211,28 @@ def screen_nonfinite(sample_id: str, name: str, t: torch.Tensor) -> None:
     bad = (~torch.isfinite(t)).sum().item()
     if bad:
         raise IntegrityError(f"sample {sample_id!r}: tensor {name!r} holds {bad} NaN/Inf value(s)")
+
+
+def screen_all(sample_id: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        screen_nonfinite(sample_id, name, t)
+
+
+class Screener:
+    """Runs the NaN/Inf screen on another thread while a put moves the bytes: both release
+    the GIL, so on a free core the screen costs no time. `check()` raises its verdict."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, sample_id: str, tensors: Mapping[str, torch.Tensor]) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="nan-screen")
+        return self._pool.submit(screen_all, sample_id, tensors)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def make_spec(

@@ -135,6 +135,9 @@ class MemStore:
             sh.resident -= freed
         return freed
 
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)  # a put copies (shm) or keeps (mem) any tensor
+
     def usage(self) -> StoreUsage:
         sh = self._shared
         with sh.lock:

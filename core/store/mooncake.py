@@ -31,6 +31,7 @@ the key listing (gc). Budget and usage cover the whole Mooncake cluster (one per
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import re
 import socket
@@ -50,6 +51,7 @@ from core.errors import FeatureMissing, IntegrityError, StoreError, StoreFull, S
 from core.store.base import (
     DTYPES,
     RefLike,
+    Screener,
     StoreUsage,
     byte_view,
     check_crc,
@@ -116,6 +118,9 @@ class MooncakeStore:
         self._pool = self._conn.pool
         self._replicate = self._conn.replicate
         self._peak = 0
+        self._metrics_at = -1e9
+        self._metrics_seen = self._put_since = 0
+        self._screener = Screener()
         self._gc_seen: dict[tuple[str, int], float] = {}
         self._pending: dict[str, _Pending] = {}
         self._cond = threading.Condition()
@@ -135,80 +140,108 @@ class MooncakeStore:
     ) -> dict[str, FeatureSpec]:
         self._check_open()
         kept, specs = prepare(
-            self.store_id,
-            sample_id,
-            gen,
-            tensors,
-            crc=self.cfg.crc,
-            screen=self.cfg.screen_nonfinite,
+            self.store_id, sample_id, gen, tensors, crc=self.cfg.crc, screen=False
         )
         nbytes = sum(s.nbytes for s in specs.values())
-        allocated, capacity = self._metrics()
+        allocated = self._allocated()
         if allocated + nbytes > self.cfg.budget_bytes:
             raise StoreFull(
                 f"{self.uri}: putting sample {sample_id!r} ({nbytes} B) would exceed the budget "
                 f"({allocated} of {self.cfg.budget_bytes} B in use)"
             )
+        # The NaN/Inf screen reads the tensors on another core while they are staged and sent
+        # (Mooncake releases the GIL during transfers); a bad sample is removed, then refused.
+        screened = self._screener.start(sample_id, kept) if self.cfg.screen_nonfinite else None
         keys = [s.key for s in specs.values()]
         with self._cond:  # a pending remove of these keys must not delete the new value
             for key in keys:
                 self._pending.pop(key, None)
         # Writing an existing key must replace it; put_from would silently keep the old bytes.
-        existing = [
-            k for k, e in zip(keys, self._client.batch_is_exist(keys), strict=True) if e == 1
-        ]
+        exist = self._client.batch_is_exist(keys)
+        existing = [k for k, e in zip(keys, exist, strict=True) if e == 1]
         if existing:
             self._client.batch_remove(existing, True)  # forced: is_exist itself took a read lease
         try:
-            self._put_objects(keys, list(kept.values()), capacity)
+            self._put_objects(keys, list(kept.values()))
+            if screened is not None:
+                screened.result()
         except BaseException:
             self._client.batch_remove(keys, True)  # no half-written sample stays behind
             raise
+        finally:
+            if screened is not None:
+                screened.cancel()
+        self._put_since += nbytes
         if gen > 0:
             self._supersede(sample_id, gen, list(kept))
         self._peak = max(self._peak, allocated + nbytes)
         return specs
 
-    def _put_objects(self, keys: list[str], tensors: list[torch.Tensor], capacity: int) -> None:
-        """Stage tensors through the registered pool in batches that fit; put each batch."""
-        batch: list[tuple[str, int, int]] = []  # (key, pool offset, size)
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor in registered transfer memory: fill it (e.g. capture into it) and
+        put it with no staging copy. Falls back to ordinary memory when the pool is full."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        off = self._pool.alloc(nbytes) if nbytes else None
+        if off is None:
+            return torch.empty(shape, dtype=dtype)
+        return self._pool.tensor(off, nbytes).view(dtype).reshape(shape)
+
+    def _allocated(self) -> int:
+        """Bytes in the store for the budget check: the master's count, refreshed every
+        `usage_refresh_s`, plus what this handle put since (an HTTP call per put would cost
+        ~1 ms, a quarter of a 4 MB transfer)."""
+        now = time.monotonic()
+        if now - self._metrics_at >= self.mc.usage_refresh_s:
+            self._metrics_seen, _ = self._metrics()
+            self._metrics_at, self._put_since = now, 0
+        return self._metrics_seen + self._put_since
+
+    def _put_objects(self, keys: list[str], tensors: list[torch.Tensor]) -> None:
+        """Put tensors from registered memory: a tensor already in the pool (from `alloc`) goes
+        as is; others are staged through pool chunks, in batches that fit the pool."""
+        batch: list[tuple[str, int, int, bool]] = []  # (key, pool offset, size, staged)
         try:
             for key, t in zip(keys, tensors, strict=True):
                 size = t.numel() * t.element_size() or _SENTINEL
+                if t.numel() and self._pool.contains(t.data_ptr(), size):
+                    batch.append((key, t.data_ptr() - self._pool.base, size, False))
+                    continue
                 off = self._pool.alloc(size)
                 if off is None and batch:
                     full, batch = batch, []
-                    self._put_batch(full, capacity)
+                    self._put_batch(full)
                     off = self._pool.alloc(size)
                 if off is None:  # larger than the whole pool: register this tensor once
-                    self._put_unpooled(key, t, capacity)
+                    self._put_unpooled(key, t)
                     continue
                 if t.numel():
                     self._pool.view(off, size).copy_(byte_view(t))
-                batch.append((key, off, size))
+                batch.append((key, off, size, True))
             if batch:
                 full, batch = batch, []
-                self._put_batch(full, capacity)
+                self._put_batch(full)
         finally:
-            for _, off, size in batch:
-                self._pool.free(off, size)
+            for _, off, size, staged in batch:
+                if staged:
+                    self._pool.free(off, size)
 
-    def _put_batch(self, batch: list[tuple[str, int, int]], capacity: int) -> None:
+    def _put_batch(self, batch: list[tuple[str, int, int, bool]]) -> None:
         try:
             codes = self._client.batch_put_from(
-                [k for k, _, _ in batch],
-                [self._pool.base + off for _, off, _ in batch],
-                [s for _, _, s in batch],
+                [k for k, _, _, _ in batch],
+                [self._pool.base + off for _, off, _, _ in batch],
+                [size for _, _, size, _ in batch],
                 self._replicate,
             )
         finally:
-            for _, off, size in batch:
-                self._pool.free(off, size)
-        for (key, _, _), code in zip(batch, codes, strict=True):
+            for _, off, size, staged in batch:
+                if staged:
+                    self._pool.free(off, size)
+        for (key, _, _, _), code in zip(batch, codes, strict=True):
             if code != OK:
                 self._raise_put(key, code)
 
-    def _put_unpooled(self, key: str, t: torch.Tensor, capacity: int) -> None:
+    def _put_unpooled(self, key: str, t: torch.Tensor) -> None:
         ptr, size = t.data_ptr(), t.numel() * t.element_size()
         self._register(ptr, size)
         try:
@@ -333,6 +366,7 @@ class MooncakeStore:
         for spec in specs.values():
             parse_key(spec.key, self.store_id)
         self._remove([s.key for s in specs.values()], {s.key: s.nbytes for s in specs.values()})
+        self._metrics_at = -1e9  # the next budget check asks the master again
 
     def _remove(self, keys: list[str], sizes: Mapping[str, int] | None = None) -> None:
         """Remove now; what the store refuses (read lease, master away) is retried later."""
@@ -494,6 +528,7 @@ class MooncakeStore:
             self._closed = True
             self._cond.notify_all()
         self._retrier.join(timeout=5)
+        self._screener.close()
         _disconnect(self._conn)
 
     def _check_open(self) -> None:

@@ -59,6 +59,7 @@ from core.store import procs
 from core.store.base import (
     DTYPES,
     RefLike,
+    Screener,
     StoreUsage,
     byte_view,
     check_crc,
@@ -186,6 +187,7 @@ class ShmStore:
         self._lock = _Locked(self.root)
         self._handle = f"{procs.token()}.{uuid.uuid4().hex[:8]}"
         self._closed = False
+        self._screener = Screener()
         with self._lock:
             self._reap_if_abandoned()
             (self.root / "procs").mkdir(exist_ok=True)
@@ -204,7 +206,7 @@ class ShmStore:
             gen,
             tensors,
             crc=self.cfg.crc,
-            screen=self.cfg.screen_nonfinite,
+            screen=False,
         )
         nbytes = sum(s.nbytes for s in specs.values())
         sdir = self.root / "samples" / sample_id
@@ -224,6 +226,8 @@ class ShmStore:
             st.count += 1
             trash += self._trim_cache(st, self.cfg.budget_bytes - st.resident)
             self._lock.write(st)
+        # the NaN/Inf screen runs beside the writes; a bad sample never leaves its tmp dir
+        screened = self._screener.start(sample_id, kept) if self.cfg.screen_nonfinite else None
         try:
             for name, t in kept.items():
                 flags = os.O_WRONLY if name in recycled else os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -232,6 +236,8 @@ class ShmStore:
                     _write_all(fd, t)
                 finally:
                     os.close(fd)
+            if screened is not None:
+                screened.result()
         except BaseException:
             with self._lock:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -279,15 +285,25 @@ class ShmStore:
         files into the free cache while it has room; return what is left, in the trash."""
         st.resident -= _nbytes_of(d)
         st.count -= 1
-        room = min(self.cfg.recycle_bytes, self.cfg.budget_bytes - max(st.resident, 0)) - st.cached
+        cap = min(self.cfg.recycle_bytes, self.cfg.budget_bytes - max(st.resident, 0))
+        free_dir = self.root / "free"
         for f in d.iterdir():
             size = f.stat().st_size
-            if f.name.startswith(".") or size == 0 or size > room:
+            if f.name.startswith(".") or size == 0 or size > cap:
                 continue
-            (self.root / "free").mkdir(exist_ok=True)
-            os.rename(f, self.root / "free" / f"{size}.{uuid.uuid4().hex[:12]}")  # new ctime
+            if st.cached + size > cap:
+                # keep larger files: reusing one that must grow allocates pages again
+                smaller = sorted((int(g.name.split(".")[0]), g) for g in free_dir.iterdir())
+                smaller = [(n, g) for n, g in smaller if n < size]
+                while smaller and st.cached + size > cap:
+                    n, g = smaller.pop(0)
+                    g.unlink()
+                    st.cached -= n
+                if st.cached + size > cap:
+                    continue
+            free_dir.mkdir(exist_ok=True)
+            os.rename(f, free_dir / f"{size}.{uuid.uuid4().hex[:12]}")  # (a rename sets ctime)
             st.cached += size
-            room -= size
         return self._to_trash(d)
 
     def _trim_cache(self, st: _Stats, room: int) -> list[Path]:
@@ -433,6 +449,9 @@ class ShmStore:
             shutil.rmtree(d, ignore_errors=True)
         return max(freed, old_resident - resident)
 
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)  # a put copies (shm) or keeps (mem) any tensor
+
     def usage(self) -> StoreUsage:
         with self._lock:
             st = self._lock.read()
@@ -445,6 +464,7 @@ class ShmStore:
             return
         self._closed = True
         _open_handles.discard(self)
+        self._screener.close()
         with self._lock:
             (self.root / "procs" / self._handle).unlink(missing_ok=True)
             if not self.cfg.keep_on_close and not self._live_handles():
