@@ -14,4 +14,5 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest_plugins = [
     "tests.fixtures.nats",
     "tests.fixtures.mooncake",
+    "tests.fixtures.pipeline",
 ]

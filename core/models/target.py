@@ -244,7 +244,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         tokenizer, "_tokenizer", None
     )
     if backend is not None and hasattr(backend, "to_str"):
-        digest.update(backend.to_str().encode())
+        # Truncation/padding are per-call state (encode(truncation=True) sets them): not identity.
+        state = json.loads(backend.to_str())
+        state.pop("truncation", None)
+        state.pop("padding", None)
+        digest.update(json.dumps(state, sort_keys=True).encode())
     else:
         digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     digest.update(str(getattr(tokenizer, "chat_template", "") or "").encode())

@@ -1,0 +1,271 @@
+"""The trainer loop: lockstep windows -> accumulation -> optimizer step -> ack -> release.
+
+One `Trainer` per rank. Every optimizer step consumes one window of exactly
+`micro_batch * accumulation` items per rank (consumers/loader.py); gradient accumulation runs
+the micro-steps locally and averages gradients across ranks in one all-reduce per optimizer
+step (consumers/parallel.py). Only
+after `optimizer.step()` are the window's items acked (then their tensors released), so a
+kill at any point loses nothing: unacked items are redelivered, and the checkpoint's cursor
+and lineage make a replayed item a no-op.
+
+Lineage: the sample ids trained into the model, in order, gathered from every rank each step.
+A sample id enters it at most once (replays and redeliveries of trained samples are acked
+and skipped); the checkpoint carries it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from consumers.checkpoint import CheckpointManager, rng_state, set_rng_state
+from consumers.cursor import SamplesCursor
+from consumers.loader import Loader, Window
+from consumers.lockstep import distributed, gather_objects
+from consumers.parallel import average_gradients
+from core.strategies.base import StepContext
+from core.telemetry import tracer
+
+
+@dataclass
+class TrainState:
+    """Everything a resume restores besides the model and optimizer."""
+
+    step: int = 0
+    samples: int = 0
+    cursor: SamplesCursor = field(default_factory=SamplesCursor)
+    lineage: list[str] = field(default_factory=list)
+    trained: set[str] = field(default_factory=set)
+
+    def record(self, seqs: list[int], sample_ids: list[str], retired: list[int]) -> None:
+        self.cursor.mark(seqs + retired)
+        self.lineage.extend(sample_ids)
+        self.trained.update(sample_ids)
+        self.samples += len(sample_ids)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    samples: int
+    lineage: list[str]
+    history: list[dict[str, float]]
+    checkpoint: str | None
+
+
+def _scalar(v: Any) -> float:
+    return float(v.detach().float().mean()) if isinstance(v, torch.Tensor) else float(v)
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        loss_fn: Callable[[torch.nn.Module, Any, StepContext], tuple[torch.Tensor, dict[str, Any]]],
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loader: Loader,
+        checkpoints: CheckpointManager | None,
+        state: TrainState,
+        total_steps: int,
+        grad_clip: float,
+        max_steps: int | None = None,
+        checkpoint_every: int = 100,
+        log_every: int = 10,
+        rank: int = 0,
+        retired: Callable[[], list[int]] = list,
+        on_log: Callable[[dict[str, float]], None] | None = None,
+        store_usage: Callable[[], Any] | None = None,
+        lag: Callable[[], Any] | None = None,
+        source_stats: Callable[[], dict[str, float]] | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        self.model, self.loss_fn, self.optimizer, self.scheduler = (
+            model,
+            loss_fn,
+            optimizer,
+            scheduler,
+        )
+        self.loader, self.checkpoints, self.state = loader, checkpoints, state
+        self.total_steps, self.grad_clip, self.max_steps = total_steps, grad_clip, max_steps
+        self.checkpoint_every, self.log_every, self.rank = checkpoint_every, log_every, rank
+        self.retired, self.on_log, self.store_usage, self.lag = retired, on_log, store_usage, lag
+        self.source_stats = source_stats
+        self.device = torch.device(device)
+        self.history: list[dict[str, float]] = []
+        self._tracer = tracer("specbus.trainer")
+        self._window_metrics: dict[str, list[float]] = defaultdict(list)
+        self._interval = {
+            "t0": time.perf_counter(),
+            "wait": 0.0,
+            "bus": 0.0,
+            "samples": 0,
+            "tokens": 0,
+            "steps": 0,
+        }
+        self._last_checkpoint: str | None = None
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        module = getattr(self.model, "module", self.model)
+        return {
+            "model": {k: v for k, v in module.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": rng_state(),
+            "step": self.state.step,
+            "samples": self.state.samples,
+            "cursor": self.state.cursor.to_dict(),
+            "lineage": list(self.state.lineage),
+        }
+
+    @staticmethod
+    def restore(model: torch.nn.Module, optimizer, scheduler, saved: dict[str, Any]) -> TrainState:
+        module = getattr(model, "module", model)
+        module.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        if scheduler is not None and saved.get("scheduler") is not None:
+            scheduler.load_state_dict(saved["scheduler"])
+        set_rng_state(saved["rng"])
+        lineage = list(saved["lineage"])
+        return TrainState(
+            step=saved["step"],
+            samples=saved["samples"],
+            cursor=SamplesCursor.from_dict(saved["cursor"]),
+            lineage=lineage,
+            trained=set(lineage),
+        )
+
+    # -- loop --------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        try:
+            while self.max_steps is None or self.state.step < self.max_steps:
+                window = self.loader.next_window()
+                if window is None:
+                    break
+                self._step(window)
+                if self.state.step % self.log_every == 0:
+                    self._log()
+                if self.checkpoints is not None and self.state.step % self.checkpoint_every == 0:
+                    self.save()
+        finally:
+            self.loader.close()
+        if self._interval["steps"]:
+            self._log()
+        if (
+            self.checkpoints is not None
+            and self.state.step
+            and self._last_checkpoint_step != self.state.step
+        ):
+            self.save()
+        return TrainResult(
+            self.state.step,
+            self.state.samples,
+            list(self.state.lineage),
+            self.history,
+            self._last_checkpoint,
+        )
+
+    _last_checkpoint_step = -1
+
+    def _step(self, window: Window) -> None:
+        links = [link for item in window.items for link in item.links if link is not None]
+        ctx = StepContext(global_step=self.state.step, total_steps=self.total_steps)
+        with self._tracer.start_as_current_span("train_step", links=links) as span:
+            span.set_attribute("specbus.step", self.state.step)
+            span.set_attribute("specbus.samples", len(window.items))
+            self.model.train()
+            n = len(window.micro_batches)
+            for batch in window.micro_batches:  # accumulate locally, no communication
+                loss, metrics = self.loss_fn(self.model, batch.to(self.device), ctx)
+                (loss / n).backward()
+                self._window_metrics["loss"].append(_scalar(loss))
+                for k, v in metrics.items():
+                    self._window_metrics[k].append(_scalar(v))
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            average_gradients(params)  # the step's one all-reduce
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+            self._window_metrics["grad_norm"].append(_scalar(grad_norm))
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+            # The step is applied: agree on what it contained, then confirm it upstream.
+            t_bus = time.perf_counter()
+            mine = (
+                [i.seq for i in window.items],
+                [i.sample_id for i in window.items],
+                self.retired(),
+            )
+            for seqs, ids, retired in gather_objects(mine):
+                self.state.record(seqs, ids, retired)
+            self.loader.commit(window)
+            bus_s = time.perf_counter() - t_bus
+        self.state.step += 1
+        iv = self._interval
+        iv["wait"] += window.wait_s
+        iv["bus"] += bus_s
+        iv["samples"] += len(window.items)
+        iv["tokens"] += window.num_tokens
+        iv["steps"] += 1
+
+    def _log(self) -> None:
+        iv = self._interval
+        elapsed = max(time.perf_counter() - iv["t0"], 1e-9)
+        row: dict[str, float] = {"step": float(self.state.step)}
+        row.update({k: sum(v) / len(v) for k, v in self._window_metrics.items() if v})
+        row["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        row["samples_per_s"] = iv["samples"] / elapsed
+        row["tokens_per_s"] = iv["tokens"] / elapsed
+        row["data_wait_frac"] = iv["wait"] / elapsed
+        row["bus_s_per_step"] = iv["bus"] / max(iv["steps"], 1)
+        row["redeliveries"] = float(self.loader.stats["redeliveries"])
+        if self.source_stats is not None:
+            row.update({k: float(v) for k, v in self.source_stats().items()})
+        if self.lag is not None:
+            lag = self.lag()
+            row["lag_refs"] = float(lag.messages)
+            row["lag_bytes"] = float(lag.bytes)
+        usage = self.store_usage() if self.store_usage is not None else None
+        if usage is not None:
+            row["store_bytes"] = float(usage.resident_bytes)
+            row["store_peak_bytes"] = float(usage.peak_bytes)
+        if torch.cuda.is_available():
+            row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        self.history.append(row)
+        if self.on_log is not None and self.rank == 0:
+            self.on_log(row)
+        self._window_metrics.clear()
+        self._interval = {
+            "t0": time.perf_counter(),
+            "wait": 0.0,
+            "bus": 0.0,
+            "samples": 0,
+            "tokens": 0,
+            "steps": 0,
+        }
+
+    def score(self) -> float | None:
+        """Checkpoint score: the simulated acceptance length of the last interval, measured
+        on windows before the model trained on them (progressive validation)."""
+        for row in reversed(self.history):
+            if "sim_accept_len" in row and not math.isnan(row["sim_accept_len"]):
+                return row["sim_accept_len"]
+        return None
+
+    def save(self) -> None:
+        """Rank 0 writes the checkpoint; every rank agrees on the step before moving on."""
+        if self.rank == 0 and self.checkpoints is not None:
+            path = self.checkpoints.save(self.state.step, self.state_dict(), score=self.score())
+            self._last_checkpoint = str(path)
+        self._last_checkpoint_step = self.state.step
+        if distributed():
+            torch.distributed.barrier()

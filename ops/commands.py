@@ -1,0 +1,167 @@
+"""The pipeline subcommands: `feed`, `produce`, `train`, `export`, `demo`.
+
+Each takes the run config (`--config run.yaml` plus dotted `key=value` overrides) and the
+broker URL (`--url`, else `bus.url`). `train` reads the torchrun environment (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), so `torchrun --nproc-per-node 2 -m
+ops.cli train ...` and plain `specbus train` are the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from core.config import RunConfig, load_config
+
+log = logging.getLogger("specbus")
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    return load_config(args.config, args.overrides)
+
+
+def _url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
+    return args.url or cfg.bus.url
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None, help="run config YAML")
+    p.add_argument("--url", default=None, help="broker URL (default: bus.url)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+
+def format_row(row: dict[str, float], total: int | None = None) -> str:
+    step = int(row["step"])
+    parts = [f"step {step}" + (f"/{total}" if total else "")]
+    for key, fmt in (("loss", "loss {:.3f}"), ("acc_0", "acc0 {:.3f}"), ("sim_accept_len", "tau {:.2f}"),
+                     ("samples_per_s", "{:.1f} samples/s"), ("tokens_per_s", "{:.0f} tok/s"),
+                     ("data_wait_frac", "wait {:.1%}"), ("bus_s_per_step", "bus {:.1e}s/step")):  # fmt: skip
+        if key in row:
+            parts.append(fmt.format(row[key]))
+    for key in ("dead_letters", "recaptures"):
+        if row.get(key):
+            parts.append(f"{key.replace('_', ' ')} {int(row[key])}")
+    if "store_bytes" in row:
+        parts.append(
+            f"store {row['store_bytes'] / 2**20:.1f}MiB (peak {row['store_peak_bytes'] / 2**20:.1f})"
+        )
+    return " | ".join(parts)
+
+
+def cmd_feed(args: argparse.Namespace) -> int:
+    from ops.produce import run_feeder
+
+    cfg = _config(args)
+    count = asyncio.run(run_feeder(cfg, bus_url=_url(args, cfg)))
+    print(f"run {cfg.run}: {count} tasks fed")
+    return 0
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    from ops.produce import run_producer
+
+    cfg = _config(args)
+    stats = asyncio.run(
+        run_producer(
+            cfg, bus_url=_url(args, cfg), producer_id=args.id, exit_when_idle=args.exit_when_idle
+        )
+    )
+    print(f"producer done: {stats.samples} samples from {stats.tasks} tasks, {stats.failures} failures, "
+          f"{stats.dead_letters} dead letters, capture {stats.capture_s:.1f}s")  # fmt: skip
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ops.train import run_trainer
+
+    cfg = _config(args)
+    result = run_trainer(
+        cfg,
+        bus_url=_url(args, cfg),
+        resume=args.resume,
+        on_log=lambda row: print(format_row(row), flush=True),
+    )
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(
+            f"training done: {result.steps} steps, {result.samples} samples, checkpoint {result.checkpoint}"
+        )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ops.export import export_checkpoint
+
+    cfg = _config(args)
+    out = export_checkpoint(cfg, args.checkpoint, args.out, bus_url=_url(args, cfg))
+    print(f"exported {out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ops.demo import run_demo
+
+    return run_demo(args)
+
+
+def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("feed", help="publish the dataset's tasks to the run's TASKS stream")
+    add_common(p)
+    p.set_defaults(func=cmd_feed)
+
+    p = sub.add_parser("produce", help="join the producers group: capture tasks into the store")
+    add_common(p)
+    p.add_argument("--id", default=None, help="producer id (default host-pid)")
+    p.add_argument(
+        "--exit-when-idle",
+        action="store_true",
+        help="exit once the feed is complete and no task is pending",
+    )
+    p.set_defaults(func=cmd_produce)
+
+    p = sub.add_parser("train", help="one trainer rank (torchrun sets RANK/WORLD_SIZE)")
+    add_common(p)
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint (replay from its cursor)",
+    )
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="export a checkpoint as an SGLang EAGLE3 draft directory")
+    add_common(p)
+    p.add_argument("--checkpoint", default="latest", help="latest, best, or a checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("demo", help="the whole pipeline on this machine (SmolLM2-135M, GSM8K)")
+    add_common(p)
+    p.add_argument("--minutes", type=float, default=3.0, help="training time budget")
+    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--producers", type=int, default=1)
+    p.add_argument(
+        "--target", default=None, help="a local HF model directory (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--data", default=None, help="gsm8k, chatterbot, or a JSONL path")
+    p.add_argument("--eval-prompts", type=int, default=20)
+    p.add_argument("--eval-tokens", type=int, default=64)
+    p.set_defaults(func=cmd_demo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (the `specbus` CLI registers these commands too)."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    parser = argparse.ArgumentParser(prog="specbus")
+    add_pipeline_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

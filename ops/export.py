@@ -1,0 +1,39 @@
+"""`specbus export`: a checkpoint -> the directory SGLang loads as an EAGLE3 draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from consumers.checkpoint import CheckpointManager
+from core.config import RunConfig
+from core.data.vocab import VocabMapping
+from core.errors import CheckpointError
+from core.export.sglang import export_draft
+from core.models.target import load_target_heads, load_target_info, resolve_target_dir
+from core.strategies.base import build_strategy
+
+
+def load_trained_draft(cfg: RunConfig, checkpoint: str | Path = "latest"):
+    """The draft of a checkpoint, rebuilt from the run config (vocab mapping from its buffers)."""
+    ckpt_dir = cfg.training.checkpoint_dir or (cfg.resolved_run_dir / "checkpoints")
+    manager = CheckpointManager(ckpt_dir, plan={})
+    path = manager.resolve(checkpoint)
+    if path is None or not (path / "state.pt").exists():
+        raise CheckpointError(f"no checkpoint {str(checkpoint)!r} under {ckpt_dir}")
+    import torch
+
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)["model"]
+    target_path = resolve_target_dir(cfg.target.model)
+    info = load_target_info(target_path, name=cfg.target.model)
+    heads = load_target_heads(target_path)
+    strategy = build_strategy(cfg.strategy, info, heads=heads, aux_layers=cfg.target.aux_layers)
+    vocab = VocabMapping(d2t=state["d2t"].long(), t2d=state["t2d"].bool())
+    draft = strategy.build_model(info, heads, vocab)
+    draft.load_state_dict(state)
+    return draft.eval()
+
+
+def export_checkpoint(
+    cfg: RunConfig, checkpoint: str | Path, out: str | Path, bus_url: str | None = None
+) -> Path:
+    return export_draft(load_trained_draft(cfg, checkpoint), out)

@@ -1,0 +1,231 @@
+"""Build and run one trainer rank (`specbus train`, also under torchrun), either mode.
+
+`deployment.mode: disaggregated`: the rank leases SampleRefs from the "trainers" group and
+reads tensors from the store the refs name. `colocated`: the rank leases PromptTasks from the
+"producers" group and captures them itself into a `mem://` store bounded to one window.
+Everything after the source (loader, lockstep, trainer, checkpoints, resume) is shared.
+
+Wiring, in order: the process group (gloo on CPU, NCCL on GPU; from the torchrun environment
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), the bus, the run manifest (written by the feeder:
+plan, target fingerprints, vocab mapping), the target's frozen heads, the strategy and its
+draft, the optimizer and schedule, the checkpoint (`resume=True`: restore it and reposition the
+trainers' consumer at its cursor; no checkpoint yet: replay from the start), then the loop.
+At the end rank 0 writes the final checkpoint and marks the run's training complete, which
+releases the producers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bus.connection import connect
+from bus.lag import lag
+from bus.lease import Leases
+from bus.replay import reposition
+from bus.subjects import PRODUCERS, TRAINERS
+from bus.topology import declare
+from consumers.bus_source import BusSource
+from consumers.checkpoint import CheckpointManager
+from consumers.loader import Loader
+from consumers.loop_thread import LoopThread
+from consumers.parallel import broadcast_parameters
+from consumers.trainer import Trainer, TrainResult, TrainState
+from core.config import RunConfig
+from core.errors import CheckpointError, ConfigError
+from core.models.target import load_target_heads, load_target_info, resolve_target_dir
+from core.store import open_store
+from core.strategies.base import build_strategy
+from core.training import build_optimizer, build_scheduler
+from producers.colocated import ColocatedSource
+from producers.engines.registry import build_engine
+from producers.feeder import vocab_from_manifest
+
+log = logging.getLogger("specbus.train")
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world, local_rank) from the torchrun environment (1 process when unset)."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def init_distributed(cfg: RunConfig, rank: int, world: int, local_rank: int) -> torch.device:
+    use_cuda = torch.cuda.is_available() and cfg.training.backend != "gloo"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        backend = (
+            cfg.training.backend
+            if cfg.training.backend != "auto"
+            else ("nccl" if use_cuda else "gloo")
+        )
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    return device
+
+
+def plan_of_training(cfg: RunConfig, manifest: dict[str, Any], world: int) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed by this run."""
+    return {
+        "manifest_plan": manifest["plan_hash"],
+        "strategy": cfg.strategy.model_dump(mode="json"),
+        "micro_batch": cfg.training.micro_batch,
+        "accumulation": cfg.training.accumulation,
+        "world": world,
+    }
+
+
+def wait_for_manifest(loop: LoopThread, kv, run: str, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        manifest = loop.call(kv.get_manifest())
+        if manifest is not None:
+            return manifest
+        time.sleep(0.2)
+    raise ConfigError(
+        f"run {run!r} has no manifest after {timeout_s:.0f}s: start the feeder (`specbus feed`) for this run"
+    )
+
+
+def run_trainer(
+    cfg: RunConfig,
+    *,
+    bus_url: str | None,
+    resume: bool = False,
+    manifest_timeout_s: float = 600.0,
+    on_log=None,
+) -> TrainResult:
+    rank, world, local_rank = dist_env()
+    device = init_distributed(cfg, rank, world, local_rank)
+    torch.manual_seed(cfg.training.seed)
+    loop = LoopThread(f"specbus-bus-r{rank}")
+    bus = loop.call(connect(cfg.bus, bus_url, name=f"specbus-trainer-{rank}"))
+    source = None
+    try:
+        topo = loop.call(declare(bus, cfg.bus, cfg.run))
+        manifest = wait_for_manifest(loop, topo.kv, cfg.run, manifest_timeout_s)
+        if manifest["strategy"] != cfg.strategy.name:
+            raise ConfigError(
+                f"run {cfg.run!r} was fed for strategy {manifest['strategy']!r}, not {cfg.strategy.name!r}"
+            )
+        path = resolve_target_dir(cfg.target.model)
+        info = load_target_info(path, name=cfg.target.model)
+        heads = load_target_heads(path)
+        strategy = build_strategy(cfg.strategy, info, heads=heads, aux_layers=cfg.target.aux_layers)
+        model = strategy.build_model(info, heads, vocab_from_manifest(manifest)).to(device)
+        broadcast_parameters(model)
+        optimizer = build_optimizer(model, cfg.training)
+        per_step = world * cfg.training.micro_batch * cfg.training.accumulation
+        total_steps = cfg.training.total_steps or max(1, manifest["planned_tasks"] // per_step)
+        if cfg.training.max_steps:
+            total_steps = min(total_steps, cfg.training.max_steps)
+        scheduler = build_scheduler(optimizer, cfg.training, total_steps)
+
+        colocated = cfg.deployment.mode == "colocated"
+        group_name = PRODUCERS if colocated else TRAINERS
+        ckpt_dir = cfg.training.checkpoint_dir or (cfg.resolved_run_dir / "checkpoints")
+        checkpoints = CheckpointManager(
+            ckpt_dir, plan_of_training(cfg, manifest, world), keep=cfg.training.keep_checkpoints
+        )
+        state = TrainState()
+        if resume:
+            if checkpoints.resolve("latest") is not None:
+                state = Trainer.restore(model, optimizer, scheduler, checkpoints.load("latest"))
+                log.info(
+                    "rank %d resumed at step %d (cursor floor %d)",
+                    rank,
+                    state.step,
+                    state.cursor.floor,
+                )
+            if rank == 0:  # everything above the floor comes again; the cursor skips what is in
+                loop.call(reposition(bus, cfg.run, group_name, state.cursor.floor + 1))
+        elif checkpoints.resolve("latest") is not None:
+            raise CheckpointError(
+                f"{Path(ckpt_dir)} already holds checkpoints of run {cfg.run!r}: pass --resume to continue it, "
+                "or use another run name / training.checkpoint_dir"
+            )
+        if dist.is_initialized():
+            dist.barrier()
+
+        group = loop.call(Leases.join(bus, cfg.run, group_name))
+        contract = strategy.feature_contract(info)
+        skip = lambda seq, sample_id: state.cursor.is_done(seq) or sample_id in state.trained  # noqa: E731
+        if colocated:
+            engine = build_engine(cfg.target.model_copy(update={"device": str(device)}))
+            store = open_store(cfg.store.model_copy(update={"uri": "mem://"}))
+            source = ColocatedSource(
+                bus, cfg.run, group, topo.kv, engine, contract, store, cfg.bus, skip=skip
+            )
+            prefetch = 0  # capture the next window only after the last one is released
+        else:
+            source = BusSource(
+                bus, cfg.run, group, topo.kv,
+                strategy=strategy.name,
+                features=contract.names,
+                target_fingerprint=manifest["target"]["fingerprint"],
+                tokenizer_fingerprint=manifest["target"]["tokenizer_fingerprint"],
+                skip=skip,
+            )  # fmt: skip
+            prefetch = cfg.training.prefetch
+        loader = Loader(
+            source, loop, lambda samples: strategy.collate(samples, cfg.data.max_length),
+            micro_batch=cfg.training.micro_batch,
+            accumulation=cfg.training.accumulation,
+            prefetch=prefetch,
+            heartbeat_s=min(cfg.bus.heartbeat_s, cfg.bus.ack_wait_s / 3),
+            fetch_timeout_s=cfg.bus.fetch_timeout_s,
+            stop_after_s=cfg.training.max_minutes * 60 if cfg.training.max_minutes else None,
+        )  # fmt: skip
+        trainer = Trainer(
+            model=model,
+            loss_fn=strategy.forward_loss,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loader=loader,
+            checkpoints=checkpoints,
+            state=state,
+            total_steps=total_steps,
+            grad_clip=cfg.training.grad_clip,
+            max_steps=cfg.training.max_steps,
+            checkpoint_every=cfg.training.checkpoint_every,
+            log_every=cfg.training.log_every,
+            rank=rank,
+            retired=source.drain_retired,
+            on_log=on_log,
+            store_usage=source.usage,
+            source_stats=lambda: source.stats,
+            lag=lambda: loop.call(lag(bus, cfg.run)),
+            device=device,
+        )
+        result = trainer.fit()
+        if rank == 0:
+            loop.call(
+                topo.kv.mark_train_complete(
+                    {
+                        "steps": result.steps,
+                        "samples": result.samples,
+                        "checkpoint": result.checkpoint,
+                    }
+                )
+            )
+        return result
+    finally:
+        if source is not None:
+            source.close()
+        try:
+            loop.call(bus.close(), timeout=10)
+        finally:
+            loop.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

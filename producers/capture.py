@@ -1,0 +1,233 @@
+"""The capture worker: a member of the "producers" group turning PromptTasks into SampleRefs.
+
+Loop: wait while the store is over its budget (backpressure: the trainers' lag and the
+store's residency), lease up to `target.capture_batch` tasks, run the target engine with the
+leases kept alive, `store.put` each sample, publish one SampleRef per task (dedup id = sample
+id + generation, the capture span's context in the headers), then ack the tasks.
+
+Failure semantics:
+- a kill at any point loses nothing: an unacked task is redelivered to a live producer, its
+  re-put overwrites the same keys, and its re-publish is dropped by the broker's dedup;
+- a batch whose capture fails is retried one task at a time, so one poisoned task cannot
+  sink its neighbours; a failing task is nak'd with a delay and, on its last delivery,
+  dead-lettered with the error as the reason;
+- the worker exits when the trainers marked the run complete, or (with `exit_when_idle`)
+  when the feed is complete and no task is pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bus.connection import Bus
+from bus.dead import dead_letter
+from bus.lag import lag
+from bus.lease import Lease, Leases
+from bus.publisher import Publisher
+from bus.subjects import PRODUCERS, Names
+from bus.topology import RunKV
+from core.config import RunConfig
+from core.contracts import PromptTask, Provenance, SampleRef
+from core.errors import CaptureError, StoreFull
+from core.strategies.base import FeatureContract
+from core.telemetry import inject, tracer
+
+log = logging.getLogger("specbus.producer")
+
+
+@dataclass
+class CaptureStats:
+    tasks: int = 0
+    samples: int = 0
+    failures: int = 0
+    dead_letters: int = 0
+    backpressure_waits: int = 0
+    capture_s: float = 0.0
+    tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+def sample_id_of(task: PromptTask) -> str:
+    """A sample is one task in one epoch; its recaptures share the id (new generation)."""
+    return f"{task.task_id}-e{task.epoch}"
+
+
+def _token_tensors(tasks: list[PromptTask]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    for task in tasks:
+        if task.input_ids is None:
+            raise CaptureError(
+                f"task {task.task_id} has no input_ids (the feeder tokenises conversations)"
+            )
+    ids = [torch.tensor(t.input_ids, dtype=torch.long) for t in tasks]
+    masks = [
+        torch.tensor(
+            t.loss_mask if t.loss_mask is not None else [1] * len(t.input_ids), dtype=torch.long
+        )
+        for t in tasks
+    ]
+    return ids, masks
+
+
+def capture_isolated(
+    engine, contract: FeatureContract, tasks: list[PromptTask]
+) -> list[dict[str, torch.Tensor] | Exception]:
+    """Capture a batch; if it fails, capture its tasks one by one so only the poisoned fail.
+
+    Returns one tensor dict or the exception per task, in order.
+    """
+    try:
+        ids, masks = _token_tensors(tasks)
+        return list(engine.capture(ids, masks, contract))
+    except Exception as e:
+        if len(tasks) == 1:
+            return [e]
+        log.warning("batch capture failed (%s); retrying %d tasks one by one", e, len(tasks))
+        return [capture_isolated(engine, contract, [task])[0] for task in tasks]
+
+
+async def settle_failure(
+    lease: Lease, error: Exception, publisher: Publisher, names: Names, bus_cfg
+) -> bool:
+    """A task failed to capture: nak it with a delay, or dead-letter it on its last delivery.
+
+    Returns True when it was dead-lettered.
+    """
+    if lease.deliveries >= bus_cfg.max_deliver:
+        log.warning("task seq %d failed on its last delivery, dead-lettering: %s", lease.seq, error)
+        await dead_letter(
+            publisher, names, lease, "capture_failed", f"{type(error).__name__}: {error}"
+        )
+        return True
+    log.info(
+        "task seq %d capture failed (delivery %d), nak: %s", lease.seq, lease.deliveries, error
+    )
+    await lease.nak(bus_cfg.nak_delay_s)
+    return False
+
+
+class CaptureWorker:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        bus: Bus,
+        kv: RunKV,
+        group: Leases,
+        engine,
+        store,
+        contract: FeatureContract,
+        *,
+        producer_id: str | None = None,
+        exit_when_idle: bool = False,
+    ):
+        self.cfg, self.bus, self.kv, self.group = cfg, bus, kv, group
+        self.engine, self.store, self.contract = engine, store, contract
+        self.names = Names(cfg.run)
+        self.publisher = Publisher(bus)
+        self.producer_id = producer_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.exit_when_idle = exit_when_idle
+        self.stats = CaptureStats()
+        self._tracer = tracer("specbus.producer")
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- loop ----------------------------------------------------------------------------
+    async def run(self) -> CaptureStats:
+        while not self._stop.is_set():
+            if await self.kv.train_complete() is not None:
+                break
+            if await self._over_budget():
+                self.stats.backpressure_waits += 1
+                await asyncio.sleep(0.05)
+                continue
+            leases = await self.group.fetch(
+                self.cfg.target.capture_batch, self.cfg.bus.fetch_timeout_s
+            )
+            if leases:
+                await self._capture(leases)
+            elif self.exit_when_idle and await self._idle():
+                break
+        return self.stats
+
+    async def _over_budget(self) -> bool:
+        """Backpressure: refs not yet consumed (bytes) or store residency at the budget."""
+        budget = self.cfg.store.budget_bytes
+        usage = await asyncio.to_thread(self.store.usage)
+        if usage.resident_bytes >= budget * 0.9:
+            return True
+        trainers = await lag(self.bus, self.cfg.run)
+        return trainers.bytes >= budget * 0.9
+
+    async def _idle(self) -> bool:
+        if await self.kv.feed_complete() is None:
+            return False
+        return (await lag(self.bus, self.cfg.run, PRODUCERS)).messages == 0
+
+    async def _capture(self, leases: list[Lease]) -> None:
+        tasks: list[PromptTask] = [lease.record for lease in leases]
+        t0 = time.perf_counter()
+        async with self.group.heartbeat(leases):
+            with self._tracer.start_as_current_span("capture") as span:
+                span.set_attribute("specbus.tasks", len(tasks))
+                results = await asyncio.to_thread(
+                    capture_isolated, self.engine, self.contract, tasks
+                )
+                headers = inject()
+            self.stats.capture_s += time.perf_counter() - t0
+            self.stats.tokens += sum(len(t.input_ids or ()) for t in tasks)
+            done: list[Lease] = []
+            for lease, result in zip(leases, results, strict=True):
+                if isinstance(result, Exception):
+                    await self._failed(lease, result)
+                elif await self._publish(lease, result, headers):
+                    done.append(lease)
+            if done:
+                await self.group.ack_all(done)
+                self.stats.tasks += len(done)
+
+    async def _publish(
+        self, lease: Lease, tensors: dict[str, torch.Tensor], headers: dict[str, str]
+    ) -> bool:
+        task: PromptTask = lease.record
+        sample_id = sample_id_of(task)
+        try:
+            specs = await asyncio.to_thread(self.store.put, sample_id, tensors, task.generation)
+        except StoreFull as e:  # backpressure: give the task back for later
+            log.info("store full, task %s goes back: %s", task.task_id, e)
+            await lease.nak(self.cfg.bus.nak_delay_s)
+            return False
+        except Exception as e:  # NaN screen, integrity: a bad capture
+            await self._failed(lease, e)
+            return False
+        ref = SampleRef(
+            sample_id=sample_id,
+            run_id=self.cfg.run,
+            task_id=task.task_id,
+            task_seq=lease.seq,
+            epoch=task.epoch,
+            generation=task.generation,
+            store_uri=self.store.uri,
+            features=specs,
+            nbytes=sum(s.nbytes for s in specs.values()),
+            num_tokens=len(task.input_ids or ()),
+            strategy=self.contract.strategy,
+            target_fingerprint=self.engine.target_fingerprint,
+            tokenizer_fingerprint=self.engine.tokenizer_fingerprint,
+            provenance=Provenance(producer_id=self.producer_id, engine=self.engine.name),
+        )
+        await self.publisher.publish(self.names.samples, ref, headers=headers)
+        self.stats.samples += 1
+        return True
+
+    async def _failed(self, lease: Lease, error: Exception) -> None:
+        self.stats.failures += 1
+        if await settle_failure(lease, error, self.publisher, self.names, self.cfg.bus):
+            self.stats.dead_letters += 1

@@ -1,0 +1,243 @@
+"""The feeder: a dataset -> PromptTasks on the run's TASKS stream, once, in a seeded order.
+
+`prepare(cfg)` loads and tokenises the training records (chat template + assistant-span loss
+masks; pre-tokenised JSONL is taken as is), holds back `data.holdout` records for evaluation,
+and derives the EAGLE3 vocab mapping from the supervised tokens (deterministic for the same
+prompts). `feed()` then writes the run manifest (plan, target fingerprints, vocab mapping),
+publishes one task per record per epoch in a permutation seeded by `data.seed + epoch`
+(dedup ids carry the epoch), and finally marks the feed complete with the task count.
+
+It never floods: before each batch it waits while the producers' group has more than
+`max_pending` tasks not yet done. A restarted feeder resumes after the last task it
+published (the order is a pure function of the seed), and does nothing once the feed is
+marked complete. A manifest of another plan under the same run name is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bus.connection import Bus
+from bus.lag import lag
+from bus.publisher import Publisher
+from bus.subjects import PRODUCERS, Names
+from bus.topology import RunKV
+from core.config import RunConfig
+from core.contracts import PromptTask
+from core.data.datasets import load_source, split_holdout
+from core.data.templates import detect_template
+from core.data.tokenize import TokenizedSample, tokenize_record
+from core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
+from core.errors import ConfigError
+from core.models.target import (
+    TargetInfo,
+    load_target_info,
+    load_tokenizer,
+    resolve_target_dir,
+    target_fingerprint,
+    tokenizer_fingerprint,
+)
+
+log = logging.getLogger("specbus.feeder")
+
+
+@dataclass
+class Prepared:
+    samples: list[TokenizedSample]
+    holdout: list[dict[str, Any]]
+    vocab: VocabMapping
+    info: TargetInfo
+    target_path: Path
+    tokenizer: Any
+    target_fingerprint: str
+    tokenizer_fingerprint: str
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any(
+        (path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Load, split, tokenise; build the vocab mapping. Raises ConfigError on unusable data."""
+    path = resolve_target_dir(cfg.target.model)
+    info = load_target_info(path, name=cfg.target.model)
+    tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None
+    template = detect_template(tokenizer) if tokenizer is not None else None
+    records = load_source(cfg.data.source)
+    train, holdout = split_holdout(records, cfg.data.holdout, cfg.data.limit)
+    samples = []
+    for record in train:
+        if tokenizer is None and "input_ids" not in record:
+            raise ConfigError(
+                f"target {cfg.target.model!r} has no tokenizer: data.source must be pre-tokenised (input_ids)"
+            )
+        sample = tokenize_record(
+            record,
+            tokenizer,
+            template,
+            max_length=cfg.data.max_length,
+            last_turn_only=cfg.data.last_turn_only,
+        )
+        if int(sample.loss_mask.sum()) > 0 and len(sample) >= 2:
+            samples.append(sample)
+    if not samples:
+        raise ConfigError(
+            f"data.source {cfg.data.source!r}: no record has a supervised (assistant) token"
+        )
+    dropped = len(train) - len(samples)
+    if dropped:
+        log.warning("dropped %d of %d records with no supervised token", dropped, len(train))
+    draft_vocab = min(cfg.strategy.draft.draft_vocab_size, info.vocab_size)
+    vocab = build_vocab_mapping(
+        count_tokens((s.input_ids, s.loss_mask) for s in samples), draft_vocab, info.vocab_size
+    )
+    return Prepared(
+        samples=samples,
+        holdout=holdout,
+        vocab=vocab,
+        info=info,
+        target_path=path,
+        tokenizer=tokenizer,
+        target_fingerprint=target_fingerprint(path),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else "none",
+    )
+
+
+def epoch_order(num: int, seed: int, epoch: int) -> list[int]:
+    """The dataset indices of one epoch, in a permutation that depends only on (seed, epoch)."""
+    order = list(range(num))
+    random.Random(f"specbus:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def plan_of(cfg: RunConfig, prepared: Prepared) -> dict[str, Any]:
+    """What every process of the run must agree on (the manifest's identity)."""
+    return {
+        "strategy": cfg.strategy.model_dump(mode="json"),
+        "data": cfg.data.model_dump(mode="json"),
+        "target": {"model": cfg.target.model, "fingerprint": prepared.target_fingerprint},
+        "num_samples": len(prepared.samples),
+        "vocab": prepared.vocab.fingerprint(),
+    }
+
+
+def plan_hash(plan: dict[str, Any]) -> str:
+    return hashlib.sha256(orjson.dumps(plan, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def manifest_of(cfg: RunConfig, prepared: Prepared) -> dict[str, Any]:
+    plan = plan_of(cfg, prepared)
+    return {
+        "run": cfg.run,
+        "plan": plan,
+        "plan_hash": plan_hash(plan),
+        "planned_tasks": len(prepared.samples) * cfg.data.epochs,
+        "target": {
+            "model": cfg.target.model,
+            "fingerprint": prepared.target_fingerprint,
+            "tokenizer_fingerprint": prepared.tokenizer_fingerprint,
+            "num_layers": prepared.info.num_layers,
+            "hidden_size": prepared.info.hidden_size,
+            "vocab_size": prepared.info.vocab_size,
+        },
+        "strategy": cfg.strategy.name,
+        # t2d is derived: t2d[i + d2t[i]] = True for every draft id i.
+        "vocab": {
+            "d2t": prepared.vocab.d2t.tolist(),
+            "target_vocab_size": prepared.info.vocab_size,
+        },
+    }
+
+
+def vocab_from_manifest(manifest: dict[str, Any]) -> VocabMapping:
+    import torch
+
+    d2t = torch.tensor(manifest["vocab"]["d2t"], dtype=torch.long)
+    t2d = torch.zeros(int(manifest["vocab"]["target_vocab_size"]), dtype=torch.bool)
+    t2d[torch.arange(d2t.numel()) + d2t] = True
+    return VocabMapping(d2t=d2t, t2d=t2d)
+
+
+async def _resume_point(bus: Bus, names: Names) -> tuple[int, int] | None:
+    """(epoch, task index) of the last dataset task in TASKS, or None if there is none."""
+    try:
+        last = await bus.js.get_last_msg(names.tasks_stream, names.tasks)
+    except Exception:
+        return None
+    try:
+        task = PromptTask.from_bytes(last.data)
+    except Exception:
+        return None
+    return (task.epoch, task.index) if task.source == "dataset" else None
+
+
+async def feed(
+    bus: Bus,
+    kv: RunKV,
+    cfg: RunConfig,
+    prepared: Prepared,
+    *,
+    batch: int = 256,
+    max_pending: int | None = None,
+) -> int:
+    """Publish the run's tasks (see module doc); returns the task count. Idempotent."""
+    names = Names(cfg.run)
+    done = await kv.feed_complete()
+    if done is not None:
+        log.info("feed of run %s already complete (%d tasks)", cfg.run, done)
+        return done
+    manifest = manifest_of(cfg, prepared)
+    existing = await kv.get_manifest()
+    if existing is not None and existing.get("plan_hash") != manifest["plan_hash"]:
+        raise ConfigError(
+            f"run {cfg.run!r} already has a manifest of another plan ({existing.get('plan_hash')} != "
+            f"{manifest['plan_hash']}): use another run name, or the original data/strategy settings"
+        )
+    if existing is None:
+        await kv.put_manifest(manifest)
+    max_pending = max_pending or 4 * cfg.bus.max_ack_pending
+    publisher = Publisher(bus)
+    resume = await _resume_point(bus, names)
+    total = 0
+    for epoch in range(cfg.data.epochs):
+        order = epoch_order(len(prepared.samples), cfg.data.seed, epoch)
+        start = 0
+        if resume is not None:
+            r_epoch, r_index = resume
+            if epoch < r_epoch:
+                total += len(order)
+                continue
+            if epoch == r_epoch:
+                start = order.index(r_index) + 1
+                total += start
+        for lo in range(start, len(order), batch):
+            while (await lag(bus, cfg.run, PRODUCERS)).messages >= max_pending:
+                await asyncio.sleep(0.2)
+            tasks = []
+            for index in order[lo : lo + batch]:
+                s = prepared.samples[index]
+                tasks.append(
+                    PromptTask(
+                        task_id=f"t{index}",
+                        run_id=cfg.run,
+                        epoch=epoch,
+                        index=index,
+                        input_ids=tuple(s.input_ids.tolist()),
+                        loss_mask=tuple(s.loss_mask.tolist()),
+                    )
+                )
+            await publisher.publish_many(names.tasks, tasks)
+            total += len(tasks)
+    await kv.mark_feed_complete(total)
+    log.info("fed %d tasks to run %s", total, cfg.run)
+    return total
