@@ -93,6 +93,8 @@ class Worker:
         if op == "store_put":
             store = self.store(cmd["uri"], **cmd.get("kw", {}))
             t = self.hidden(size)
+            if cmd.get("alloc"):  # the capture wrote straight into store memory
+                t = store.alloc(tuple(t.shape), t.dtype).copy_(t)
             t0 = time.perf_counter()
             specs = [store.put(f"{cmd['tag']}-{i}", {"hidden": t})["hidden"] for i in range(n)]
             return {
@@ -224,6 +226,11 @@ def bench(sizes_mb: list[int], total_mb: int, rounds: int) -> dict:
                     )
                     record("shm_put_noscreen", put["seconds"])
                     reader(op="store_get", uri=shm_uri, specs=put["specs"])
+                    put = writer(
+                        op="store_put", uri=mc_uri, size=size, n=n, tag=tag + "al", alloc=True
+                    )
+                    record("mooncake_put_alloc", put["seconds"])
+                    reader(op="store_get", uri=mc_uri, specs=put["specs"])
                     copy = writer(op="memcpy", size=size, n=n)
                     record("memcpy", copy["seconds"])
                     record("memcpy_fresh", copy["fresh_seconds"])
@@ -235,6 +242,7 @@ def bench(sizes_mb: list[int], total_mb: int, rounds: int) -> dict:
                         "mooncake_put_vs_raw": med["mooncake_put"] / med["raw_put"],
                         "mooncake_get_vs_raw": med["mooncake_get"] / med["raw_get"],
                         "shm_put_vs_memcpy": med["shm_put"] / med["memcpy"],
+                        "mooncake_put_alloc_vs_raw": med["mooncake_put_alloc"] / med["raw_put"],
                         "shm_put_noscreen_vs_memcpy": med["shm_put_noscreen"] / med["memcpy"],
                         "shm_get_vs_memcpy": med["shm_get"] / med["memcpy"],
                     },
@@ -250,19 +258,32 @@ def bench(sizes_mb: list[int], total_mb: int, rounds: int) -> dict:
 
 
 def report(results: dict) -> str:
-    lines = [
-        f"{'size':>6} | {'raw mc put':>10} {'specbus mc':>10} {'ratio':>5} | {'raw mc get':>10} {'specbus mc':>10} {'ratio':>5} | "
-        f"{'memcpy':>6} {'shm put':>7} {'ratio':>5} {'shm get':>7} {'ratio':>5} | {'put no screen':>13} {'memcpy fresh':>12}"
+    rows = [
+        ("raw Mooncake put_from", "raw_put", None),
+        ("specbus mooncake put", "mooncake_put", "mooncake_put_vs_raw"),
+        ("specbus mooncake put, alloc()'d", "mooncake_put_alloc", "mooncake_put_alloc_vs_raw"),
+        ("raw Mooncake get_into", "raw_get", None),
+        ("specbus mooncake get", "mooncake_get", "mooncake_get_vs_raw"),
+        ("memcpy (touched dst)", "memcpy", None),
+        ("memcpy (fresh dst)", "memcpy_fresh", None),
+        ("specbus shm put", "shm_put", "shm_put_vs_memcpy"),
+        ("specbus shm put, no NaN screen", "shm_put_noscreen", "shm_put_noscreen_vs_memcpy"),
+        ("specbus shm get", "shm_get", "shm_get_vs_memcpy"),
     ]
-    for size, r in results.items():
-        g, q = r["gbps"], r["ratios"]
-        lines.append(
-            f"{size:>6} | {g['raw_put']:10.2f} {g['mooncake_put']:10.2f} {q['mooncake_put_vs_raw']:5.2f} | "
-            f"{g['raw_get']:10.2f} {g['mooncake_get']:10.2f} {q['mooncake_get_vs_raw']:5.2f} | "
-            f"{g['memcpy']:6.2f} {g['shm_put']:7.2f} {q['shm_put_vs_memcpy']:5.2f} {g['shm_get']:7.2f} {q['shm_get_vs_memcpy']:5.2f} | "
-            f"{g['shm_put_noscreen']:7.2f} ({q['shm_put_noscreen_vs_memcpy']:.2f}) {g['memcpy_fresh']:12.2f}"
-        )
-    return "GB/s, median of rounds; ratios = specbus / baseline\n" + "\n".join(lines)
+    sizes = list(results)
+    head = f"{'GB/s (median of rounds)':34}" + "".join(f"{s:>9} {'ratio':>6}" for s in sizes)
+    lines = [head]
+    for label, key, ratio in rows:
+        cells = ""
+        for size in sizes:
+            r = results[size]
+            q = f"{r['ratios'][ratio]:6.2f}" if ratio else f"{'':6}"
+            cells += f"{r['gbps'][key]:9.2f} {q}"
+        lines.append(f"{label:34}{cells}")
+    return (
+        "\n".join(lines)
+        + "\nratios: specbus mooncake / raw Mooncake; specbus shm / memcpy (touched dst)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
