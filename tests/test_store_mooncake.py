@@ -240,3 +240,23 @@ def test_http_metadata_server_on_loopback(tmp_path, store_id):
         store.close()
     finally:
         services.stop()
+
+
+def test_start_mooncake_for_specbus_up(tmp_path):
+    from core.config import MooncakeConfig, StoreConfig
+    from ops.services.mooncake import start_mooncake
+
+    mc = MooncakeConfig(segment_bytes=32 << 20, buffer_bytes=16 << 20)
+    cfg = StoreConfig(uri="mooncake://", store_id="run1", budget_bytes=64 << 20, mooncake=mc)
+    services, store_cfg = start_mooncake(cfg, tmp_path)
+    try:
+        assert store_cfg.uri.startswith("mooncake://run1?master=127.0.0.1%3A")
+        store = open_store(store_cfg)
+        specs = store.put("x", {"h": torch.arange(8)})
+        other = open_store(store.uri)  # the URI alone reaches the same store
+        assert torch.equal(other.get(specs)["h"], torch.arange(8))
+        assert store.usage().capacity_bytes == 32 << 20 and store.usage().budget_bytes == 64 << 20
+        store.close()
+        other.close()
+    finally:
+        services.stop()
