@@ -1,7 +1,8 @@
 """What `specbus status` shows for a run: streams, consumers, lag, KV markers, dead letters.
 
 `run_status(bus, run)` returns a JSON-able dict; missing pieces (a run never declared) are
-None rather than errors, so status works on a fresh broker too.
+None rather than errors, so status works on a fresh broker too. `dead_letters` counts
+`list_dead` entries (one per dead message), not raw DEAD stream messages.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 from nats.js.errors import NotFoundError
 
 from bus.connection import Bus
+from bus.dead import list_dead
 from bus.lag import lag
 from bus.subjects import PRODUCERS, TRAINERS, Names
 from bus.topology import open_kv
@@ -72,9 +74,10 @@ async def run_status(bus: Bus, run: str) -> dict[str, Any]:
         markers = {
             "manifest": None if manifest is None else sorted(manifest),
             "feed_complete": await kv.feed_complete(),
+            "train_complete": await kv.train_complete(),
             "checkpoint": await kv.get_checkpoint(),
         }
-    dead = streams[names.dead_stream]
+    dead = None if streams[names.dead_stream] is None else len(await list_dead(bus, run))
     return {
         "run": run,
         "url": bus.url,
@@ -83,5 +86,5 @@ async def run_status(bus: Bus, run: str) -> dict[str, Any]:
         "consumers": consumers,
         "lag": lags,
         "kv": markers,
-        "dead_messages": None if dead is None else dead["messages"],
+        "dead_letters": dead,
     }

@@ -74,90 +74,55 @@ def sample_refs(n: int, run: str):
     ]
 
 
-# ---------------------------------------------------------------- raw nats-py
-async def _wait_go(ready, go) -> tuple[float, float]:
-    ready.set()
-    await asyncio.get_running_loop().run_in_executor(None, go.wait)
-    return time.perf_counter(), time.process_time()
+# ---------------------------------------------------------------- raw nats-py (bus/baseline.py)
+class _Clock:
+    """Set `ready`, wait for `go`, then start the wall and CPU clocks (the `started` hook)."""
+
+    def __init__(self, ready, go):
+        self.ready, self.go = ready, go
+        self.t0 = self.cpu0 = 0.0
+
+    async def __call__(self) -> None:
+        self.ready.set()
+        await asyncio.get_running_loop().run_in_executor(None, self.go.wait)
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+
+    def stop(self, fetches: int = 0) -> tuple[float, float, int]:
+        return time.perf_counter() - self.t0, time.process_time() - self.cpu0, fetches
 
 
 async def raw_publisher(
     url: str, run: str, n: int, ready, go, records: bool
 ) -> tuple[float, float, int]:
     """`records`: encode each SampleRef in the loop (`to_bytes`), else publish pre-encoded bytes."""
-    import nats
+    from bus.baseline import raw_publish
 
     refs = sample_refs(n, run)
-    payloads = None if records else [r.to_bytes() for r in refs]
-    nc = await nats.connect(url)
-    js = nc.jetstream(publish_async_max_pending=WINDOW)
-    t0, cpu0 = await _wait_go(ready, go)
-    futs = []
-    for i in range(n):
-        data = refs[i].to_bytes() if records else payloads[i]
-        futs.append(
-            await js.publish_async(f"rawbench.{run}", data, headers={"Nats-Msg-Id": f"{run}:s{i}"})
-        )
-        if len(futs) >= WINDOW:
-            await asyncio.gather(*futs)
-            futs = []
-    await asyncio.gather(*futs)
-    timing = (time.perf_counter() - t0, time.process_time() - cpu0, 0)
-    await nc.close()
-    return timing
+    items = refs if records else [r.to_bytes() for r in refs]
+    encode = (lambda r: r.to_bytes()) if records else (lambda b: b)
+    clock = _Clock(ready, go)
+    ids = [f"{run}:s{i}" for i in range(n)]
+    await raw_publish(url, f"rawbench.{run}", items, ids, encode, window=WINDOW, started=clock)
+    return clock.stop()
 
 
 async def raw_consumer(
     url: str, run: str, n: int, ready, go, records: bool
 ) -> tuple[float, float, int]:
     """`records`: decode each payload (`SampleRef.from_bytes`) before acking it."""
-    import nats
-
+    from bus.baseline import raw_consume
     from core.contracts import SampleRef
 
-    nc = await nats.connect(url)
-    js = nc.jetstream()
-    sub = await js.pull_subscribe_bind("c", stream=f"RAWBENCH_{run}")
-    t0, cpu0 = await _wait_go(ready, go)
-    got = fetches = 0
-    while got < n:
-        fetches += 1
-        try:
-            msgs = await sub.fetch(FETCH, timeout=1.0)
-        except (asyncio.TimeoutError, nats.errors.TimeoutError):
-            continue
-        for msg in msgs:
-            if records:
-                SampleRef.from_bytes(msg.data)
-            await msg.ack()
-        got += len(msgs)
-    await nc.flush()
-    timing = (time.perf_counter() - t0, time.process_time() - cpu0, fetches)
-    await nc.close()
-    return timing
+    clock = _Clock(ready, go)
+    decode = SampleRef.from_bytes if records else None
+    fetches = await raw_consume(url, f"RAWBENCH_{run}", "c", n, decode, batch=FETCH, started=clock)
+    return clock.stop(fetches)
 
 
 async def raw_setup(url: str, run: str) -> None:
-    import nats
-    from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
+    from bus.baseline import raw_declare
 
-    nc = await nats.connect(url)
-    js = nc.jetstream()
-    await js.add_stream(
-        StreamConfig(
-            name=f"RAWBENCH_{run}",
-            subjects=[f"rawbench.{run}"],
-            storage=StorageType.FILE,
-            duplicate_window=120,
-        )
-    )
-    await js.add_consumer(
-        f"RAWBENCH_{run}",
-        ConsumerConfig(
-            durable_name="c", ack_policy=AckPolicy.EXPLICIT, ack_wait=60, max_ack_pending=1024
-        ),
-    )
-    await nc.close()
+    await raw_declare(url, f"RAWBENCH_{run}", f"rawbench.{run}", "c", max_ack_pending=1024)
 
 
 # ---------------------------------------------------------------- specbus bus layer
@@ -176,9 +141,10 @@ async def bus_publisher(url: str, run: str, n: int, ready, go) -> tuple[float, f
     bus = await connect(_bus_cfg(), url, name="bench-publisher")
     pub = Publisher(bus)
     await pub.publish(Names(run).samples, refs[0])  # warm the inbox subscription
-    t0, cpu0 = await _wait_go(ready, go)
+    clock = _Clock(ready, go)
+    await clock()
     acks = await pub.publish_many(Names(run).samples, refs)
-    timing = (time.perf_counter() - t0, time.process_time() - cpu0, 0)
+    timing = clock.stop()
     assert sum(a.duplicate for a in acks) == 1, "only the warm-up ref is a duplicate"
     await bus.close()
     return timing
@@ -192,7 +158,8 @@ async def bus_consumer(
 
     bus = await connect(_bus_cfg(), url, name="bench-consumer")
     group = await Leases.join(bus, run, "trainers")
-    t0, cpu0 = await _wait_go(ready, go)
+    clock = _Clock(ready, go)
+    await clock()
     got = fetches = 0
     while got < n:
         fetches += 1
@@ -204,7 +171,7 @@ async def bus_consumer(
                 await lease.ack()
         got += len(leases)
     await bus.flush()
-    timing = (time.perf_counter() - t0, time.process_time() - cpu0, fetches)
+    timing = clock.stop(fetches)
     await bus.close()
     return timing
 

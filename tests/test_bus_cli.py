@@ -1,0 +1,117 @@
+"""`specbus up`, `specbus status`, `specbus dead` against a real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from bus.connection import connect
+from bus.lease import Leases
+from bus.publisher import Publisher
+from core.config import BusConfig
+from ops.cli import main
+from tests.fixtures.nats import make_ref, open_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is not running.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_up_then_status_and_dead_then_ctrl_c_stops_the_server(tmp_path, run_id, capsys):
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ops.cli",
+            "up",
+            "--port",
+            "0",
+            f"run={run_id}",
+            f"run_dir={tmp_path}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        lines = []
+        while not lines or "Ctrl-C" not in lines[-1]:
+            line = up.stdout.readline()
+            assert line, f"specbus up exited early: {lines}"
+            lines.append(line)
+        url, pid = re.search(
+            r"ready at (nats://127\.0\.0\.1:\d+) \(pid (\d+)", "".join(lines)
+        ).groups()
+        assert (tmp_path / "nats" / "url").read_text().strip() == url
+
+        # status finds the broker through the URL file under the run dir, and the run is declared.
+        assert main(["status", f"run={run_id}", f"run_dir={tmp_path}"]) == 0
+        out = capsys.readouterr().out
+        assert (
+            f"SPECBUS_{run_id}_SAMPLES" in out and "trainers" in out and "feed complete   no" in out
+        )
+
+        async def poison():
+            cfg = BusConfig(ack_wait_s=5)
+            bus = await connect(cfg, url)
+            await Publisher(bus).publish(f"specbus.{run_id}.samples", make_ref(run_id, 0))
+            (lease,) = await (await Leases.join(bus, run_id, "trainers")).fetch(1)
+            await lease.term("bad_shape", "hidden_states is 3-d")
+            await bus.close()
+
+        asyncio.run(poison())
+        assert main(["dead", "--payload", "-o", f"run={run_id}", "-o", f"run_dir={tmp_path}"]) == 0
+        out = capsys.readouterr().out
+        assert "1 dead letter" in out and "bad_shape" in out and "hidden_states is 3-d" in out
+        assert '"sample_id":"s0"' in out  # the original payload
+        assert main(["status", f"run={run_id}", f"run_dir={tmp_path}"]) == 0
+        assert "dead letters     1" in capsys.readouterr().out
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=20) == 0
+        assert not _alive(int(pid)), "nats-server still running after Ctrl-C"
+        assert not (tmp_path / "nats" / "url").exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_status_of_an_undeclared_run_says_so_and_fails(nats_server, run_id, capsys):
+    assert main(["status", "--url", nats_server.url, f"run={run_id}"]) == 1
+    assert "not declared" in capsys.readouterr().out
+
+
+def test_status_reports_lag_and_markers(nats_server, run_id, bus_cfg, capsys):
+    async def setup():
+        bus, topo = await open_run(nats_server.url, bus_cfg, run_id)
+        await Publisher(bus).publish_many(
+            topo.names.samples, [make_ref(run_id, i, 1 << 20) for i in range(3)]
+        )
+        await topo.kv.mark_feed_complete(3)
+        await bus.close()
+
+    asyncio.run(setup())
+    assert main(["status", "--url", nats_server.url, "-o", f"run={run_id}"]) == 0
+    out = capsys.readouterr().out
+    assert "trainers   3 messages (3 pending + 0 in flight), 3.0 MiB of tensors (sampled)" in out
+    assert "feed complete   3 tasks" in out
+
+
+def test_a_bad_override_is_a_clear_error(capsys):
+    assert main(["status", "bus.ack_wait_s=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "bus.ack_wait_s" in err and "-1" in err
