@@ -1,0 +1,88 @@
+"""Connection: fails fast and quietly on a dead URL, passes auth through, survives restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from bus.connection import connect
+from core.config import BusConfig
+from core.errors import BusError
+from ops.services.common import free_port
+from ops.services.nats import NatsServer
+
+
+def test_an_unreachable_broker_fails_fast_with_one_line_errors(caplog):
+    cfg = BusConfig(connect_timeout_s=0.5, reconnect_wait_s=0.1)
+    url = f"nats://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with (
+        caplog.at_level(logging.DEBUG, logger="specbus.bus"),
+        pytest.raises(BusError, match="cannot connect"),
+    ):
+        asyncio.run(connect(cfg, url))
+    assert time.monotonic() - t0 < 5
+    records = [r for r in caplog.records if r.name == "specbus.bus"]
+    assert records, "connection errors are logged"
+    assert all("\n" not in r.getMessage() and r.exc_info is None for r in records)
+    # The same error repeated is logged once at WARNING, the repeats at DEBUG.
+    assert sum(r.levelno == logging.WARNING for r in records) == 1
+
+
+def test_no_url_is_a_clear_error():
+    with pytest.raises(BusError, match="no broker URL"):
+        asyncio.run(connect(BusConfig()))
+
+
+@pytest.fixture
+def auth_server(tmp_path):
+    """A broker that requires user/password (and JetStream, like the embedded one)."""
+    conf = tmp_path / "auth.conf"
+    conf.write_text(
+        f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
+        'authorization { users = [ { user: "trainer", password: "s3cret" } ] }\n'
+    )
+    server = NatsServer(tmp_path, config_file=conf).start()
+    yield server
+    server.stop()
+
+
+def test_user_and_password_are_passed_through(auth_server):
+    async def body():
+        bus = await connect(BusConfig(user="trainer", password="s3cret"), auth_server.url)
+        info = await bus.js.account_info()
+        assert info is not None
+        await bus.close()
+
+    asyncio.run(body())
+    with pytest.raises(BusError, match="cannot connect"):
+        asyncio.run(
+            connect(
+                BusConfig(user="trainer", password="wrong", connect_timeout_s=0.5), auth_server.url
+            )
+        )
+
+
+def test_a_missing_creds_file_is_named(tmp_path):
+    cfg = BusConfig(creds_file=tmp_path / "nope.creds")
+    with pytest.raises(BusError, match="nope.creds"):
+        asyncio.run(connect(cfg, "nats://127.0.0.1:4222"))
+
+
+def test_the_connection_survives_a_broker_restart(private_nats_server):
+    async def body():
+        bus = await connect(BusConfig(reconnect_wait_s=0.1), private_nats_server.url)
+        private_nats_server.kill()
+        private_nats_server.start()
+        for _ in range(100):
+            if bus.connected and bus.reconnects == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert bus.connected and bus.reconnects == 1
+        assert (await bus.js.account_info()) is not None
+        await bus.close()
+
+    asyncio.run(body())
