@@ -520,6 +520,10 @@ class MooncakeStore:
             if not pending or time.monotonic() >= deadline:
                 break
             try:
+                _check_reachable(self.mc.master, 1.0)
+            except StoreUnavailable:
+                break  # no master, nothing to free (a restarted master holds none of it)
+            try:
                 self._retry_due(time.monotonic(), everything=True)
             except Exception:  # noqa: BLE001 - master gone: nothing more can be freed from here
                 break

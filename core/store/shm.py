@@ -187,6 +187,7 @@ class ShmStore:
         self._lock = _Locked(self.root)
         self._handle = f"{procs.token()}.{uuid.uuid4().hex[:8]}"
         self._closed = False
+        self._pid = os.getpid()
         self._screener = Screener()
         with self._lock:
             self._reap_if_abandoned()
@@ -465,6 +466,8 @@ class ShmStore:
         self._closed = True
         _open_handles.discard(self)
         self._screener.close()
+        if os.getpid() != self._pid:
+            return  # a forked child's copy of the handle: the parent still holds the store
         with self._lock:
             (self.root / "procs" / self._handle).unlink(missing_ok=True)
             if not self.cfg.keep_on_close and not self._live_handles():
