@@ -179,8 +179,13 @@ def measure_acceptance(
     max_new_tokens: int = 128,
     eos_ids: tuple[int, ...] = (),
     check_lossless: bool = True,
+    references: dict[tuple[int, ...], list[int]] | None = None,
 ) -> AcceptanceReport:
-    """Speculative decoding over `prompts`; raises `LosslessError` if an output differs from greedy."""
+    """Speculative decoding over `prompts`; raises `LosslessError` if an output differs from greedy.
+
+    `references` (optional) memoises the greedy outputs by prompt, so several drafts can be
+    checked against one set of target decodes.
+    """
     rounds = accepted = tokens = 0
     for i, prompt in enumerate(prompts):
         spec = speculative_generate(
@@ -193,7 +198,15 @@ def measure_acceptance(
             eos_ids=eos_ids,
         )
         if check_lossless:
-            reference = greedy_generate(target, prompt, max_new_tokens, eos_ids)
+            key = tuple(prompt.tolist())
+            cached = references.get(key) if references is not None else None
+            reference = (
+                cached
+                if cached is not None
+                else greedy_generate(target, prompt, max_new_tokens, eos_ids)
+            )
+            if references is not None:
+                references[key] = reference
             if spec.tokens != reference:
                 first = next(
                     (

@@ -287,7 +287,9 @@ def _compiled_flex():
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX = torch.compile(flex_attention, dynamic=False)
+        # dynamic=None: the key length grows with the TTT step and L varies by batch; a static
+        # compile per shape would hit the recompile limit and fall back to the unfused kernel.
+        _FLEX = torch.compile(flex_attention, dynamic=None)
     return _FLEX
 
 

@@ -286,9 +286,11 @@ class Eagle3Strategy:
             self._lm_head[key] = self.heads.lm_head.to(device=device, dtype=dtype)
         return self._lm_head[key]
 
-    def resolve_attention(self, device: torch.device) -> str:
+    def resolve_attention(self, device: torch.device, seq_len: int) -> str:
+        """ "auto": flex on CUDA from 2048 tokens (3x less memory at 4096, same speed on an H200;
+        slower below), eager otherwise. "sdpa" is the eager reference arithmetic."""
         if self.cfg.attention == "auto":
-            return "eager"
+            return "flex" if device.type == "cuda" and seq_len >= 2048 else "eager"
         if self.cfg.attention == "flex" and device.type != "cuda":
             raise ConfigError("strategy.attention=flex needs a CUDA device")
         return "eager" if self.cfg.attention == "sdpa" else self.cfg.attention
@@ -310,7 +312,7 @@ class Eagle3Strategy:
             lm_head_VH=self.lm_head(device, head_dtype),
             ttt_length=self.cfg.ttt_length,
             step_weight=self.cfg.step_weight,
-            attention=self.resolve_attention(device),
+            attention=self.resolve_attention(device, t["input_ids"].shape[1]),
         )
 
 
