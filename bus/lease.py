@@ -204,6 +204,11 @@ class Leases:
 
     # -- credit
     @property
+    def buffered(self) -> int:
+        """Deliveries received for this member and not yet handed out by `fetch`."""
+        return self._puller.buffered
+
+    @property
     def outstanding(self) -> int:
         """Leases handed out and not settled, plus deliveries buffered for the next fetch."""
         return len(self._held) + self._puller.buffered
@@ -232,30 +237,27 @@ class Leases:
                 return out
             remaining = deadline - time.monotonic()
             msgs = await self._puller.fetch(want, max(remaining, 0.001))
-            bad = False
+            bad: list[tuple[Lease, RecordError]] = []
+            record_cls, held = self.record_cls, self._held
             for msg in msgs:
-                lease = await self._lease(msg)
-                if lease is None:
-                    bad = True
-                else:
-                    out.append(lease)
+                stream, consumer, deliveries, seq = _ack_metadata(msg.reply)
+                try:
+                    record = parse_record(record_cls, msg.data)
+                except RecordError as e:
+                    bad.append((Lease(None, msg, stream, consumer, seq, deliveries, self), e))  # type: ignore[arg-type]
+                    continue
+                lease = Lease(record, msg, stream, consumer, seq, deliveries, self)
+                held.add(lease)
+                out.append(lease)
+            for probe, e in bad:
+                self.dead_lettered += 1
+                log.warning(
+                    "dead-lettering %s seq %d: %s (%s)", probe.stream, probe.seq, e.reason, e
+                )
+                await dead_letter(self.publisher, self.names, probe, e.reason, str(e))
             # Only bad records came back: keep going while time is left.
             if out or not bad or time.monotonic() >= deadline:
                 return out
-
-    async def _lease(self, msg: Msg) -> Lease | None:
-        stream, consumer, deliveries, seq = _ack_metadata(msg.reply)
-        try:
-            record = parse_record(self.record_cls, msg.data)
-        except RecordError as e:
-            probe = Lease(None, msg, stream, consumer, seq, deliveries, self)  # type: ignore[arg-type]
-            self.dead_lettered += 1
-            log.warning("dead-lettering %s seq %d: %s (%s)", stream, seq, e.reason, e)
-            await dead_letter(self.publisher, self.names, probe, e.reason, str(e))
-            return None
-        lease = Lease(record, msg, stream, consumer, seq, deliveries, self)
-        self._held.add(lease)
-        return lease
 
     # -- windows
     async def ack_all(

@@ -54,20 +54,21 @@ def encode(record: Record) -> bytes:
     return data
 
 
-def record_headers(
-    record: Record, msg_id: str | None = None, extra: Mapping[str, str] | None = None
-) -> dict[str, str]:
+def common_headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`extra` plus the current trace context: the same for every message of one call."""
+    hdrs = dict(extra) if extra else {}
+    H.inject_trace(hdrs)
+    return hdrs
+
+
+def msg_id_of(record: Record, msg_id: str | None = None) -> str:
     if msg_id is None:
         msg_id = getattr(record, "msg_id", None)
         if msg_id is None:
             raise RecordError(
                 f"{type(record).__name__} has no msg_id: pass one explicitly", reason="invalid"
             )
-    hdrs = {H.MSG_ID: msg_id}
-    if extra:
-        hdrs.update(extra)
-    H.inject_trace(hdrs)
-    return hdrs
+    return msg_id
 
 
 class Publisher:
@@ -188,7 +189,8 @@ class Publisher:
         self, subject: str, records: Iterable[Record], *, headers: Mapping[str, str] | None = None
     ) -> list[Ack]:
         """Publish records to `subject` (ids from `record.msg_id`); one `Ack` per record, in order."""
-        items = [(subject, encode(r), record_headers(r, None, headers)) for r in records]
+        common = common_headers(headers)
+        items = [(subject, encode(r), {**common, H.MSG_ID: msg_id_of(r)}) for r in records]
         acks = await self.publish_payloads(items)
         dups = sum(a.duplicate for a in acks)
         if dups:
@@ -203,7 +205,11 @@ class Publisher:
         headers: Mapping[str, str] | None = None,
     ) -> Ack:
         """Publish one record and await its PubAck (`duplicate=True` if the broker had it)."""
-        item = (subject, encode(record), record_headers(record, msg_id, headers))
+        item = (
+            subject,
+            encode(record),
+            {**common_headers(headers), H.MSG_ID: msg_id_of(record, msg_id)},
+        )
         return (await self.publish_payloads([item]))[0]
 
     async def close(self) -> None:
