@@ -131,6 +131,10 @@ def test_nan_and_inf_rejected_at_put(make_store):
         t[2, 1] = bad
         with pytest.raises(IntegrityError, match=r"'a'.*'hidden'"):
             store.put("a", {"ids": torch.arange(3), "hidden": t.to(torch.bfloat16)})
+    large = torch.zeros(4 << 20)  # 16 MiB: screened beside the write, then rolled back
+    large[-1] = float("nan")
+    with pytest.raises(IntegrityError, match=r"'c'.*'hidden'"):
+        store.put("c", {"hidden": large})
     assert store.usage().num_samples == 0
     big_but_finite = torch.full((1000,), 60000.0, dtype=torch.float16)  # its fp16 sum overflows
     store.put("b", {"x": big_but_finite})

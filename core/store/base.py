@@ -219,16 +219,29 @@ def screen_all(sample_id: str, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 class Screener:
-    """Runs the NaN/Inf screen on another thread while a put moves the bytes: both release
-    the GIL, so on a free core the screen costs no time. `check()` raises its verdict."""
+    """Runs the NaN/Inf screen of a large sample on another thread while the put moves its
+    bytes: both release the GIL, so on a free core the screen costs no time. Small samples
+    are screened inline (handing work to a thread costs up to a GIL switch interval, 5 ms).
+    `start` never raises; the returned future's `result()` does."""
+
+    THREAD_MIN_BYTES = 8 << 20
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
 
     def start(self, sample_id: str, tensors: Mapping[str, torch.Tensor]) -> Future:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="nan-screen")
-        return self._pool.submit(screen_all, sample_id, tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if nbytes >= self.THREAD_MIN_BYTES:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="nan-screen")
+            return self._pool.submit(screen_all, sample_id, tensors)
+        done: Future = Future()
+        try:
+            screen_all(sample_id, tensors)
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            done.set_exception(e)
+        return done
 
     def close(self) -> None:
         if self._pool is not None:

@@ -3,20 +3,24 @@
     python -m ops.bench.store [--sizes-mb 4,64] [--total-mb 256] [--rounds 3] [--json out.json]
 
 A writer process and a reader process (separate interpreters, torch single-threaded) take
-commands from this coordinator. Per tensor size S, for `total/S` tensors of bf16:
+commands from this coordinator. Per tensor size S, `total/S` bf16 tensors are moved by:
 - raw Mooncake: `put_from` / `get_into` on one registered buffer (the best Mooncake can do);
-- specbus mooncake://: `store.put` / `store.get` (default config: NaN screen on, CRC off);
-- specbus shm://: the same calls on the shared-memory store;
-- memcpy: `dst.copy_(src)` of the same bytes into a touched buffer (and into fresh memory).
-Every phase runs `rounds` times after one unmeasured warm-up round; the table shows the
-median GB/s and the median of per-round ratios, the ratios the goals are stated in
-(mooncake path >= 0.8x raw, shm >= 0.5x memcpy). Mooncake runs on loopback TCP with a store node started here.
+- specbus mooncake://: `store.put` / `store.get` (default config: NaN screen on, CRC off),
+  and `store.put` of a tensor from `store.alloc` (what a capture writing into store memory gets);
+- specbus shm://: `store.put` / `store.get` (also put with the NaN screen off);
+- memcpy: `dst.copy_(src)` of the same bytes into touched buffers, one per tensor.
+The writer puts, then the reader gets. Each specbus operation runs right after the same
+operation on its baseline (op by op, alternating), so both see the same machine load: on a
+shared 2-core box that matters more than anything else. Every phase runs `rounds` times after
+one unmeasured warm-up round; the table shows median GB/s and the median of per-round ratios
+(goals: mooncake path >= 0.8x raw Mooncake, shm path >= 0.5x memcpy).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,82 +54,94 @@ class Worker:
             self.stores[key] = open_store(uri, **kw)
         return self.stores[key]
 
-    def raw_client(self, master: str):
+    def raw_buf(self, master: str, size: int):
         if self.raw is None:
             from mooncake.store import MooncakeDistributedStore
 
             self.raw = MooncakeDistributedStore()
             rc = self.raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master)
             assert rc == 0, f"raw mooncake setup failed: {rc}"
-        return self.raw
-
-    def raw_buf(self, size: int):
         if size not in self.raw_bufs:
             buf = self.torch.randint(0, 255, (size,), dtype=self.torch.uint8)
             assert self.raw.register_buffer(buf.data_ptr(), size) == 0
             self.raw_bufs[size] = buf
         return self.raw_bufs[size]
 
-    def hidden(self, size: int):
-        return self.torch.randn(size // 2).to(self.torch.bfloat16)  # bf16 hidden states
-
     def run(self, cmd: dict) -> dict:
-        op, size, n = cmd["op"], cmd.get("size", 0), cmd.get("n", 0)
-        if op == "raw_put":
-            client = self.raw_client(cmd["master"])
-            buf = self.raw_buf(size)
+        torch = self.torch
+        op, size, n, tag = cmd["op"], cmd.get("size", 0), cmd.get("n", 0), cmd.get("tag", "")
+        clock: dict[str, float] = {}
+
+        def timed(name, fn, *args):
             t0 = time.perf_counter()
+            out = fn(*args)
+            clock[name] = clock.get(name, 0.0) + time.perf_counter() - t0
+            return out
+
+        if op == "mooncake_put":
+            buf = self.raw_buf(cmd["master"], size)
+            store = self.store(cmd["uri"])
+            t = torch.randn(size // 2).to(torch.bfloat16)
+            pooled = store.alloc(tuple(t.shape), t.dtype).copy_(t)  # a capture into store memory
+            specs, pooled_specs = [], []
             for i in range(n):
-                rc = client.put_from(f"raw/{cmd['tag']}/{i}", buf.data_ptr(), size)
+                rc = timed("raw_put", self.raw.put_from, f"raw/{tag}/{i}", buf.data_ptr(), size)
                 assert rc == 0, f"put_from: {rc}"
-            return {"seconds": time.perf_counter() - t0}
-        if op == "raw_get":
-            client = self.raw_client(cmd["master"])
-            buf = self.raw_buf(size)
-            keys = [f"raw/{cmd['tag']}/{i}" for i in range(n)]
-            t0 = time.perf_counter()
-            for key in keys:
-                rc = client.get_into(key, buf.data_ptr(), size)
-                assert rc == size, f"get_into: {rc}"
-            seconds = time.perf_counter() - t0
-            client.batch_remove(keys, True)  # untimed; forced (our own read lease)
-            return {"seconds": seconds}
-        if op == "store_put":
-            store = self.store(cmd["uri"], **cmd.get("kw", {}))
-            t = self.hidden(size)
-            if cmd.get("alloc"):  # the capture wrote straight into store memory
-                t = store.alloc(tuple(t.shape), t.dtype).copy_(t)
-            t0 = time.perf_counter()
-            specs = [store.put(f"{cmd['tag']}-{i}", {"hidden": t})["hidden"] for i in range(n)]
-            return {
-                "seconds": time.perf_counter() - t0,
-                "specs": [s.model_dump_json() for s in specs],
-            }
-        if op == "store_get":
+                specs.append(
+                    timed("mooncake_put", store.put, f"{tag}-{i}", {"hidden": t})["hidden"]
+                )
+                pooled_specs.append(
+                    timed("mooncake_put_alloc", store.put, f"{tag}-a{i}", {"hidden": pooled})[
+                        "hidden"
+                    ]
+                )
+            return {"clock": clock, "specs": [s.model_dump_json() for s in specs + pooled_specs]}
+        if op == "mooncake_get":
             from core.contracts import FeatureSpec
 
-            store = self.store(cmd["uri"], **cmd.get("kw", {}))
+            buf = self.raw_buf(cmd["master"], size)
+            store = self.store(cmd["uri"])
             specs = [FeatureSpec.model_validate_json(s) for s in cmd["specs"]]
-            t0 = time.perf_counter()
-            for spec in specs:
-                store.get({"hidden": spec})  # the tensor dies here: its pooled memory returns
-            seconds = time.perf_counter() - t0
+            keys = [f"raw/{tag}/{i}" for i in range(n)]
+            for key, spec in zip(keys, specs, strict=False):
+                rc = timed("raw_get", self.raw.get_into, key, buf.data_ptr(), size)
+                assert rc == size, f"get_into: {rc}"
+                timed("mooncake_get", store.get, {"hidden": spec})  # dies at once: pool reuse
+            self.raw.batch_remove(keys, True)  # untimed cleanup; forced (our own read leases)
             for spec in specs:
                 store.release({"hidden": spec})
-            return {"seconds": seconds}
-        if op == "memcpy":
-            # like a put: one source, `n` distinct destinations (not cache-resident)
-            src = self.hidden(size)
-            dsts = [self.torch.zeros_like(src) for _ in range(n)]
-            t0 = time.perf_counter()
-            for dst in dsts:
-                dst.copy_(src)
-            touched = time.perf_counter() - t0
-            del dsts
-            t0 = time.perf_counter()
-            for _ in range(n):
-                self.torch.empty_like(src).copy_(src)
-            return {"seconds": touched, "fresh_seconds": time.perf_counter() - t0}
+            return {"clock": clock}
+        if op == "shm_put":
+            store = self.store(cmd["uri"])
+            unscreened = self.store(cmd["uri"], screen_nonfinite=False)
+            t = torch.randn(size // 2).to(torch.bfloat16)
+            dsts = [torch.zeros_like(t) for _ in range(n)]  # touched, one per tensor, like files
+            specs, unscreened_specs = [], []
+            for i, dst in enumerate(dsts):
+                timed("memcpy", dst.copy_, t)
+                specs.append(timed("shm_put", store.put, f"{tag}-{i}", {"hidden": t})["hidden"])
+                unscreened_specs.append(
+                    timed("shm_put_noscreen", unscreened.put, f"{tag}-n{i}", {"hidden": t})[
+                        "hidden"
+                    ]
+                )
+            return {
+                "clock": clock,
+                "specs": [s.model_dump_json() for s in specs + unscreened_specs],
+            }
+        if op == "shm_get":
+            from core.contracts import FeatureSpec
+
+            store = self.store(cmd["uri"])
+            specs = [FeatureSpec.model_validate_json(s) for s in cmd["specs"]]
+            src = torch.randn(size // 2).to(torch.bfloat16)
+            dsts = [torch.zeros_like(src) for _ in range(n)]
+            for spec, dst in zip(specs, dsts, strict=False):
+                timed("memcpy_read", dst.copy_, src)
+                timed("shm_get", store.get, {"hidden": spec})
+            for spec in specs:
+                store.release({"hidden": spec})
+            return {"clock": clock}
         if op == "close":
             for store in self.stores.values():
                 store.close()
@@ -174,85 +190,57 @@ class Proc:
         self.proc.wait(30)
 
 
+PAIRS = {  # ratio name: (specbus GB/s key, baseline GB/s key)
+    "mooncake_put_vs_raw": ("mooncake_put", "raw_put"),
+    "mooncake_put_alloc_vs_raw": ("mooncake_put_alloc", "raw_put"),
+    "mooncake_get_vs_raw": ("mooncake_get", "raw_get"),
+    "shm_put_vs_memcpy": ("shm_put", "memcpy"),
+    "shm_put_noscreen_vs_memcpy": ("shm_put_noscreen", "memcpy"),
+    "shm_get_vs_memcpy": ("shm_get", "memcpy_read"),
+}
+
+
 def bench(sizes_mb: list[int], total_mb: int, rounds: int) -> dict:
     from ops.services.mooncake import MooncakeServices
 
-    # Segment: one phase's bytes, twice over (removes can trail behind read leases).
-    segment = max(2 * total_mb << 20, 3 * (max(sizes_mb) << 20))
+    # The segment holds a phase's three sets (raw, put, alloc'd put) plus removes that trail.
+    segment = 4 * max(total_mb, 2 * max(sizes_mb)) << 20
     with tempfile.TemporaryDirectory() as tmp:
         services = MooncakeServices(tmp, segment_bytes=segment, lease_ttl_ms=500).start()
         writer, reader = Proc("writer"), Proc("reader")
         try:
             results = {}
-            mc_uri = services.uri("bench")
-            shm_uri = f"shm://bench-{int(time.time())}"
+            mc = {"uri": services.uri("bench"), "master": services.master_address}
+            shm = {"uri": f"shm://bench-{os.getpid()}"}
             for size_mb in sizes_mb:
-                size = size_mb << 20
-                n = max(total_mb // size_mb, 2)
-                samples: dict[str, list[float]] = {}
-
-                def add(name: str, seconds: float, size=size, n=n, samples=samples) -> None:
-                    samples.setdefault(name, []).append(n * size / seconds / GB)
-
-                for r in range(rounds + 1):  # round 0 warms up (fresh pages, connections)
-                    tag = f"{size_mb}-{r}"
-                    record = add if r else (lambda *_: None)
-                    record(
-                        "raw_put",
-                        writer(
-                            op="raw_put", master=services.master_address, size=size, n=n, tag=tag
-                        )["seconds"],
-                    )
-                    record(
-                        "raw_get",
-                        reader(
-                            op="raw_get", master=services.master_address, size=size, n=n, tag=tag
-                        )["seconds"],
-                    )
-                    for path, uri in (("mooncake", mc_uri), ("shm", shm_uri)):
-                        put = writer(op="store_put", uri=uri, size=size, n=n, tag=tag)
-                        record(f"{path}_put", put["seconds"])
-                        record(
-                            f"{path}_get",
-                            reader(op="store_get", uri=uri, specs=put["specs"])["seconds"],
+                size, n = size_mb << 20, max(total_mb // size_mb, 2)
+                gbps: dict[str, list[float]] = {}
+                for r in range(rounds + 1):  # round 0 warms up (connections, pools, shm pages)
+                    clock: dict[str, float] = {}
+                    for path, where in (("mooncake", mc), ("shm", shm)):
+                        put = writer(
+                            op=f"{path}_put", size=size, n=n, tag=f"{size_mb}-{r}", **where
                         )
-                    put = writer(
-                        op="store_put",
-                        uri=shm_uri,
-                        size=size,
-                        n=n,
-                        tag=tag + "ns",
-                        kw={"screen_nonfinite": False},
-                    )
-                    record("shm_put_noscreen", put["seconds"])
-                    reader(op="store_get", uri=shm_uri, specs=put["specs"])
-                    put = writer(
-                        op="store_put", uri=mc_uri, size=size, n=n, tag=tag + "al", alloc=True
-                    )
-                    record("mooncake_put_alloc", put["seconds"])
-                    reader(op="store_get", uri=mc_uri, specs=put["specs"])
-                    copy = writer(op="memcpy", size=size, n=n)
-                    record("memcpy", copy["seconds"])
-                    record("memcpy_fresh", copy["fresh_seconds"])
-                med = {k: statistics.median(v) for k, v in samples.items()}
-                # Ratios per round (specbus and its baseline ran seconds apart, under the same
-                # load), then the median: robust on a shared 2-core box.
-                pairs = {
-                    "mooncake_put_vs_raw": ("mooncake_put", "raw_put"),
-                    "mooncake_put_alloc_vs_raw": ("mooncake_put_alloc", "raw_put"),
-                    "mooncake_get_vs_raw": ("mooncake_get", "raw_get"),
-                    "shm_put_vs_memcpy": ("shm_put", "memcpy"),
-                    "shm_put_noscreen_vs_memcpy": ("shm_put_noscreen", "memcpy"),
-                    "shm_get_vs_memcpy": ("shm_get", "memcpy"),
-                }
+                        clock |= put["clock"]
+                        clock |= reader(
+                            op=f"{path}_get",
+                            size=size,
+                            n=n,
+                            tag=f"{size_mb}-{r}",
+                            specs=put["specs"],
+                            **where,
+                        )["clock"]
+                    if r:
+                        for name, seconds in clock.items():
+                            gbps.setdefault(name, []).append(n * size / seconds / GB)
                 results[f"{size_mb}MB"] = {
-                    "gbps": med,
-                    "rounds": samples,
+                    "gbps": {k: statistics.median(v) for k, v in gbps.items()},
+                    "rounds": gbps,
                     "ratios": {
                         name: statistics.median(
-                            a / b for a, b in zip(samples[x], samples[y], strict=True)
+                            a / b for a, b in zip(gbps[x], gbps[y], strict=True)
                         )
-                        for name, (x, y) in pairs.items()
+                        for name, (x, y) in PAIRS.items()
                     },
                 }
             return results
@@ -272,15 +260,14 @@ def report(results: dict) -> str:
         ("specbus mooncake put, alloc()'d", "mooncake_put_alloc", "mooncake_put_alloc_vs_raw"),
         ("raw Mooncake get_into", "raw_get", None),
         ("specbus mooncake get", "mooncake_get", "mooncake_get_vs_raw"),
-        ("memcpy (touched dst)", "memcpy", None),
-        ("memcpy (new tensor each time)", "memcpy_fresh", None),
+        ("memcpy (writer side)", "memcpy", None),
         ("specbus shm put", "shm_put", "shm_put_vs_memcpy"),
         ("specbus shm put, no NaN screen", "shm_put_noscreen", "shm_put_noscreen_vs_memcpy"),
+        ("memcpy (reader side)", "memcpy_read", None),
         ("specbus shm get", "shm_get", "shm_get_vs_memcpy"),
     ]
     sizes = list(results)
-    head = f"{'GB/s (median of rounds)':34}" + "".join(f"{s:>9} {'ratio':>6}" for s in sizes)
-    lines = [head]
+    lines = [f"{'GB/s (median of rounds)':34}" + "".join(f"{s:>9} {'ratio':>6}" for s in sizes)]
     for label, key, ratio in rows:
         cells = ""
         for size in sizes:
@@ -288,18 +275,19 @@ def report(results: dict) -> str:
             q = f"{r['ratios'][ratio]:6.2f}" if ratio else f"{'':6}"
             cells += f"{r['gbps'][key]:9.2f} {q}"
         lines.append(f"{label:34}{cells}")
-    return (
-        "\n".join(lines)
-        + "\nratios: specbus mooncake / raw Mooncake; specbus shm / memcpy (touched dst)"
+    lines.append(
+        "ratio = median over rounds of specbus / its baseline measured op by op alongside "
+        "(mooncake: raw Mooncake; shm: memcpy of the same bytes in the same process)"
     )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sizes-mb", default="4,64")
-    ap.add_argument("--total-mb", type=int, default=256, help="bytes moved per phase")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--total-mb", type=int, default=256, help="bytes moved per phase and path")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.worker:
