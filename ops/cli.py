@@ -77,7 +77,7 @@ def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
 
 # ---------------------------------------------------------------- specbus up
 def cmd_up(args: argparse.Namespace) -> int:
-    from ops.services.common import LOOPBACK
+    from ops.services.common import LOOPBACK, ServiceError
     from ops.services.nats import NatsServer
 
     cfg = config_of(args)
@@ -91,7 +91,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
+    try:
+        server.start()
+    except ServiceError as e:
+        print(f"specbus up: {e}", file=sys.stderr)
+        return 1
     url_file = store / URL_FILE
     try:
         url_file.write_text(server.url + "\n")
