@@ -54,3 +54,30 @@ def test_holdout_is_the_tail_and_limit_caps_the_train_part():
     assert split_holdout(records, 0) == (records, [])
     with pytest.raises(ConfigError, match="holdout"):
         split_holdout(records, 10)
+
+
+def test_prompt_only_records_get_the_targets_own_answer():
+    from core.data.regenerate import complete_with_target
+    from core.data.templates import detect_template
+    from core.data.tokenize import tokenize_record
+    from core.eval.speculative import greedy_generate
+    from core.models.target import load_causal_lm, load_tokenizer, resolve_target_dir
+
+    path = resolve_target_dir("smollm2-135m-instruct")
+    tokenizer, model = load_tokenizer(path), load_causal_lm(path)
+    template = detect_template(tokenizer)
+    prompt = load_source("gsm8k-prompts")[0]
+    [record] = complete_with_target(
+        [prompt], model, tokenizer, template, max_new_tokens=6, eos_ids=(2,)
+    )
+    assert (
+        record["messages"][:-1] == prompt["messages"]
+        and record["messages"][-1]["role"] == "assistant"
+    )
+    from core.data.tokenize import prompt_ids
+
+    generated = greedy_generate(model, prompt_ids(prompt, tokenizer, template), 6, (2,))
+    expected = tokenizer.decode([t for t in generated if t != 2], skip_special_tokens=True)
+    assert record["messages"][-1]["content"] == expected
+    sample = tokenize_record(record, tokenizer, template, max_length=512)
+    assert sample.loss_mask.sum() >= 6  # the answer (+ end of turn) is now supervised
