@@ -2,6 +2,8 @@
 
     mem://<store_id>                                   in-process (colocated)
     shm://<store_id>   or   shm:///abs/dir?store_id=x  shared memory on one host, no server
+                                                       (a query may set StoreConfig fields:
+                                                       shm://x?recycle_bytes=0)
     mooncake://<store_id>?master=H:P&metadata=P2P&admin=H:P&protocol=tcp
 
 A store's `uri` is canonical: `open_store(store.uri)` in another process reaches the same
@@ -53,6 +55,11 @@ def open_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> FeatureStore:
             raise ConfigError(f"open_store: invalid store option(s) {sorted(kw)}: {e}") from e
     scheme, uri_id, path, query = parse_uri(cfg.uri)
     store_id = check_store_id(store_id_kw or uri_id or cfg.store_id or "default")
+    if scheme != "mooncake" and query:  # shm://id?recycle_bytes=... tunes this handle
+        unknown = set(query) - (set(StoreConfig.model_fields) - {"uri", "mooncake", "store_id"})
+        if unknown:
+            raise ConfigError(f"store.uri {cfg.uri!r}: unknown option(s) {sorted(unknown)}")
+        cfg = StoreConfig.model_validate({**cfg.model_dump(), **query})
 
     if scheme == "mem":
         from core.store.mem import MemStore

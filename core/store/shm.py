@@ -109,11 +109,11 @@ class _Locked:
     def __enter__(self) -> _Locked:
         self.tlock.acquire()
         while True:
-            self.root.mkdir(parents=True, exist_ok=True)
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            except FileNotFoundError:
-                continue  # the directory vanished between mkdir and open
+            except FileNotFoundError:  # no store directory (yet, or removed by a last closer)
+                self.root.mkdir(parents=True, exist_ok=True)
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -262,10 +262,10 @@ class ShmStore:
 
     def _take_free(self, tmp: Path, tensors: Mapping[str, torch.Tensor], st: _Stats) -> set[str]:
         """Under the lock: move free files into `tmp` as the tensors' files; their names."""
-        free_dir = self.root / "free"
-        if not st.cached or not free_dir.exists():
+        free_dir = str(self.root / "free")
+        if not st.cached or not os.path.isdir(free_dir):
             return set()
-        free = sorted((int(f.name.split(".")[0]), f) for f in free_dir.iterdir())
+        free = sorted(_free_entries(free_dir))  # (size, name), smallest first
         taken = set()
         for name, t in sorted(
             tensors.items(), key=lambda kv: -kv[1].numel() * kv[1].element_size()
@@ -274,9 +274,10 @@ class ShmStore:
                 break
             need = t.numel() * t.element_size()
             i = next((i for i, (size, _) in enumerate(free) if size >= need), len(free) - 1)
-            size, f = free.pop(i)  # the smallest that fits, else the largest (it grows)
-            os.rename(f, tmp / name)
-            os.truncate(tmp / name, need)
+            size, fname = free.pop(i)  # the smallest that fits, else the largest (it grows)
+            dest = os.path.join(tmp, name)
+            os.rename(os.path.join(free_dir, fname), dest)
+            os.truncate(dest, need)
             st.cached -= size
             taken.add(name)
         return taken
@@ -294,11 +295,10 @@ class ShmStore:
                 continue
             if st.cached + size > cap:
                 # keep larger files: reusing one that must grow allocates pages again
-                smaller = sorted((int(g.name.split(".")[0]), g) for g in free_dir.iterdir())
-                smaller = [(n, g) for n, g in smaller if n < size]
+                smaller = [e for e in sorted(_free_entries(str(free_dir))) if e[0] < size]
                 while smaller and st.cached + size > cap:
-                    n, g = smaller.pop(0)
-                    g.unlink()
+                    n, gname = smaller.pop(0)
+                    os.unlink(free_dir / gname)
                     st.cached -= n
                 if st.cached + size > cap:
                     continue
@@ -310,14 +310,14 @@ class ShmStore:
     def _trim_cache(self, st: _Stats, room: int) -> list[Path]:
         """Under the lock: move free files to the trash until the cache fits in `room`."""
         out = []
-        free_dir = self.root / "free"
-        if st.cached <= room or not free_dir.exists():
+        free_dir = str(self.root / "free")
+        if st.cached <= room or not os.path.isdir(free_dir):
             return out
-        for f in sorted(free_dir.iterdir(), key=lambda f: -int(f.name.split(".")[0])):
+        for size, fname in sorted(_free_entries(free_dir), reverse=True):
             if st.cached <= room:
                 break
-            st.cached -= int(f.name.split(".")[0])
-            out.append(self._to_trash(f))
+            st.cached -= size
+            out.append(self._to_trash(Path(free_dir, fname)))
         return out
 
     def _to_trash(self, d: Path) -> Path:
@@ -438,11 +438,7 @@ class ShmStore:
             st = self._lock.read()
             old_resident = st.resident
             free_dir = self.root / "free"
-            cached = (
-                sum(int(f.name.split(".")[0]) for f in free_dir.iterdir())
-                if free_dir.exists()
-                else 0
-            )
+            cached = sum(n for n, _ in _free_entries(str(free_dir))) if free_dir.exists() else 0
             self._lock.write(_Stats(resident, count, st.peak, cached))
             if (self.root / "trash").exists():
                 trash += list((self.root / "trash").iterdir())
@@ -495,6 +491,16 @@ class ShmStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError(f"{self.uri}: store handle is closed")
+
+
+def _free_entries(free_dir: str) -> list[tuple[int, str]]:
+    """(size, name) of the cached free files (the size is in the name: no stat)."""
+    out = []
+    for e in os.scandir(free_dir):
+        size, _, _ = e.name.partition(".")
+        if size.isdigit():
+            out.append((int(size), e.name))
+    return out
 
 
 def _unchanged(before: os.stat_result, after: os.stat_result, path: Path) -> bool:

@@ -211,7 +211,8 @@ def bench(sizes_mb: list[int], total_mb: int, rounds: int) -> dict:
         try:
             results = {}
             mc = {"uri": services.uri("bench"), "master": services.master_address}
-            shm = {"uri": f"shm://bench-{os.getpid()}"}
+            # the shm cache of released files holds a round's two sets (screened, unscreened)
+            shm = {"uri": f"shm://bench-{os.getpid()}?recycle_bytes={2 * total_mb << 20}"}
             for size_mb in sizes_mb:
                 size, n = size_mb << 20, max(total_mb // size_mb, 2)
                 gbps: dict[str, list[float]] = {}
