@@ -230,14 +230,17 @@ class Screener:
         self._pool: ThreadPoolExecutor | None = None
 
     def start(self, sample_id: str, tensors: Mapping[str, torch.Tensor]) -> Future:
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if nbytes >= self.THREAD_MIN_BYTES:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="nan-screen")
-            return self._pool.submit(screen_all, sample_id, tensors)
+        """Screen `tensors` as given by the caller: those on an accelerator are screened
+        there, now (cheap); CPU ones beside the put when large, else now."""
         done: Future = Future()
         try:
-            screen_all(sample_id, tensors)
+            screen_all(sample_id, {n: t for n, t in tensors.items() if t.device.type != "cpu"})
+            on_cpu = {n: t for n, t in tensors.items() if t.device.type == "cpu"}
+            if sum(t.numel() * t.element_size() for t in on_cpu.values()) >= self.THREAD_MIN_BYTES:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="nan-screen")
+                return self._pool.submit(screen_all, sample_id, on_cpu)
+            screen_all(sample_id, on_cpu)
             done.set_result(None)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             done.set_exception(e)

@@ -151,7 +151,7 @@ class MooncakeStore:
             )
         # The NaN/Inf screen reads the tensors on another core while they are staged and sent
         # (Mooncake releases the GIL during transfers); a bad sample is removed, then refused.
-        screened = self._screener.start(sample_id, kept) if self.cfg.screen_nonfinite else None
+        screened = self._screener.start(sample_id, tensors) if self.cfg.screen_nonfinite else None
         keys = [s.key for s in specs.values()]
         with self._cond:  # a pending remove of these keys must not delete the new value
             for key in keys:

@@ -228,7 +228,7 @@ class ShmStore:
             trash += self._trim_cache(st, self.cfg.budget_bytes - st.resident)
             self._lock.write(st)
         # the NaN/Inf screen runs beside the writes; a bad sample never leaves its tmp dir
-        screened = self._screener.start(sample_id, kept) if self.cfg.screen_nonfinite else None
+        screened = self._screener.start(sample_id, tensors) if self.cfg.screen_nonfinite else None
         try:
             for name, t in kept.items():
                 flags = os.O_WRONLY if name in recycled else os.O_WRONLY | os.O_CREAT | os.O_EXCL
