@@ -203,3 +203,23 @@ def test_released_files_are_recycled_within_bounds(uri):
     assert store.usage().cached_bytes == 2 * mib and store.usage().resident_bytes == 0
     store.close()
     assert not store_dir(uri.split("://")[1]).exists()
+
+
+def test_opening_any_store_sweeps_stores_of_dead_runs(uri, store_id):
+    child = spawn(f"""
+        s = open_store({uri!r}, pool_bytes=0)
+        s.put("x", {{"h": torch.ones(1 << 20)}})
+        kept = open_store({(uri + "-kept")!r}, pool_bytes=0, keep_on_close=True)
+        kept.put("x", {{"h": torch.ones(10)}})
+        print("ready", flush=True)
+        input()
+    """)
+    wait_line(child, "ready")
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    assert store_dir(store_id).exists()
+    other = open_store(uri + "-other")  # a later run on this host, another store
+    assert not store_dir(store_id).exists()  # every process of it is dead: swept
+    assert store_dir(store_id + "-kept").exists()  # keep_on_close stores are left alone
+    other.close()
+    shutil.rmtree(store_dir(store_id + "-kept"))

@@ -29,7 +29,8 @@ GC policy (docs/store.md):
 - `gc(live)`: complete samples whose id is not in `live` and older than `gc_grace_s` are
   reclaimed (`live` = every sample id that may still be consumed, known to the caller);
 - the store lives while a process has it open: the last `close()` (or an `open` that finds
-  every attached process dead) removes it, unless `keep_on_close`. Handles still open at
+  every attached process dead) removes it, unless `keep_on_close`; every open also sweeps
+  other stores whose attached processes are all dead (`sweep_abandoned`). Handles still open at
   interpreter exit are closed by an atexit hook; killed processes are noticed by the next
   open or gc.
 """
@@ -91,6 +92,33 @@ def _recv_pool(nbytes: int) -> BufferPool | None:
 
 def store_dir(store_id: str) -> Path:
     return SHM_ROOT / f"specbus-{store_id}"
+
+
+def sweep_abandoned(exclude: Path | None = None) -> list[Path]:
+    """Remove every `specbus-*` store under SHM_ROOT whose attached processes are all dead
+    (a killed run nobody reopens would otherwise hold its RAM until reboot), except stores
+    opened with `keep_on_close`. Runs at each shm open; returns what it removed."""
+    removed = []
+    for root in SHM_ROOT.glob("specbus-*"):
+        if root == exclude or (root / ".keep").exists() or not (root / "procs").is_dir():
+            continue
+        try:
+            fd = os.open(root / ".lock", os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # busy: someone is using it
+            if os.stat(root / ".lock").st_ino != os.fstat(fd).st_ino:
+                continue
+            if any(procs.alive(f.name.split(".")[0]) for f in (root / "procs").iterdir()):
+                continue
+            shutil.rmtree(root, ignore_errors=True)
+            removed.append(root)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 class _Locked:
@@ -193,7 +221,11 @@ class ShmStore:
             self._reap_if_abandoned()
             (self.root / "procs").mkdir(exist_ok=True)
             (self.root / "procs" / self._handle).touch()
+            if cfg.keep_on_close:
+                (self.root / ".keep").touch()  # sweep_abandoned leaves this store alone
         _open_handles.add(self)
+        if root is None:
+            sweep_abandoned(exclude=self.root)
 
     # ---- writing -------------------------------------------------------------------------
 
