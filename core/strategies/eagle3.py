@@ -168,8 +168,9 @@ def eagle3_ttt_loss(
     loss = sum(step_weight**k * p for k, p in enumerate(losses))
     metrics["loss"] = loss.detach()
     metrics["loss_denom"] = torch.tensor(float(batch * seq))
-    metrics["sim_accept_len"] = simulated_accept_length(
-        [metrics[f"acc_{k}"] for k in range(ttt_length)]
+    # tau = sum_k prod_{j<=k} acc_j, kept on device (no host sync per step)
+    metrics["sim_accept_len"] = (
+        torch.stack([metrics[f"acc_{k}"] for k in range(ttt_length)]).cumprod(0).sum()
     )
     return loss, metrics
 
