@@ -160,6 +160,11 @@ class BusSource(GroupSettlement):
         return items
 
     async def upstream_done(self) -> bool:
+        """Feed complete, no task pending at the producers, no ref undelivered, none buffered
+        here. (Checked after an empty `take`: nothing can come to this rank any more except
+        a recapture, which makes the producers' lag non-zero again.)"""
+        if self.group.buffered:
+            return False
         if self._feed_count is None:
             self._feed_count = await self.kv.feed_complete()
             if self._feed_count is None:

@@ -63,10 +63,10 @@ class Loader:
         self.poll_s, self.fetch_timeout_s, self.heartbeat_s = poll_s, fetch_timeout_s, heartbeat_s
         self._ready: queue.Queue[Item] = queue.Queue()
         self._held: list[Item] = []  # taken from _ready, waiting for the window to fill
-        self._leased: set[int] = set()  # ids of items under lease on this rank
         self._leased_items: dict[int, Item] = {}
         self._lock = threading.Lock()
         self._upstream_done = False
+        self._requeried = False
         self._error: BaseException | None = None
         self.stats = {"redeliveries": 0}
         self._tasks = [loop.submit(self._prefetch()), loop.submit(self._heartbeat())]
@@ -77,6 +77,7 @@ class Loader:
             return len(self._leased_items)
 
     async def _prefetch(self) -> None:
+        quiet = 0
         try:
             while True:
                 room = self.capacity - self._in_flight()
@@ -85,8 +86,15 @@ class Loader:
                     continue
                 items = await self.source.take(room, self.fetch_timeout_s)
                 if not items:
-                    self._upstream_done = await self.source.upstream_done() and self._ready.empty()
+                    # The end needs two quiet rounds in a row: a delivery still in flight
+                    # when upstream looked idle (no longer pending at the broker, not yet
+                    # received here) lands in the second round's fetch.
+                    if self._requeried:  # surplus was just given back: look again from scratch
+                        quiet, self._requeried = 0, False
+                    quiet = quiet + 1 if await self.source.upstream_done() else 0
+                    self._upstream_done = quiet >= 2
                     continue
+                quiet = 0
                 self._upstream_done = False
                 with self._lock:
                     for item in items:
@@ -129,7 +137,8 @@ class Loader:
                     )
                 except queue.Empty:
                     break
-            if self._deadline is not None and time.monotonic() >= self._deadline:
+            out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
+            if out_of_time:
                 status = Status.ENDED
             elif len(self._held) >= self.need:
                 status = Status.FULL
@@ -137,7 +146,8 @@ class Loader:
                 status = Status.ENDED
             else:
                 status = Status.WAITING
-            decision = agree(status)
+            held = 0 if out_of_time else len(self._held) + self._ready.qsize()
+            decision = agree(status, held, self.need)
             if decision is Decision.TRAIN:
                 items, self._held = self._held[: self.need], self._held[self.need :]
                 mbs = [
@@ -145,9 +155,26 @@ class Loader:
                     for i in range(0, self.need, self.micro_batch)
                 ]
                 return Window(items=items, micro_batches=mbs, wait_s=time.perf_counter() - t0)
-            if decision is Decision.END:
+            if decision is Decision.REBALANCE:
+                self._give_back_surplus()
+            elif decision is Decision.END:
                 self.close()
                 return None
+
+    def _give_back_surplus(self) -> None:
+        """End of data with uneven ranks: keep one window, nak the rest, stop prefetching."""
+        self.capacity = self.need
+        while True:
+            try:
+                self._held.append(self._ready.get_nowait())
+            except queue.Empty:
+                break
+        surplus, self._held = self._held[self.need :], self._held[: self.need]
+        self._upstream_done = False
+        self._requeried = True
+        if surplus:
+            self.loop.call(self.source.nak(surplus))
+            self._forget(surplus)
 
     def commit(self, window: Window) -> None:
         """After optimizer.step(): ack the window's items, then free their tensors."""

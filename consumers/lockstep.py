@@ -5,6 +5,9 @@ rank runs the same number of micro-steps, so collectives never mismatch. Before 
 ranks exchange one small status each and all take the same decision:
 
 - TRAIN when every rank holds a full window;
+- REBALANCE when the data is over for every rank that is not full, but together the ranks
+  hold enough for one more step (prefetch left them uneven): each rank gives back what it
+  holds beyond one window (nak), stops prefetching, and the starved ranks lease it;
 - END when no rank can complete its window and every rank sees the end of data (then the
   partial windows are nak'd, not trained);
 - WAIT otherwise (keep filling, keep the leases alive).
@@ -29,16 +32,25 @@ class Status(enum.IntEnum):
 class Decision(enum.Enum):
     TRAIN = "train"
     WAIT = "wait"
+    REBALANCE = "rebalance"
     END = "end"
 
 
-def decide(statuses: Iterable[Status]) -> Decision:
+def decide(
+    statuses: Iterable[Status], held: Iterable[int] | None = None, need: int = 1
+) -> Decision:
+    """`held[r]`: items rank r could train now; `need`: one window per rank."""
     statuses = list(statuses)
+    if held is None:
+        held = [need if s == Status.FULL else 0 for s in statuses]
+    held = list(held)
     if all(s == Status.FULL for s in statuses):
         return Decision.TRAIN
-    if all(s in (Status.ENDED, Status.FULL) for s in statuses) and any(
-        s == Status.ENDED for s in statuses
-    ):
+    over = all(s in (Status.ENDED, Status.FULL) for s in statuses)
+    if over and any(s == Status.ENDED for s in statuses):
+        uneven = any(h > need for h in held)
+        if uneven and sum(held) >= need * len(statuses):
+            return Decision.REBALANCE
         return Decision.END
     return Decision.WAIT
 
@@ -47,20 +59,18 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def agree(status: Status) -> Decision:
-    """All ranks call this with their own status and get the same decision back."""
+def agree(status: Status, held: int = 0, need: int = 1) -> Decision:
+    """All ranks call this with their status and held count and get the same decision."""
     if not distributed():
-        return decide([status])
-    # One int per rank; gloo and NCCL both take a CPU/GPU tensor of the backend's device.
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    mine = torch.tensor([int(status)], dtype=torch.int32, device=device)
+        return decide([status], [held], need)
+    # Two ints per rank, on the backend's device (gloo: CPU, NCCL: the current GPU).
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    mine = torch.tensor([int(status), held], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    return decide(Status(int(t.item())) for t in gathered)
+    rows = [t.tolist() for t in gathered]
+    return decide([Status(r[0]) for r in rows], [r[1] for r in rows], need)
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -42,6 +42,7 @@ class TrainState:
     cursor: SamplesCursor = field(default_factory=SamplesCursor)
     lineage: list[str] = field(default_factory=list)
     trained: set[str] = field(default_factory=set)
+    history: list[dict[str, float]] = field(default_factory=list)  # one row per log interval
 
     def record(self, seqs: list[int], sample_ids: list[str], retired: list[int]) -> None:
         self.cursor.mark(seqs + retired)
@@ -99,7 +100,6 @@ class Trainer:
         self.retired, self.on_log, self.store_usage, self.lag = retired, on_log, store_usage, lag
         self.source_stats = source_stats
         self.device = torch.device(device)
-        self.history: list[dict[str, float]] = []
         self._tracer = tracer("specbus.trainer")
         self._window_metrics: dict[str, list[float]] = defaultdict(list)
         self._interval = {
@@ -124,6 +124,7 @@ class Trainer:
             "samples": self.state.samples,
             "cursor": self.state.cursor.to_dict(),
             "lineage": list(self.state.lineage),
+            "history": list(self.state.history),
         }
 
     @staticmethod
@@ -141,6 +142,7 @@ class Trainer:
             cursor=SamplesCursor.from_dict(saved["cursor"]),
             lineage=lineage,
             trained=set(lineage),
+            history=list(saved.get("history", [])),
         )
 
     # -- loop --------------------------------------------------------------------------
@@ -169,7 +171,7 @@ class Trainer:
             self.state.step,
             self.state.samples,
             list(self.state.lineage),
-            self.history,
+            self.state.history,
             self._last_checkpoint,
         )
 
@@ -240,7 +242,7 @@ class Trainer:
             row["store_peak_bytes"] = float(usage.peak_bytes)
         if torch.cuda.is_available():
             row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        self.history.append(row)
+        self.state.history.append(row)
         if self.on_log is not None and self.rank == 0:
             self.on_log(row)
         self._window_metrics.clear()
@@ -256,7 +258,7 @@ class Trainer:
     def score(self) -> float | None:
         """Checkpoint score: the simulated acceptance length of the last interval, measured
         on windows before the model trained on them (progressive validation)."""
-        for row in reversed(self.history):
+        for row in reversed(self.state.history):
             if "sim_accept_len" in row and not math.isnan(row["sim_accept_len"]):
                 return row["sim_accept_len"]
         return None

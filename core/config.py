@@ -90,6 +90,7 @@ class TargetConfig(Section):
     context_length: int | None = None  # None: the model config's max_position_embeddings
     capture_batch: int = Field(4, ge=1)
     tp_size: int = Field(1, ge=1)
+    max_total_tokens: int | None = Field(None, ge=1)  # engine's token capacity per forward, if bounded
     cache_dir: Path | None = None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache/specbus
 
 
@@ -153,6 +154,10 @@ class TrainingConfig(Section):
 
 class DeploymentConfig(Section):
     mode: Literal["disaggregated", "colocated", "live"] = "disaggregated"
+    # Colocated mode refuses these (>1) by name: the capture path has no such parallelism.
+    sequence_parallel: int = Field(1, ge=1)
+    target_dp: int = Field(1, ge=1)
+    target_ep: int = Field(1, ge=1)
     producers: int = Field(1, ge=0)
     trainers: int = Field(1, ge=1)
 

@@ -12,25 +12,19 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
 
-from core.config import RunConfig, load_config
+from core.config import RunConfig
+from ops.cli import add_common, config_of, resolve_url
 
 log = logging.getLogger("specbus")
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    return load_config(args.config, args.overrides)
+    return config_of(args)
 
 
 def _url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
-    return args.url or cfg.bus.url
-
-
-def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", default=None, help="run config YAML")
-    p.add_argument("--url", default=None, help="broker URL (default: bus.url)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    return resolve_url(args, cfg)
 
 
 def format_row(row: dict[str, float], total: int | None = None) -> str:
@@ -148,20 +142,3 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-prompts", type=int, default=20)
     p.add_argument("--eval-tokens", type=int, default=64)
     p.set_defaults(func=cmd_demo)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (the `specbus` CLI registers these commands too)."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
-    parser = argparse.ArgumentParser(prog="specbus")
-    add_pipeline_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -74,7 +74,7 @@ class Procs:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                     **(env or {})}  # fmt: skip
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "ops.commands", *argv],
+            [sys.executable, "-m", "ops.cli", *argv],
             stdout=None if show else log, stderr=log, stdin=subprocess.DEVNULL, env=full_env,
         )  # fmt: skip
         log.close()

@@ -44,7 +44,7 @@ from core.models.target import load_target_heads, load_target_info, resolve_targ
 from core.store import open_store
 from core.strategies.base import build_strategy
 from core.training import build_optimizer, build_scheduler
-from producers.colocated import ColocatedSource
+from producers.colocated import ColocatedSource, validate_colocated
 from producers.engines.registry import build_engine
 from producers.feeder import vocab_from_manifest
 
@@ -107,6 +107,12 @@ def run_trainer(
     on_log=None,
 ) -> TrainResult:
     rank, world, local_rank = dist_env()
+    if cfg.deployment.mode == "colocated":  # refuse an impossible setup before anything starts
+        validate_colocated(
+            cfg,
+            load_target_info(resolve_target_dir(cfg.target.model), name=cfg.target.model),
+            world,
+        )
     device = init_distributed(cfg, rank, world, local_rank)
     torch.manual_seed(cfg.training.seed)
     loop = LoopThread(f"specbus-bus-r{rank}")

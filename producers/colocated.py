@@ -25,11 +25,42 @@ from bus.publisher import Publisher
 from bus.subjects import PRODUCERS, Names
 from bus.topology import RunKV
 from consumers.source import GroupSettlement, Item
-from core.config import BusConfig
+from core.config import BusConfig, RunConfig
 from core.contracts import PromptTask
+from core.errors import ConfigError
+from core.islands import IslandPlan
+from core.models.target import TargetInfo
 from core.strategies.base import FeatureContract
 from core.telemetry import tracer
 from producers.capture import capture_isolated, sample_id_of, settle_failure
+
+
+def validate_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPlan:
+    """Fail fast, by name, on a colocated setup that cannot work. Returns the island plan."""
+    for key in ("sequence_parallel", "target_dp", "target_ep"):
+        value = getattr(cfg.deployment, key)
+        if value > 1:
+            raise ConfigError(
+                f"deployment.{key}={value} is not supported in colocated mode (use 1)"
+            )
+    context = cfg.target.context_length or info.max_position_embeddings
+    if cfg.data.max_length > context:
+        raise ConfigError(
+            f"data.max_length={cfg.data.max_length} leaves no headroom in the target's context of {context} tokens"
+        )
+    plan = IslandPlan(world=world, tp=cfg.target.tp_size, micro_batch=cfg.training.micro_batch,
+                      accumulation=cfg.training.accumulation)  # fmt: skip
+    if cfg.target.tp_size > 1 and cfg.target.engine == "hf":
+        raise ConfigError(
+            f"target.tp_size={cfg.target.tp_size} needs a tensor-parallel engine; the hf engine runs tp_size=1"
+        )
+    need = plan.island_batch * cfg.data.max_length
+    if cfg.target.max_total_tokens is not None and cfg.target.max_total_tokens < need:
+        raise ConfigError(
+            f"target.max_total_tokens={cfg.target.max_total_tokens} cannot hold one island batch "
+            f"({plan.island_batch} samples x data.max_length {cfg.data.max_length} = {need} tokens)"
+        )
+    return plan
 
 
 class ColocatedSource(GroupSettlement):
@@ -96,7 +127,7 @@ class ColocatedSource(GroupSettlement):
         return items
 
     async def upstream_done(self) -> bool:
-        if await self.kv.feed_complete() is None:
+        if self.group.buffered or await self.kv.feed_complete() is None:
             return False
         return (await lag(self.bus, self.run, PRODUCERS)).pending == 0
 

@@ -26,6 +26,20 @@ def test_decide(statuses, decision):
     assert decide(statuses) == decision
 
 
+@pytest.mark.parametrize(
+    "statuses, held, decision",
+    [
+        ([F, E], [6, 0], Decision.REBALANCE),  # prefetch left one rank with the others' share
+        ([F, E], [3, 0], Decision.END),  # not enough for another step: the partial window ends
+        ([F, E, E], [4, 1, 1], Decision.REBALANCE),
+        ([F, F], [6, 2], Decision.TRAIN),
+        ([F, W], [6, 0], Decision.WAIT),
+    ],
+)
+def test_decide_with_held_counts(statuses, held, decision):
+    assert decide(statuses, held, need=2) == decision
+
+
 def _rank(rank, world, port, statuses, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -1,0 +1,256 @@
+"""End to end: feeder -> producers -> trainers through a real broker and real stores.
+
+Every test runs real processes (`python -m ops.commands ...`) on a tiny random target and
+checks the lineage contract: each fed sample is trained at most once, and every sample not
+trained is accounted for (a dead letter, or the final partial window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bus.connection import connect
+from bus.dead import list_dead
+from core.config import BusConfig
+from core.store import open_store
+from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
+
+WORLD, MICRO = 2, 2
+WINDOW = WORLD * MICRO
+
+
+def fed_ids(n: int) -> set[str]:
+    return {f"t{i}-e0" for i in range(n)}
+
+
+def dead_letters(url: str, run: str):
+    async def go():
+        async with await connect(BusConfig(), url) as bus:
+            return await list_dead(bus, run)
+
+    return asyncio.run(go())
+
+
+def assert_lineage(cluster: Cluster, n: int, *, dead: int = 0) -> list[str]:
+    lineage = cluster.checkpoint_state()["lineage"]
+    assert len(lineage) == len(set(lineage)), "a sample was trained twice"
+    assert set(lineage) <= fed_ids(n)
+    untrained = n - len(lineage) - dead
+    assert 0 <= untrained < WINDOW, f"{untrained} samples neither trained nor dead-lettered"
+    return lineage
+
+
+@pytest.fixture
+def make_cluster(tmp_path, tiny_target, nats_server, run_id):
+    clusters = []
+
+    def make(
+        n: int, *, store_uri: str | None = None, overrides=(), url: str | None = None, data_kw=None
+    ):
+        data = write_tokenised_data(tmp_path / f"{run_id}.jsonl", n, **(data_kw or {}))
+        cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri=store_uri or f"shm://{run_id}",
+                              overrides=overrides)  # fmt: skip
+        cluster = Cluster(cfg, tmp_path / "procs", url or nats_server.url)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for c in clusters:
+        c.stop()
+
+
+def run_all(cluster: Cluster, producers: int = 2, timeout: float = 180.0) -> dict[str, int]:
+    cluster.start("feeder", "feed")
+    for i in range(producers):
+        cluster.start(f"producer-{i}", "produce", "--id", f"p{i}")
+    cluster.trainers(WORLD)
+    names = [
+        "feeder",
+        *[f"producer-{i}" for i in range(producers)],
+        *[f"trainer-{r}" for r in range(WORLD)],
+    ]
+    return cluster.wait(*names, timeout=timeout)
+
+
+def test_two_producers_two_trainers_on_shm(make_cluster):
+    n = 23
+    cluster = make_cluster(n)
+    cluster.assert_ok(run_all(cluster))
+    lineage = assert_lineage(cluster, n)
+    assert len(lineage) == 20  # 23 = 5 full windows of 4 + a partial window of 3, not trained
+    store = open_store(cluster.cfg.store.uri)
+    try:
+        store.gc()
+        assert store.usage().resident_bytes == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.mooncake
+def test_two_producers_two_trainers_on_mooncake(make_cluster, mooncake_services, store_id):
+    n = 16
+    cluster = make_cluster(n, store_uri=mooncake_services.uri(store_id))
+    cluster.assert_ok(run_all(cluster))
+    assert len(assert_lineage(cluster, n)) == 16
+    store = open_store(mooncake_services.uri(store_id))
+    try:
+        deadline = (
+            time.monotonic() + 20
+        )  # releases under a read lease are retried in the background
+        while store.usage().resident_bytes and time.monotonic() < deadline:
+            store.gc()
+            time.sleep(0.2)
+        assert store.usage().resident_bytes == 0
+    finally:
+        store.close()
+
+
+def test_producer_killed_mid_capture_loses_nothing(make_cluster):
+    n = 120
+    cluster = make_cluster(n, overrides=["target.capture_batch=2"])
+    cluster.start("feeder", "feed")
+    cluster.start("producer-0", "produce", "--id", "p0")
+    cluster.start("producer-1", "produce", "--id", "p1")
+    cluster.trainers(WORLD)
+    time.sleep(6.0)  # both producers are capturing by now
+    cluster.kill("producer-0")
+    codes = cluster.wait("feeder", "producer-1", "trainer-0", "trainer-1")
+    cluster.assert_ok(codes)
+    assert_lineage(cluster, n)
+
+
+def test_trainer_rank_killed_then_world_resumes_exactly_once(make_cluster):
+    n = 200
+    cluster = make_cluster(n, overrides=["training.checkpoint_every=5"])
+    cluster.start("feeder", "feed")
+    cluster.start("producer-0", "produce", "--id", "p0")
+    cluster.trainers(WORLD)
+    ckpt = cluster.cfg.resolved_run_dir / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not (ckpt / "latest").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    cluster.kill(
+        "trainer-1"
+    )  # mid-step; the surviving rank is stuck in a collective: the world restarts
+    cluster.kill("trainer-0")
+    before = cluster.checkpoint_state()["step"]
+    cluster.trainers(WORLD, "--resume")
+    cluster.assert_ok(cluster.wait("feeder", "producer-0", "trainer-0", "trainer-1"))
+    state = cluster.checkpoint_state()
+    assert state["step"] > before
+    assert_lineage(cluster, n)
+
+
+def test_broker_killed_mid_run_and_restarted(make_cluster, private_nats_server):
+    n = 160
+    cluster = make_cluster(n, url=private_nats_server.url)
+    cluster.start("feeder", "feed")
+    cluster.start("producer-0", "produce", "--id", "p0")
+    cluster.trainers(WORLD)
+    time.sleep(7.0)
+    private_nats_server.kill()
+    time.sleep(1.0)
+    private_nats_server.start()
+    cluster.assert_ok(cluster.wait("feeder", "producer-0", "trainer-0", "trainer-1"))
+    assert_lineage(cluster, n)
+
+
+def test_poisoned_task_goes_to_dead_and_the_run_finishes(make_cluster, nats_server):
+    # One record longer than the target's context (256): its capture always fails.
+    n = 13
+    cluster = make_cluster(
+        n, overrides=["data.max_length=400"], data_kw={"lengths": (12, 40), "poison_at": 5}
+    )
+    cluster.assert_ok(run_all(cluster, producers=1))
+    dead = dead_letters(nats_server.url, cluster.cfg.run)
+    capture_failed = [d for d in dead if d.reason == "capture_failed"]
+    assert len(capture_failed) == 1 and "256" in capture_failed[0].detail
+    lineage = assert_lineage(cluster, n, dead=1)
+    assert "t5-e0" not in lineage
+
+
+def test_trainers_wait_on_an_idle_stream_then_stop_at_end_of_data(make_cluster):
+    n = 8
+    cluster = make_cluster(n)
+    cluster.trainers(WORLD)  # nothing fed yet: the trainers wait, they do not exit or spin
+    time.sleep(4.0)
+    assert all(cluster.procs[f"trainer-{r}"].poll() is None for r in range(WORLD))
+    cluster.start("producer-0", "produce", "--id", "p0")
+    cluster.start("feeder", "feed")
+    t0 = time.monotonic()
+    cluster.assert_ok(cluster.wait("feeder", "producer-0", "trainer-0", "trainer-1", timeout=120))
+    assert time.monotonic() - t0 < 60
+    assert len(assert_lineage(cluster, n)) == 8
+
+
+def test_backpressure_keeps_store_under_budget(make_cluster):
+    n = 40
+    # Each sample is ~30 KB here; a 200 KB budget holds a handful at a time.
+    cluster = make_cluster(n, overrides=["store.budget_bytes=200000"])
+    cluster.start("feeder", "feed")
+    cluster.start("producer-0", "produce", "--id", "p0")
+    store = open_store(cluster.cfg.store.uri)
+    try:
+        deadline = time.monotonic() + 60
+        while store.usage().resident_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3.0)  # no trainer yet: the producer must stop at the budget, not fill the store
+        assert 0 < store.usage().resident_bytes <= 200000
+        assert store.usage().num_samples < n
+        cluster.trainers(WORLD)
+        cluster.assert_ok(cluster.wait("feeder", "producer-0", "trainer-0", "trainer-1"))
+        assert store.usage().peak_bytes <= 200000
+    finally:
+        store.close()
+    assert len(assert_lineage(cluster, n)) == 40
+
+
+def test_recapture_heals_deleted_features(make_cluster, nats_server):
+    n = 12
+    cluster = make_cluster(n)
+    cluster.start("feeder", "feed")
+    cluster.start("producer-0", "produce", "--id", "p0")
+    store = open_store(cluster.cfg.store.uri)
+    try:
+        deadline = time.monotonic() + 60
+        while store.usage().num_samples < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        refs = asyncio.run(_sample_refs(nats_server.url, cluster.cfg.run))
+        for ref in refs[:3]:  # the tensors are a cache: lose three samples
+            store.release(ref)
+        cluster.trainers(WORLD)
+        cluster.assert_ok(cluster.wait("feeder", "producer-0", "trainer-0", "trainer-1"))
+    finally:
+        store.close()
+    lineage = assert_lineage(cluster, n)
+    assert len(lineage) == 12
+    assert {r.sample_id for r in refs[:3]} <= set(lineage)
+
+
+async def _sample_refs(url: str, run: str):
+    from bus.replay import replay
+    from bus.subjects import Names
+    from core.contracts import SampleRef
+
+    async with await connect(BusConfig(), url) as bus:
+        return [SampleRef.from_bytes(m.data) async for m in replay(bus, Names(run).samples_stream)]
+
+
+def test_resume_with_a_mismatched_config_is_refused(make_cluster, tmp_path):
+    n = 8
+    cluster = make_cluster(n)
+    cluster.assert_ok(run_all(cluster, producers=1))
+    other = Cluster(
+        cluster.cfg.model_copy(update={"training": cluster.cfg.training.model_copy(update={"micro_batch": 1})}),
+        tmp_path / "other", cluster.url,
+    )  # fmt: skip
+    other.start("trainer-0", "train", "--resume")
+    codes = other.wait("trainer-0", timeout=60)
+    assert codes["trainer-0"] != 0
+    assert "refusing to resume" in other.log("trainer-0") and "micro_batch" in other.log(
+        "trainer-0"
+    )
