@@ -140,11 +140,10 @@ def train_step(
 def tokenize_records(records: list[Record], tokenizer, cfg: RunConfig) -> list[TokenizedSample]:
     """Tokenise with the tokenizer's template; drops samples with fewer than 2 supervised tokens
     (collate zeroes each sample's last loss position)."""
-    template = (
-        get_template(cfg.data.chat_template)
-        if cfg.data.chat_template
-        else detect_template(tokenizer)
-    )
+    if cfg.data.chat_template:
+        template = get_template(cfg.data.chat_template)
+    else:  # pre-tokenised records need no template (a weights-only target has no tokenizer)
+        template = detect_template(tokenizer) if tokenizer is not None else None
     samples = [
         tokenize_record(
             r,

@@ -97,7 +97,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"specbus up: {e}", file=sys.stderr)
         return 1
     url_file = store / URL_FILE
+    mooncake = None
     try:
+        if args.store == "mooncake":
+            from ops.services.mooncake import start_mooncake
+
+            mooncake, store_cfg = start_mooncake(cfg.store, cfg.resolved_run_dir)
+            print(f"mooncake store ready: store.uri={store_cfg.uri}", flush=True)
         url_file.write_text(server.url + "\n")
         if not args.no_declare:
             asyncio.run(_declare(cfg, server.url))
@@ -114,6 +120,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 return 1
         return 0
     finally:
+        if mooncake is not None:
+            mooncake.stop()
         server.stop()  # by PID: SIGTERM, then SIGKILL if it lingers
         url_file.unlink(missing_ok=True)
 
@@ -294,6 +302,12 @@ def add_bus_commands(sub: argparse._SubParsersAction) -> None:
         help="port (0: any free port; 4222 falls back to a free one)",
     )
     p.add_argument("--store-dir", default=None, help="JetStream store (default <run_dir>/nats)")
+    p.add_argument(
+        "--store",
+        choices=["shm", "mooncake"],
+        default="shm",
+        help="mooncake: also start mooncake_master + a store node on loopback (shm needs no server)",
+    )
     p.add_argument(
         "--no-declare", action="store_true", help="do not declare the run's streams/consumers/KV"
     )
