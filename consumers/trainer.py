@@ -29,8 +29,9 @@ from consumers.cursor import SamplesCursor
 from consumers.loader import Loader, Window
 from consumers.lockstep import distributed, gather_objects
 from consumers.parallel import average_gradients
-from core.strategies.base import StepContext
+from core.strategies.base import StepContext, Strategy
 from core.telemetry import tracer
+from core.training import train_step
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Trainer:
         self,
         *,
         model: torch.nn.Module,
-        loss_fn: Callable[[torch.nn.Module, Any, StepContext], tuple[torch.Tensor, dict[str, Any]]],
+        strategy: Strategy,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         loader: Loader,
@@ -87,10 +88,11 @@ class Trainer:
         lag: Callable[[], Any] | None = None,
         source_stats: Callable[[], dict[str, float]] | None = None,
         device: torch.device | str = "cpu",
+        autocast_dtype: torch.dtype | None = None,
     ):
-        self.model, self.loss_fn, self.optimizer, self.scheduler = (
+        self.model, self.strategy, self.optimizer, self.scheduler = (
             model,
-            loss_fn,
+            strategy,
             optimizer,
             scheduler,
         )
@@ -100,6 +102,7 @@ class Trainer:
         self.retired, self.on_log, self.store_usage, self.lag = retired, on_log, store_usage, lag
         self.source_stats = source_stats
         self.device = torch.device(device)
+        self.autocast_dtype = autocast_dtype
         self._tracer = tracer("specbus.trainer")
         self._window_metrics: dict[str, list[float]] = defaultdict(list)
         self._interval = {
@@ -183,22 +186,14 @@ class Trainer:
         with self._tracer.start_as_current_span("train_step", links=links) as span:
             span.set_attribute("specbus.step", self.state.step)
             span.set_attribute("specbus.samples", len(window.items))
-            self.model.train()
-            n = len(window.micro_batches)
-            for batch in window.micro_batches:  # accumulate locally, no communication
-                loss, metrics = self.loss_fn(self.model, batch.to(self.device), ctx)
-                (loss / n).backward()
-                self._window_metrics["loss"].append(_scalar(loss))
-                for k, v in metrics.items():
-                    self._window_metrics[k].append(_scalar(v))
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            average_gradients(params)  # the step's one all-reduce
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-            self._window_metrics["grad_norm"].append(_scalar(grad_norm))
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            batches = [batch.to(self.device, non_blocking=True) for batch in window.micro_batches]
+            result = train_step(
+                self.strategy, self.model, batches, self.optimizer, self.scheduler,
+                grad_clip=self.grad_clip, step=ctx, autocast_dtype=self.autocast_dtype,
+                reduce_gradients=average_gradients,  # the step's one all-reduce
+            )  # fmt: skip
+            for k, v in {**result.metrics, "grad_norm": result.grad_norm}.items():
+                self._window_metrics[k].append(_scalar(v))
 
             # The step is applied: agree on what it contained, then confirm it upstream.
             t_bus = time.perf_counter()

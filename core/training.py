@@ -106,10 +106,12 @@ def train_step(
     grad_clip: float,
     step: StepContext,
     autocast_dtype: torch.dtype | None = None,
+    reduce_gradients: Callable[[list[nn.Parameter]], None] | None = None,
 ) -> StepResult:
     """One optimizer step over `batches` (gradient accumulation: each loss scaled by 1/len).
 
-    Clips the global grad norm of the trainable parameters to `grad_clip`, steps the
+    `reduce_gradients(params)` runs after the last backward (data-parallel averaging). Clips
+    the global grad norm of the trainable parameters to `grad_clip`, steps the
     optimizer and the scheduler, zeroes the gradients. Returns loss/metrics averaged over
     the micro-batches, the pre-clip grad norm and the lr used.
     """
@@ -123,7 +125,10 @@ def train_step(
             loss, metrics = strategy.forward_loss(model, batch, step)
         (loss / len(batches)).backward()
         all_metrics.append(metrics)
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), grad_clip)
+    params = trainable_parameters(model)
+    if reduce_gradients is not None:  # data parallel: the step's one all-reduce
+        reduce_gradients(params)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     if scheduler is not None:

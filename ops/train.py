@@ -75,6 +75,13 @@ def init_distributed(cfg: RunConfig, rank: int, world: int, local_rank: int) -> 
     return device
 
 
+def autocast_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 compute with fp32 master weights on GPU (training.dtype auto/bfloat16); fp32 on CPU."""
+    if device.type == "cuda" and cfg.training.dtype in ("auto", "bfloat16"):
+        return torch.bfloat16
+    return None
+
+
 def plan_of_training(cfg: RunConfig, manifest: dict[str, Any], world: int) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed by this run."""
     return {
@@ -195,7 +202,7 @@ def run_trainer(
         )  # fmt: skip
         trainer = Trainer(
             model=model,
-            loss_fn=strategy.forward_loss,
+            strategy=strategy,
             optimizer=optimizer,
             scheduler=scheduler,
             loader=loader,
@@ -213,6 +220,7 @@ def run_trainer(
             source_stats=lambda: source.stats,
             lag=lambda: loop.call(lag(bus, cfg.run)),
             device=device,
+            autocast_dtype=autocast_dtype(cfg, device),
         )
         result = trainer.fit()
         if rank == 0:
