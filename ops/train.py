@@ -178,8 +178,9 @@ def run_trainer(
             engine = build_engine(cfg.target.model_copy(update={"device": str(device)}))
             store = open_store(cfg.store.model_copy(update={"uri": "mem://"}))
             source = ColocatedSource(
-                bus, cfg.run, group, topo.kv, engine, contract, store, cfg.bus, skip=skip
-            )
+                bus, cfg.run, group, topo.kv, engine, contract, store, cfg.bus, skip=skip,
+                capture_device=device if device.type == "cuda" else None,
+            )  # fmt: skip
             prefetch = 0  # capture the next window only after the last one is released
         else:
             source = BusSource(

@@ -76,20 +76,21 @@ def _token_tensors(tasks: list[PromptTask]) -> tuple[list[torch.Tensor], list[to
 
 
 def capture_isolated(
-    engine, contract: FeatureContract, tasks: list[PromptTask]
+    engine, contract: FeatureContract, tasks: list[PromptTask], device=None
 ) -> list[dict[str, torch.Tensor] | Exception]:
     """Capture a batch; if it fails, capture its tasks one by one so only the poisoned fail.
 
-    Returns one tensor dict or the exception per task, in order.
+    Returns one tensor dict or the exception per task, in order; tensors on `device` (None:
+    the engine's default, host memory).
     """
     try:
         ids, masks = _token_tensors(tasks)
-        return list(engine.capture(ids, masks, contract))
+        return list(engine.capture(ids, masks, contract, device=device))
     except Exception as e:
         if len(tasks) == 1:
             return [e]
         log.warning("batch capture failed (%s); retrying %d tasks one by one", e, len(tasks))
-        return [capture_isolated(engine, contract, [task])[0] for task in tasks]
+        return [capture_isolated(engine, contract, [task], device)[0] for task in tasks]
 
 
 async def settle_failure(

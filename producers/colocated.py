@@ -76,8 +76,12 @@ class ColocatedSource(GroupSettlement):
         bus_cfg: BusConfig,
         *,
         skip: Callable[[int, str], bool] = lambda seq, sample_id: False,
+        capture_device=None,
     ):
         self.bus, self.run, self.group, self.kv = bus, run, group, kv
+        # On a GPU rank the features stay where the target computed them: the trainer reads
+        # them from the mem:// store on the same device (no host round trip).
+        self.capture_device = capture_device
         self.engine, self.contract, self.store, self.bus_cfg = engine, contract, store, bus_cfg
         self.names = Names(run)
         self.publisher = Publisher(bus)
@@ -101,7 +105,9 @@ class ColocatedSource(GroupSettlement):
         t0 = loop.time()
         with self._tracer.start_as_current_span("capture") as span:
             span.set_attribute("specbus.tasks", len(tasks))
-            results = await asyncio.to_thread(capture_isolated, self.engine, self.contract, tasks)
+            results = await asyncio.to_thread(
+                capture_isolated, self.engine, self.contract, tasks, self.capture_device
+            )
         self.stats["capture_s"] += loop.time() - t0
         items = []
         for lease, result in zip(leases, results, strict=True):

@@ -11,8 +11,12 @@ from producers.engines.base import TargetEngine
 _ENGINES: dict[str, Callable[..., TargetEngine]] = {}
 
 
-def register_engine(name: str, factory: Callable[..., TargetEngine]) -> None:
-    if name in _ENGINES:
+def register_engine(
+    name: str, factory: Callable[..., TargetEngine], *, replace: bool = False
+) -> None:
+    """Register `factory` under `name`; `replace=True` swaps an existing one (benchmarks build
+    the target in-process, e.g. a random model of a real config, under the same name)."""
+    if name in _ENGINES and not replace:
         raise ConfigError(f"target engine {name!r} is already registered")
     _ENGINES[name] = factory
 

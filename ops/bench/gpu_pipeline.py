@@ -1,0 +1,487 @@
+"""GPU pipeline throughput: a Qwen3-8B-shaped random target, an EAGLE3 draft, colocated vs
+disaggregated on one GPU, per sequence length.
+
+- colocated: one trainer rank process capturing its own tasks (`deployment.mode: colocated`);
+- disaggregated: one producer process and one trainer process sharing the GPU, tensors through
+  the shm store, metadata through the embedded broker.
+
+The target is Qwen3-8B's architecture with random weights (nothing is downloaded): the target
+directory holds its `config.json` and a safetensors file with only `embed_tokens` and `lm_head`
+(what a trainer reads), plus a fingerprint marker. Every engine process builds the full model
+on the GPU in bf16 from that config with a fixed seed and loads those two heads into it (the
+`hf` engine is re-registered in the worker processes, `python -m ops.bench.gpu_pipeline worker
+...`, which then run `specbus train/produce` unchanged). Same compute and feature sizes as the
+real model; 16 GB are never written to disk.
+
+Figures are the trainer's steady state: log intervals after `--warmup` optimizer steps
+(start-up, flex-attention compilation and the first captures are excluded). Capture fraction
+(colocated) is the rank's capture seconds over the steady wall time. Each worker process
+writes its peak allocated/reserved CUDA memory at exit. `--profile` adds an in-process
+breakdown per sequence length (prefill, draft forward+backward+optimizer, host copies; no bus)
+and a torch.profiler table of one step.
+
+    python -m ops.bench.gpu_pipeline --seqs 2048,4096 --out $OUT/gpu_pipeline.json --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from core.config import build_config, dump_config
+from ops.services.common import stop_pid
+from ops.services.nats import NatsServer
+
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+SEED = 0
+_MARKER = "specbus_target.json"  # core.models.target reads the fingerprint from it
+
+
+# ---------------------------------------------------------------------------------------------
+# The random target
+
+
+def write_target(path: Path, overrides: dict | None = None, device: str = "cuda") -> Path:
+    """config.json + heads-only safetensors + fingerprint marker (weights = config + seed)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen3Config(**{**QWEN3_8B, **(overrides or {})})
+    config.save_pretrained(path)
+    v, h = config.vocab_size, config.hidden_size
+    g = torch.Generator(device=device).manual_seed(SEED)
+    heads = {
+        name: (torch.randn(v, h, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
+        for name in ("model.embed_tokens.weight", "lm_head.weight")
+    }
+    save_file(heads, str(path / "model.safetensors"))
+    digest = hashlib.sha256((path / "config.json").read_bytes() + f"seed={SEED}".encode())
+    (path / _MARKER).write_text(
+        json.dumps({"source": "random-qwen3", "fingerprint": digest.hexdigest()[:32]})
+    )
+    return path
+
+
+def build_random_target(path: Path, device: torch.device | str) -> torch.nn.Module:
+    """The full causal LM of `path`'s config, random (seeded) on `device` in bf16, with the
+    directory's embed_tokens / lm_head loaded: frozen, eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from core.models.target import load_target_heads
+
+    config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    heads = load_target_heads(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(heads.embed_tokens)
+        model.get_output_embeddings().weight.copy_(heads.lm_head)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def random_engine(cfg, **kwargs):
+    """`hf` engine factory over `build_random_target` (registered in the worker processes)."""
+    from core.models.target import resolve_target_dir
+    from producers.engines.hf import HFEngine, resolve_device
+
+    device = resolve_device(cfg.device)
+    model = build_random_target(resolve_target_dir(cfg.model), device)
+    return HFEngine(cfg, model=model, **kwargs)
+
+
+def worker(argv: list[str]) -> int:
+    """`worker --stats FILE <specbus args>`: run `specbus ...` with the random-target engine,
+    then write this process's peak CUDA memory to FILE."""
+    from ops.cli import main as cli_main
+    from producers.engines.registry import register_engine
+
+    stats = Path(argv[argv.index("--stats") + 1])
+    rest = [a for i, a in enumerate(argv) if a != "--stats" and argv[i - 1] != "--stats"]
+    register_engine("hf", random_engine, replace=True)
+    code = cli_main(rest)
+    if torch.cuda.is_available():
+        stats.write_text(
+            json.dumps(
+                {
+                    "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+                }
+            )
+        )
+    return code
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and config
+
+
+def write_data(path: Path, n: int, seq: int, vocab: int) -> Path:
+    """`n` pre-tokenised samples of exactly `seq` tokens; the last three quarters supervised."""
+    g = torch.Generator().manual_seed(1)
+    with open(path, "w") as f:
+        for _ in range(n):
+            ids = torch.randint(3, vocab, (seq,), generator=g).tolist()
+            mask = [0] * (seq // 4) + [1] * (seq - seq // 4)
+            f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
+    return path
+
+
+def shm_uri(run: str, work: Path, need_bytes: int) -> str:
+    """shm:// in /dev/shm when it has room, else a directory under the work dir (page cache)."""
+    if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 2 * need_bytes:
+        return f"shm://{run}"
+    return f"shm://{work / ('shm-' + run)}?store_id={run}"
+
+
+def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: str, args):
+    sample_bytes = seq * QWEN3_8B["hidden_size"] * 4 * 2  # 3 aux + final, bf16
+    budget = max(2 << 30, 12 * sample_bytes)
+    tree = {
+        "run": run,
+        "run_dir": str(work / run),
+        "bus": {"ack_wait_s": 120.0, "heartbeat_s": 5.0, "fetch_timeout_s": 0.1},
+        "store": {
+            "uri": shm_uri(run, work, budget) if mode == "disaggregated" else "mem://",
+            "budget_bytes": budget,
+        },
+        "target": {"model": str(target), "capture_batch": args.micro_batch,
+                   "context_length": max(seq, 4096)},
+        "strategy": {"ttt_length": args.ttt, "draft": {"draft_vocab_size": args.draft_vocab}},
+        "data": {"source": str(data), "max_length": seq, "holdout": 0},
+        "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
+                     "checkpoint_every": 100_000, "prefetch": args.prefetch, "lr": 1e-4,
+                     "max_steps": args.steps, "total_steps": args.steps},
+        "deployment": {"mode": mode},
+    }  # fmt: skip
+    return build_config(tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# One mode, through real processes
+
+
+def run_mode(cfg, work: Path, mode: str, warmup: int, timeout_s: float) -> dict:
+    from bus.connection import connect
+    from bus.topology import declare
+    from producers.feeder import feed, prepare
+
+    server = NatsServer(work / f"nats-{cfg.run}").start()
+    config_path = work / f"{cfg.run}.yaml"
+    config_path.write_text(dump_config(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "4", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("SPECBUS_THREADS", None)
+    procs: dict[str, subprocess.Popen] = {}
+    logs = {}
+    try:
+
+        async def do_feed():
+            async with await connect(cfg.bus, server.url) as bus:
+                topo = await declare(bus, cfg.bus, cfg.run)
+                return await feed(bus, topo.kv, cfg, prepare(cfg))
+
+        asyncio.run(do_feed())
+        common = ["--config", str(config_path), "--url", server.url]
+        roles = (["produce"] if mode == "disaggregated" else []) + ["train"]
+        for role in roles:
+            logs[role] = work / f"{cfg.run}-{role}.log"
+            argv = [sys.executable, "-m", "ops.bench.gpu_pipeline", "worker",
+                    "--stats", str(work / f"{cfg.run}-{role}.mem.json"),
+                    "--log-level", "WARNING", role, *common]  # fmt: skip
+            with open(logs[role], "w") as log:
+                procs[role] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        trainer = procs["train"]
+        try:
+            code = trainer.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 0:
+            tails = {r: p.read_text(errors="replace")[-3000:] for r, p in logs.items()}
+            raise RuntimeError(f"{mode} trainer exited {code}:\n" + json.dumps(tails, indent=1))
+        t_end = time.perf_counter()
+        if "produce" in procs:  # released by the train-complete marker
+            procs["produce"].wait(timeout=60)
+        print(
+            f"{mode}: producer exited {time.perf_counter() - t_end:.1f}s after the trainer",
+            flush=True,
+        )
+    finally:
+        for p in procs.values():
+            stop_pid(p)
+        server.stop()
+    ckpt = cfg.resolved_run_dir / "checkpoints"
+    state = torch.load(
+        ckpt / (ckpt / "latest").read_text().strip() / "state.pt", weights_only=False
+    )
+    return summarize(cfg, state["history"], mode, warmup, work)
+
+
+def summarize(cfg, rows: list[dict], mode: str, warmup: int, work: Path) -> dict:
+    """Steady-state figures from the trainer's log rows after `warmup` steps."""
+    mb = cfg.training.micro_batch
+    base = [r for r in rows if r["step"] <= warmup]
+    steady = [r for r in rows if r["step"] > warmup] or rows[-1:]
+    spans = []  # seconds of each steady row
+    prev = base[-1]["step"] if base else 0.0
+    for r in steady:
+        spans.append((r["step"] - prev) * mb / r["samples_per_s"])
+        prev = r["step"]
+    wall = sum(spans)
+    samples = sum(s * r["samples_per_s"] for s, r in zip(spans, steady, strict=True))
+    tokens = sum(s * r["tokens_per_s"] for s, r in zip(spans, steady, strict=True))
+    out = {
+        "steady_steps": int(steady[-1]["step"] - (base[-1]["step"] if base else 0)),
+        "samples_per_s": samples / wall,
+        "tokens_per_s": tokens / wall,
+        "step_ms": 1000 * wall / max(1, samples / mb),
+        "data_wait_frac": sum(s * r["data_wait_frac"] for s, r in zip(spans, steady, strict=True))
+        / wall,
+        "bus_ms_per_step": 1000 * statistics.mean(r["bus_s_per_step"] for r in steady),
+        "trainer_peak_alloc_gib_history": max(r.get("gpu_peak_gib", 0.0) for r in rows),
+        "loss_last": steady[-1].get("loss"),
+    }
+    if mode == "colocated" and "capture_s" in steady[-1]:
+        before = base[-1].get("capture_s", 0.0) if base else 0.0
+        out["capture_frac"] = (steady[-1]["capture_s"] - before) / wall
+    for role in ("train", "produce"):
+        mem = work / f"{cfg.run}-{role}.mem.json"
+        if mem.is_file():
+            out[f"{role}_mem"] = json.loads(mem.read_text())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process breakdown of one step (no bus, no store)
+
+
+def profile(target: Path, seqs: list[int], args, out_dir: Path | None) -> dict:
+    from core.config import DraftConfig, StrategyConfig, TargetConfig, TrainingConfig
+    from core.data.vocab import build_vocab_mapping, count_tokens
+    from core.models.target import load_target_heads
+    from core.strategies.base import StepContext, build_strategy
+    from core.training import build_optimizer, train_step
+
+    device = torch.device("cuda")
+    engine = random_engine(TargetConfig(model=str(target), device="cuda", capture_batch=1,
+                                        context_length=max(seqs)))  # fmt: skip
+    heads = load_target_heads(target)
+    strategy = build_strategy(
+        StrategyConfig(ttt_length=args.ttt, draft=DraftConfig(draft_vocab_size=args.draft_vocab)),
+        engine.info,
+        heads=heads,
+    )
+    contract = strategy.feature_contract(engine.info)
+    g = torch.Generator().manual_seed(2)
+    results = {}
+    for seq in seqs:
+        ids = [torch.randint(3, engine.info.vocab_size, (seq,), generator=g) for _ in range(4)]
+        masks = [torch.ones(seq, dtype=torch.long) for _ in ids]
+        vocab = build_vocab_mapping(
+            count_tokens(zip(ids, masks, strict=True)), args.draft_vocab, engine.info.vocab_size
+        )
+        draft = strategy.build_model(engine.info, heads, vocab).to(device)
+        optimizer = build_optimizer(draft, TrainingConfig())
+        timings: dict[str, list[float]] = {"prefill_gpu": [], "d2h_h2d": [], "train_step": []}
+
+        def one(i: int, t=timings, draft=draft, optimizer=optimizer, ids=ids, masks=masks, seq=seq):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            on_gpu = engine.capture([ids[i % 4]], [masks[i % 4]], contract, device=device)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            host = [{k: v.cpu() for k, v in s.items()} for s in on_gpu]
+            batch = strategy.collate(host, seq).to(device)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            train_step(strategy, draft, [batch], optimizer, None, grad_clip=0.5,
+                       step=StepContext(i, 100), autocast_dtype=torch.bfloat16)  # fmt: skip
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            t["prefill_gpu"].append(t1 - t0)
+            t["d2h_h2d"].append(t2 - t1)
+            t["train_step"].append(t3 - t2)
+
+        torch.cuda.reset_peak_memory_stats()
+        for i in range(3):  # warm-up: compile, allocator, cuBLAS handles
+            one(i)
+        for v in timings.values():
+            v.clear()
+        for i in range(args.profile_reps):
+            one(i)
+        row = {k: 1000 * statistics.median(v) for k, v in timings.items()}
+        total = sum(row.values())
+        row = {f"{k}_ms": v for k, v in row.items()}
+        row["loop_samples_per_s"] = 1000 / total
+        row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        table = profiler_table(one)
+        if out_dir is not None:
+            (out_dir / f"profile_{seq}.txt").write_text(table)
+        print(f"--- torch.profiler, one capture+step at {seq} tokens (top ops by device time)")
+        print("\n".join(table.splitlines()[:22]), flush=True)
+        results[seq] = row
+        print("profile", seq, json.dumps({k: round(v, 2) for k, v in row.items()}), flush=True)
+        del draft, optimizer
+        torch.cuda.empty_cache()
+    engine.close()
+    return results
+
+
+def profiler_table(one) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one(0)
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            return averages.table(sort_by=key, row_limit=30, max_name_column_width=60)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=30)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        sys.exit(worker(sys.argv[2:]))
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seqs", default="2048,4096")
+    ap.add_argument("--modes", default="colocated,disaggregated")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps per mode run")
+    ap.add_argument("--warmup", type=int, default=8, help="steps excluded from the figures")
+    ap.add_argument("--log-every", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per mode run")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-reps", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    seqs = [int(s) for s in args.seqs.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="specbus-gpubench-"))
+    overrides = (
+        {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+        if args.tiny else None
+    )  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    target = write_target(work / "target", overrides, device=device)
+    vocab = (overrides or QWEN3_8B)["vocab_size"]
+    args.draft_vocab = min(args.draft_vocab, vocab)
+    print(f"target written in {time.perf_counter() - t0:.1f}s: {target}", flush=True)
+    report: dict = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "results": {},
+    }
+
+    def save():
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1, default=str))
+
+    for seq in seqs:
+        data = write_data(work / f"data-{seq}.jsonl", args.steps * args.micro_batch + 4, seq, vocab)
+        row = report["results"].setdefault(str(seq), {})
+        for mode in args.modes.split(","):
+            run = f"gpu-{mode[:5]}-{seq}-{uuid.uuid4().hex[:6]}"
+            cfg = config_for(run, work, target, data, seq, mode, args)
+            t1 = time.perf_counter()
+            try:
+                row[mode] = run_mode(cfg, work, mode, args.warmup, args.timeout)
+            except Exception as e:  # keep the other runs' figures
+                row[mode] = {"error": str(e)[-4000:]}
+            row[mode]["wall_s"] = time.perf_counter() - t1
+            print(seq, mode, json.dumps(row[mode], default=str), flush=True)
+            save()
+        if "samples_per_s" in row.get("colocated", {}) and "samples_per_s" in row.get(
+            "disaggregated", {}
+        ):
+            row["ratio_disagg_over_coloc"] = (
+                row["disaggregated"]["samples_per_s"] / row["colocated"]["samples_per_s"]
+            )
+        save()
+    if args.profile and torch.cuda.is_available():
+        try:
+            report["profile"] = profile(target, seqs, args, args.out.parent if args.out else None)
+        except Exception as e:
+            report["profile"] = {"error": repr(e)[-2000:]}
+            print("profile failed:", repr(e), flush=True)
+        save()
+    print_table(report)
+    save()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def print_table(report: dict) -> None:
+    print(f"\n=== {report['device']} (torch {report['torch']})")
+    print(f"{'seq':>5} {'mode':<14} {'samples/s':>9} {'tokens/s':>9} {'step ms':>8} "
+          f"{'capture':>8} {'wait':>6} {'bus ms':>7} {'alloc GiB':>9} {'resv GiB':>8}")  # fmt: skip
+    for seq, row in report["results"].items():
+        for mode in ("colocated", "disaggregated"):
+            r = row.get(mode)
+            if r is None:
+                continue
+            if "error" in r:
+                print(f"{seq:>5} {mode:<14} ERROR {r['error'][-300:]}")
+                continue
+            mem = r.get("train_mem", {})
+            pmem = r.get("produce_mem", {})
+            alloc = mem.get("peak_allocated_gib", float("nan")) + pmem.get("peak_allocated_gib", 0)
+            resv = mem.get("peak_reserved_gib", float("nan")) + pmem.get("peak_reserved_gib", 0)
+            print(f"{seq:>5} {mode:<14} {r['samples_per_s']:>9.2f} {r['tokens_per_s']:>9.0f} "
+                  f"{r['step_ms']:>8.1f} {r.get('capture_frac', float('nan')):>8.2f} "
+                  f"{r['data_wait_frac']:>6.2f} {r['bus_ms_per_step']:>7.1f} {alloc:>9.1f} "
+                  f"{resv:>8.1f}")  # fmt: skip
+        if "ratio_disagg_over_coloc" in row:
+            print(f"{seq:>5} disagg/coloc   {row['ratio_disagg_over_coloc']:.3f}")
+    for seq, p in (report.get("profile") or {}).items():
+        if isinstance(p, dict):
+            print(f"profile {seq}: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()))
+
+
+if __name__ == "__main__":
+    main()
