@@ -105,7 +105,14 @@ class Trainer:
         self.autocast_dtype = autocast_dtype
         self._tracer = tracer("specbus.trainer")
         self._window_metrics: dict[str, list[float]] = defaultdict(list)
-        self._interval = {
+        self._interval = self._new_interval()
+        self._last_checkpoint: str | None = None
+        self._last_checkpoint_step = -1
+
+    @staticmethod
+    def _new_interval() -> dict[str, float]:
+        """Counters of one log interval (reset after each log row)."""
+        return {
             "t0": time.perf_counter(),
             "wait": 0.0,
             "bus": 0.0,
@@ -113,7 +120,6 @@ class Trainer:
             "tokens": 0,
             "steps": 0,
         }
-        self._last_checkpoint: str | None = None
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -178,8 +184,6 @@ class Trainer:
             self._last_checkpoint,
         )
 
-    _last_checkpoint_step = -1
-
     def _step(self, window: Window) -> None:
         links = [link for item in window.items for link in item.links if link is not None]
         ctx = StepContext(global_step=self.state.step, total_steps=self.total_steps)
@@ -241,14 +245,7 @@ class Trainer:
         if self.on_log is not None and self.rank == 0:
             self.on_log(row)
         self._window_metrics.clear()
-        self._interval = {
-            "t0": time.perf_counter(),
-            "wait": 0.0,
-            "bus": 0.0,
-            "samples": 0,
-            "tokens": 0,
-            "steps": 0,
-        }
+        self._interval = self._new_interval()
 
     def score(self) -> float | None:
         """Checkpoint score: the simulated acceptance length of the last interval, measured

@@ -33,8 +33,7 @@ from bus.topology import RunKV
 from core.config import RunConfig
 from core.contracts import PromptTask
 from core.data.datasets import load_source, split_holdout
-from core.data.templates import detect_template
-from core.data.tokenize import TokenizedSample, tokenize_record
+from core.data.tokenize import TokenizedSample
 from core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
 from core.errors import ConfigError
 from core.models.target import (
@@ -45,6 +44,7 @@ from core.models.target import (
     target_fingerprint,
     tokenizer_fingerprint,
 )
+from core.training import tokenize_records
 
 log = logging.getLogger("specbus.feeder")
 
@@ -72,31 +72,22 @@ def prepare(cfg: RunConfig) -> Prepared:
     path = resolve_target_dir(cfg.target.model)
     info = load_target_info(path, name=cfg.target.model)
     tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None
-    template = detect_template(tokenizer) if tokenizer is not None else None
     records = load_source(cfg.data.source)
     train, holdout = split_holdout(records, cfg.data.holdout, cfg.data.limit)
-    samples = []
-    for record in train:
-        if tokenizer is None and "input_ids" not in record:
-            raise ConfigError(
-                f"target {cfg.target.model!r} has no tokenizer: data.source must be pre-tokenised (input_ids)"
-            )
-        sample = tokenize_record(
-            record,
-            tokenizer,
-            template,
-            max_length=cfg.data.max_length,
-            last_turn_only=cfg.data.last_turn_only,
+    if tokenizer is None and any("input_ids" not in r for r in train):
+        raise ConfigError(
+            f"target {cfg.target.model!r} has no tokenizer: data.source must be pre-tokenised (input_ids)"
         )
-        if int(sample.loss_mask.sum()) > 0 and len(sample) >= 2:
-            samples.append(sample)
+    samples = tokenize_records(train, tokenizer, cfg)  # the single-process loop's rule too
     if not samples:
         raise ConfigError(
             f"data.source {cfg.data.source!r}: no record has a supervised (assistant) token"
         )
     dropped = len(train) - len(samples)
     if dropped:
-        log.warning("dropped %d of %d records with no supervised token", dropped, len(train))
+        log.warning(
+            "dropped %d of %d records with fewer than 2 supervised tokens", dropped, len(train)
+        )
     draft_vocab = min(cfg.strategy.draft.draft_vocab_size, info.vocab_size)
     vocab = build_vocab_mapping(
         count_tokens((s.input_ids, s.loss_mask) for s in samples), draft_vocab, info.vocab_size
