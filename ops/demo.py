@@ -146,10 +146,20 @@ def run_demo(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
 
+    import os
+
     from ops.evaluate import compare_drafts
     from ops.export import export_checkpoint
 
-    report = compare_drafts(cfg, num_prompts=args.eval_prompts, max_new_tokens=args.eval_tokens)
+    torch.set_num_threads(
+        max(1, min(4, os.cpu_count() or 1))
+    )  # the trainers are gone: use the cores
+    report = compare_drafts(
+        cfg,
+        num_prompts=args.eval_prompts,
+        max_new_tokens=args.eval_tokens,
+        progress=lambda message: print(message, flush=True),
+    )
     print(report.table(), flush=True)
     out = export_checkpoint(cfg, "latest", run_dir / "export")
     print(f"exported the trained draft for SGLang: {out}", flush=True)

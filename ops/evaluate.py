@@ -42,6 +42,7 @@ def compare_drafts(
     max_new_tokens: int = 64,
     num_draft_tokens: int = 3,
     checkpoint: str = "latest",
+    progress=lambda message: None,
 ) -> Comparison:
     engine = build_engine(cfg.target)
     try:
@@ -71,11 +72,16 @@ def compare_drafts(
             num_draft_tokens=num_draft_tokens,
             max_new_tokens=max_new_tokens,
             eos_ids=tuple(engine.info.eos_token_ids),
+            references={},  # the target's greedy outputs, computed once for both drafts
         )
         device, dtype = engine.device, engine.dtype
+        progress(
+            f"decoding {len(prompts)} held-back prompts with the untrained draft (and the target alone)"
+        )
         before = measure_acceptance(
             engine.model, untrained.to(device=device, dtype=dtype).eval(), prompts, **kwargs
         )
+        progress("decoding them with the trained draft")
         after = measure_acceptance(
             engine.model, trained.to(device=device, dtype=dtype).eval(), prompts, **kwargs
         )
