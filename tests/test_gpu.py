@@ -23,7 +23,8 @@ pytestmark = [
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return float((a - b).norm() / b.norm())
 
 
 def tiny_info(hidden: int = 64, vocab: int = 512) -> TargetInfo:

@@ -260,7 +260,7 @@ def make_spec(
         shape=tuple(int(d) for d in t.shape),
         dtype=DTYPE_NAMES[t.dtype],
         nbytes=t.numel() * t.element_size(),
-        crc32=crc32_of(t) if crc else None,
+        crc32=crc32_of(t if t.device.type == "cpu" else t.cpu()) if crc else None,
     )
 
 
@@ -285,9 +285,7 @@ def prepare(
         if screen:
             screen_nonfinite(sample_id, name, t)
         out[name] = t
-        specs[name] = make_spec(
-            store_id, sample_id, gen, name, t if t.device.type == "cpu" else t.cpu(), crc
-        )
+        specs[name] = make_spec(store_id, sample_id, gen, name, t, crc)  # host copy only for a CRC
     return out, specs
 
 

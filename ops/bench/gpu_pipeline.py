@@ -17,8 +17,8 @@ Figures are the trainer's steady state: log intervals after `--warmup` optimizer
 (start-up, flex-attention compilation and the first captures are excluded). Capture fraction
 (colocated) is the rank's capture seconds over the steady wall time. Each worker process
 writes its peak allocated/reserved CUDA memory at exit. `--profile` adds an in-process
-breakdown per sequence length (prefill, draft forward+backward+optimizer, host copies; no bus)
-and a torch.profiler table of one step.
+breakdown per sequence length (prefill, host copies, the draft's forward / backward /
+clip+optimizer; no bus) and a torch.profiler table of one draft train step.
 
     python -m ops.bench.gpu_pipeline --seqs 2048,4096 --out $OUT/gpu_pipeline.json --profile
 """
@@ -288,14 +288,12 @@ def summarize(cfg, rows: list[dict], mode: str, warmup: int, work: Path) -> dict
 
 
 def profile(target: Path, seqs: list[int], args, out_dir: Path | None) -> dict:
-    from core.config import DraftConfig, StrategyConfig, TargetConfig, TrainingConfig
-    from core.data.vocab import build_vocab_mapping, count_tokens
+    from core.config import DraftConfig, StrategyConfig, TargetConfig
     from core.models.target import load_target_heads
-    from core.strategies.base import StepContext, build_strategy
-    from core.training import build_optimizer, train_step
+    from core.strategies.base import build_strategy
 
-    device = torch.device("cuda")
-    engine = random_engine(TargetConfig(model=str(target), device="cuda", capture_batch=1,
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test of this code
+    engine = random_engine(TargetConfig(model=str(target), device=device, capture_batch=1,
                                         context_length=max(seqs)))  # fmt: skip
     heads = load_target_heads(target)
     strategy = build_strategy(
@@ -303,72 +301,122 @@ def profile(target: Path, seqs: list[int], args, out_dir: Path | None) -> dict:
         engine.info,
         heads=heads,
     )
-    contract = strategy.feature_contract(engine.info)
-    g = torch.Generator().manual_seed(2)
     results = {}
     for seq in seqs:
-        ids = [torch.randint(3, engine.info.vocab_size, (seq,), generator=g) for _ in range(4)]
-        masks = [torch.ones(seq, dtype=torch.long) for _ in ids]
-        vocab = build_vocab_mapping(
-            count_tokens(zip(ids, masks, strict=True)), args.draft_vocab, engine.info.vocab_size
-        )
-        draft = strategy.build_model(engine.info, heads, vocab).to(device)
-        optimizer = build_optimizer(draft, TrainingConfig())
-        timings: dict[str, list[float]] = {"prefill_gpu": [], "d2h_h2d": [], "train_step": []}
-
-        def one(i: int, t=timings, draft=draft, optimizer=optimizer, ids=ids, masks=masks, seq=seq):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            on_gpu = engine.capture([ids[i % 4]], [masks[i % 4]], contract, device=device)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            host = [{k: v.cpu() for k, v in s.items()} for s in on_gpu]
-            batch = strategy.collate(host, seq).to(device)
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            train_step(strategy, draft, [batch], optimizer, None, grad_clip=0.5,
-                       step=StepContext(i, 100), autocast_dtype=torch.bfloat16)  # fmt: skip
-            torch.cuda.synchronize()
-            t3 = time.perf_counter()
-            t["prefill_gpu"].append(t1 - t0)
-            t["d2h_h2d"].append(t2 - t1)
-            t["train_step"].append(t3 - t2)
-
-        torch.cuda.reset_peak_memory_stats()
-        for i in range(3):  # warm-up: compile, allocator, cuBLAS handles
-            one(i)
-        for v in timings.values():
-            v.clear()
-        for i in range(args.profile_reps):
-            one(i)
-        row = {k: 1000 * statistics.median(v) for k, v in timings.items()}
-        total = sum(row.values())
-        row = {f"{k}_ms": v for k, v in row.items()}
-        row["loop_samples_per_s"] = 1000 / total
-        row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-        table = profiler_table(one)
-        if out_dir is not None:
-            (out_dir / f"profile_{seq}.txt").write_text(table)
-        print(f"--- torch.profiler, one capture+step at {seq} tokens (top ops by device time)")
-        print("\n".join(table.splitlines()[:22]), flush=True)
-        results[seq] = row
-        print("profile", seq, json.dumps({k: round(v, 2) for k, v in row.items()}), flush=True)
-        del draft, optimizer
-        torch.cuda.empty_cache()
+        results[seq] = profile_seq(engine, strategy, heads, seq, args, out_dir)
+        print("profile", seq, json.dumps({k: round(v, 2) for k, v in results[seq].items()}))
     engine.close()
     return results
 
 
-def profiler_table(one) -> str:
+def profile_seq(engine, strategy, heads, seq: int, args, out_dir: Path | None) -> dict:
+    """Medians over `args.profile_reps` after 3 warm-ups, each phase synchronised."""
+    from core.config import TrainingConfig
+    from core.data.vocab import build_vocab_mapping, count_tokens
+    from core.strategies.base import StepContext
+    from core.training import build_optimizer, train_step
+
+    device = engine.device
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    contract = strategy.feature_contract(engine.info)
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(3, engine.info.vocab_size, (seq,), generator=g) for _ in range(4)]
+    masks = [torch.ones(seq, dtype=torch.long) for _ in ids]
+    vocab = build_vocab_mapping(
+        count_tokens(zip(ids, masks, strict=True)), args.draft_vocab, engine.info.vocab_size
+    )
+    draft = strategy.build_model(engine.info, heads, vocab).to(device)
+    optimizer = build_optimizer(draft, TrainingConfig())
+    timings: dict[str, list[float]] = {"prefill_gpu": [], "d2h_h2d": [], "train_step": []}
+    split: dict[str, list[float]] = {"forward": [], "backward": [], "clip_optimizer": []}
+
+    def capture(i: int) -> list[dict[str, torch.Tensor]]:
+        return engine.capture([ids[i % 4]], [masks[i % 4]], contract, device=device)
+
+    def step(batch, i: int = 0) -> None:
+        train_step(strategy, draft, [batch], optimizer, None, grad_clip=0.5,
+                   step=StepContext(i, 100), autocast_dtype=torch.bfloat16 if cuda else None)  # fmt: skip
+
+    def loop_step(i: int) -> None:
+        """capture -> host (as through a store) -> collate -> device -> train_step."""
+        sync()
+        t0 = time.perf_counter()
+        on_gpu = capture(i)
+        sync()
+        t1 = time.perf_counter()
+        host = [{k: v.cpu() for k, v in s.items()} for s in on_gpu]
+        batch = strategy.collate(host, seq).to(device)
+        sync()
+        t2 = time.perf_counter()
+        step(batch, i)
+        sync()
+        t3 = time.perf_counter()
+        for key, v in zip(timings, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            timings[key].append(v)
+
+    def phases(batch, i: int) -> None:
+        """The train step's phases, each synchronised (the same work as train_step)."""
+        sync()
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss, _ = strategy.forward_loss(draft, batch, StepContext(i, 100))
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        t3 = time.perf_counter()
+        for key, v in zip(split, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            split[key].append(v)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(3):  # warm-up: compile, allocator, cuBLAS handles
+        loop_step(i)
+    for v in timings.values():
+        v.clear()
+    for i in range(args.profile_reps):
+        loop_step(i)
+    row = {f"{k}_ms": 1000 * statistics.median(v) for k, v in timings.items()}
+    row["loop_samples_per_s"] = 1000 / sum(row.values())
+    if cuda:
+        row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    batch = strategy.collate(capture(0), seq).to(device)
+    for i in range(args.profile_reps):
+        phases(batch, i)
+    row.update({f"step_{k}_ms": 1000 * statistics.median(v) for k, v in split.items()})
+    table = profiler_table(lambda: step(batch))
+    if out_dir is not None:
+        (out_dir / f"profile_{seq}.txt").write_text(table)
+    lines = table.splitlines()
+    print(f"--- torch.profiler, one draft train step at {seq} tokens (top ops by device time)")
+    print("\n".join(lines[:28] + lines[-3:]), flush=True)
+    return row
+
+
+def profiler_table(step) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        one(0)
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
     averages = prof.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total"):
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
         try:
-            return averages.table(sort_by=key, row_limit=30, max_name_column_width=60)
+            return averages.table(sort_by=key, row_limit=45, max_name_column_width=60)
         except (AttributeError, KeyError, ValueError):
             continue
     return averages.table(row_limit=30)
@@ -444,7 +492,7 @@ def main() -> None:
                 row["disaggregated"]["samples_per_s"] / row["colocated"]["samples_per_s"]
             )
         save()
-    if args.profile and torch.cuda.is_available():
+    if args.profile:
         try:
             report["profile"] = profile(target, seqs, args, args.out.parent if args.out else None)
         except Exception as e:
