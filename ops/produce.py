@@ -16,6 +16,7 @@ from core.config import RunConfig
 from core.models.target import load_target_info, resolve_target_dir
 from core.store import open_store
 from core.strategies.base import build_strategy
+from core.telemetry import setup_tracing
 from producers.capture import CaptureStats, CaptureWorker
 from producers.engines.registry import build_engine
 from producers.feeder import feed, prepare
@@ -39,6 +40,8 @@ async def run_producer(
     exit_when_idle: bool = False,
 ) -> CaptureStats:
     """Join the run's "producers" group and capture until the trainers are done."""
+    if cfg.telemetry.otel:
+        setup_tracing(f"{cfg.telemetry.service_name}-producer")
     if os.environ.get("SPECBUS_THREADS"):
         torch.set_num_threads(int(os.environ["SPECBUS_THREADS"]))
     path = resolve_target_dir(cfg.target.model)

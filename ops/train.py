@@ -43,6 +43,7 @@ from core.errors import CheckpointError, ConfigError
 from core.models.target import load_target_heads, load_target_info, resolve_target_dir
 from core.store import open_store
 from core.strategies.base import build_strategy
+from core.telemetry import setup_tracing
 from core.training import build_optimizer, build_scheduler
 from producers.colocated import ColocatedSource, validate_colocated
 from producers.engines.registry import build_engine
@@ -114,6 +115,8 @@ def run_trainer(
     on_log=None,
 ) -> TrainResult:
     rank, world, local_rank = dist_env()
+    if cfg.telemetry.otel:
+        setup_tracing(f"{cfg.telemetry.service_name}-trainer")
     if cfg.deployment.mode == "colocated":  # refuse an impossible setup before anything starts
         validate_colocated(
             cfg,
