@@ -91,6 +91,8 @@ def plan_of_training(cfg: RunConfig, manifest: dict[str, Any], world: int) -> di
         "micro_batch": cfg.training.micro_batch,
         "accumulation": cfg.training.accumulation,
         "world": world,
+        "tp": cfg.target.tp_size,
+        "mode": cfg.deployment.mode,
     }
 
 
