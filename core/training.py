@@ -41,7 +41,11 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
     params = trainable_parameters(model)
     if not params:
         raise ConfigError("the model has no trainable parameters")
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    # The fused CUDA kernel: one launch instead of a few per parameter (the GPU profile's AdamW).
+    fused = all(p.is_cuda for p in params)
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused or None
+    )
 
 
 def lr_factor(step: int, total: int, cfg: TrainingConfig) -> float:
