@@ -97,6 +97,25 @@ def _differs(a: Any, b: Any) -> bool:
     return a != b
 
 
+def _reconcile(what: str, have: Any, want: Any, fixed, mutable) -> dict[str, tuple[Any, Any]]:
+    """Refuse a difference in a field the server cannot change in place; apply the mutable
+    differences to `have` and return them as {field: (old, new)}."""
+    for field in fixed:
+        if _differs(getattr(have, field), getattr(want, field)):
+            raise BusError(
+                f"{what} exists with {field}={getattr(have, field)}, the config wants "
+                f"{getattr(want, field)}; the server cannot change it in place (use another run name)"
+            )
+    changes = {
+        f: (getattr(have, f), getattr(want, f))
+        for f in mutable
+        if _differs(getattr(have, f), getattr(want, f))
+    }
+    for field, (_, new) in changes.items():
+        setattr(have, field, new)
+    return changes
+
+
 async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
     try:
         info = await bus.js.stream_info(want.name)
@@ -111,21 +130,9 @@ async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
             except NotFoundError:
                 raise BusError(f"cannot create stream {want.name}: {e}") from e
     have = info.config
-    for field in _FIXED_STREAM:
-        if _differs(getattr(have, field), getattr(want, field)):
-            raise BusError(
-                f"stream {want.name} exists with {field}={getattr(have, field)}, the config wants "
-                f"{getattr(want, field)}; the server cannot change it in place (use another run name)"
-            )
-    changes = {
-        f: (getattr(have, f), getattr(want, f))
-        for f in _MUTABLE_STREAM
-        if _differs(getattr(have, f), getattr(want, f))
-    }
+    changes = _reconcile(f"stream {want.name}", have, want, _FIXED_STREAM, _MUTABLE_STREAM)
     if not changes:
         return
-    for field, (_, new) in changes.items():
-        setattr(have, field, new)
     try:
         await bus.js.update_stream(have)
     except APIError as e:
@@ -148,20 +155,11 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
             raise BusError(f"cannot create consumer {want.durable_name} on {stream}: {e}") from e
         return
     have = info.config
-    for field in _FIXED_CONSUMER:
-        if _differs(getattr(have, field), getattr(want, field)):
-            raise BusError(
-                f"consumer {stream}/{want.durable_name} exists with {field}={getattr(have, field)}"
-            )
-    changes = {
-        f: (getattr(have, f), getattr(want, f))
-        for f in _MUTABLE_CONSUMER
-        if _differs(getattr(have, f), getattr(want, f))
-    }
+    changes = _reconcile(
+        f"consumer {stream}/{want.durable_name}", have, want, _FIXED_CONSUMER, _MUTABLE_CONSUMER
+    )
     if not changes:
         return
-    for field, (_, new) in changes.items():
-        setattr(have, field, new)
     try:
         await bus.js.add_consumer(stream, have)  # create-or-update; keeps the start position
     except APIError as e:
