@@ -188,15 +188,11 @@ class Loader:
         """Stop prefetching and give back everything still leased (nak, no delay)."""
         for t in self._tasks:
             t.cancel()
-        held = list(self._held)
-        while True:
-            try:
-                held.append(self._ready.get_nowait())
-            except queue.Empty:
-                break
+        # Every leased item (held, ready or in flight) is in _leased_items until committed.
         with self._lock:
-            held = list({id(i): i for i in held + list(self._leased_items.values())}.values())
+            held = list(self._leased_items.values())
         self._held = []
+        self._ready = queue.Queue()
         if held:
             self.loop.call(self.source.nak(held))
             self._forget(held)  # their tensors stay in the store for the next lease holder

@@ -13,18 +13,9 @@ import asyncio
 import logging
 import os
 
-from core.config import RunConfig
 from ops.cli import add_common, config_of, resolve_url
 
 log = logging.getLogger("specbus")
-
-
-def _config(args: argparse.Namespace) -> RunConfig:
-    return config_of(args)
-
-
-def _url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
-    return resolve_url(args, cfg)
 
 
 def format_row(row: dict[str, float], total: int | None = None) -> str:
@@ -48,8 +39,8 @@ def format_row(row: dict[str, float], total: int | None = None) -> str:
 def cmd_feed(args: argparse.Namespace) -> int:
     from ops.produce import run_feeder
 
-    cfg = _config(args)
-    count = asyncio.run(run_feeder(cfg, bus_url=_url(args, cfg)))
+    cfg = config_of(args)
+    count = asyncio.run(run_feeder(cfg, bus_url=resolve_url(args, cfg)))
     print(f"run {cfg.run}: {count} tasks fed")
     return 0
 
@@ -57,10 +48,13 @@ def cmd_feed(args: argparse.Namespace) -> int:
 def cmd_produce(args: argparse.Namespace) -> int:
     from ops.produce import run_producer
 
-    cfg = _config(args)
+    cfg = config_of(args)
     stats = asyncio.run(
         run_producer(
-            cfg, bus_url=_url(args, cfg), producer_id=args.id, exit_when_idle=args.exit_when_idle
+            cfg,
+            bus_url=resolve_url(args, cfg),
+            producer_id=args.id,
+            exit_when_idle=args.exit_when_idle,
         )
     )
     print(f"producer done: {stats.samples} samples from {stats.tasks} tasks, {stats.failures} failures, "
@@ -71,10 +65,10 @@ def cmd_produce(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from ops.train import run_trainer
 
-    cfg = _config(args)
+    cfg = config_of(args)
     result = run_trainer(
         cfg,
-        bus_url=_url(args, cfg),
+        bus_url=resolve_url(args, cfg),
         resume=args.resume,
         on_log=lambda row: print(format_row(row), flush=True),
     )
@@ -88,8 +82,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from ops.export import export_checkpoint
 
-    cfg = _config(args)
-    out = export_checkpoint(cfg, args.checkpoint, args.out, bus_url=_url(args, cfg))
+    cfg = config_of(args)
+    out = export_checkpoint(cfg, args.checkpoint, args.out)
     print(f"exported {out}")
     return 0
 

@@ -12,6 +12,7 @@ draft for SGLang. Logs of every process go to `<run_dir>/logs/`.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -68,8 +69,6 @@ class Procs:
     def start(
         self, name: str, argv: list[str], env: dict[str, str] | None = None, show: bool = False
     ) -> None:
-        import os
-
         log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                     **(env or {})}  # fmt: skip
@@ -145,8 +144,6 @@ def run_demo(args: argparse.Namespace) -> int:
         procs.stop()
         if server is not None:
             server.stop()
-
-    import os
 
     from ops.evaluate import compare_drafts
     from ops.export import export_checkpoint

@@ -33,7 +33,5 @@ def load_trained_draft(cfg: RunConfig, checkpoint: str | Path = "latest"):
     return draft.eval()
 
 
-def export_checkpoint(
-    cfg: RunConfig, checkpoint: str | Path, out: str | Path, bus_url: str | None = None
-) -> Path:
+def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: str | Path) -> Path:
     return export_draft(load_trained_draft(cfg, checkpoint), out)

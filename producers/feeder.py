@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import torch
 
 from bus.connection import Bus
 from bus.lag import lag
@@ -151,8 +152,6 @@ def manifest_of(cfg: RunConfig, prepared: Prepared) -> dict[str, Any]:
 
 
 def vocab_from_manifest(manifest: dict[str, Any]) -> VocabMapping:
-    import torch
-
     d2t = torch.tensor(manifest["vocab"]["d2t"], dtype=torch.long)
     t2d = torch.zeros(int(manifest["vocab"]["target_vocab_size"]), dtype=torch.bool)
     t2d[torch.arange(d2t.numel()) + d2t] = True
