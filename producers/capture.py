@@ -136,6 +136,9 @@ class CaptureWorker:
         self.stats = CaptureStats()
         self._tracer = tracer("specbus.producer")
         self._stop = asyncio.Event()
+        self._polled_at = float("-inf")
+        self._train_complete = False
+        self._lag_bytes = 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -143,7 +146,8 @@ class CaptureWorker:
     # -- loop ----------------------------------------------------------------------------
     async def run(self) -> CaptureStats:
         while not self._stop.is_set():
-            if await self.kv.train_complete() is not None:
+            await self._poll_broker()
+            if self._train_complete:
                 break
             if await self._over_budget():
                 self.stats.backpressure_waits += 1
@@ -158,14 +162,22 @@ class CaptureWorker:
                 break
         return self.stats
 
+    async def _poll_broker(self, every_s: float = 0.25) -> None:
+        """Refresh the run's train-complete marker and the trainers' lag, at most every
+        `every_s` (two broker round trips; not one per capture batch)."""
+        now = time.monotonic()
+        if now - self._polled_at < every_s:
+            return
+        self._polled_at = now
+        self._train_complete = await self.kv.train_complete() is not None
+        self._lag_bytes = (await lag(self.bus, self.cfg.run)).bytes
+
     async def _over_budget(self) -> bool:
-        """Backpressure: refs not yet consumed (bytes) or store residency at the budget."""
+        """Backpressure: store residency (exact, every batch) or refs not yet consumed (bytes,
+        as of the last broker poll) at 90 % of the budget."""
         budget = self.cfg.store.budget_bytes
         usage = await asyncio.to_thread(self.store.usage)
-        if usage.resident_bytes >= budget * 0.9:
-            return True
-        trainers = await lag(self.bus, self.cfg.run)
-        return trainers.bytes >= budget * 0.9
+        return usage.resident_bytes >= budget * 0.9 or self._lag_bytes >= budget * 0.9
 
     async def _idle(self) -> bool:
         if await self.kv.feed_complete() is None:
