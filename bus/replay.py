@@ -105,6 +105,18 @@ async def get(bus: Bus, stream: str, seq: int) -> Stored | None:
     return Stored(raw.seq or seq, raw.subject or "", raw.data or b"", headers)
 
 
+async def last(bus: Bus, stream: str, subject: str) -> Stored | None:
+    """The last message stored on `subject` in `stream`; None if there is none."""
+    try:
+        raw = await bus.js.get_last_msg(stream, subject)
+    except NotFoundError:
+        return None
+    except Exception as e:
+        raise BusError(f"cannot read the last message of {stream} on {subject}: {e}") from e
+    headers = {k: v for k, v in (raw.headers or {}).items() if k not in _DIRECT_GET_HEADERS}
+    return Stored(raw.seq or 0, raw.subject or subject, raw.data or b"", headers)
+
+
 async def reposition(bus: Bus, run: str, group: Group, start_seq: int) -> None:
     """Recreate the durable `group` so its next delivery is `start_seq` (see module doc)."""
     names = Names(run)

@@ -29,6 +29,7 @@ import torch
 from bus.connection import Bus
 from bus.lag import lag
 from bus.publisher import Publisher
+from bus.replay import last
 from bus.subjects import PRODUCERS, Names
 from bus.topology import RunKV
 from core.config import RunConfig
@@ -36,7 +37,7 @@ from core.contracts import PromptTask
 from core.data.datasets import load_source, split_holdout
 from core.data.tokenize import TokenizedSample
 from core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
-from core.errors import ConfigError
+from core.errors import ConfigError, RecordError
 from core.models.target import (
     TargetInfo,
     load_target_info,
@@ -160,13 +161,12 @@ def vocab_from_manifest(manifest: dict[str, Any]) -> VocabMapping:
 
 async def _resume_point(bus: Bus, names: Names) -> tuple[int, int] | None:
     """(epoch, task index) of the last dataset task in TASKS, or None if there is none."""
-    try:
-        last = await bus.js.get_last_msg(names.tasks_stream, names.tasks)
-    except Exception:
+    stored = await last(bus, names.tasks_stream, names.tasks)
+    if stored is None:
         return None
     try:
-        task = PromptTask.from_bytes(last.data)
-    except Exception:
+        task = PromptTask.from_bytes(stored.data)
+    except RecordError:  # not ours to resume from: publish everything (dedup drops repeats)
         return None
     return (task.epoch, task.index) if task.source == "dataset" else None
 
