@@ -8,6 +8,11 @@ lm_head is not run: the trainer recomputes logits from it).
 
 dtype "auto": bf16 on GPU, fp32 on CPU. Raises `CaptureError` for an empty or over-long
 sequence, a mask of another length, or features that fail the contract.
+
+`target.tp_size > 1`: the engine takes the TP mesh of its island (`tp_mesh=`, every rank of
+it builds the engine) and shards the decoder over it (`producers/engines/tp.py`); every TP
+rank must then capture the same sequences in the same order (the forward runs collectives),
+and every rank gets the full features.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class HFEngine:
         cache_dir: str | None = None,
         model=None,
         tokenizer=None,
+        tp_mesh=None,
     ):
         self.cfg = cfg
         self.path = resolve_target_dir(
@@ -78,6 +84,15 @@ class HFEngine:
         self.model = (
             model if model is not None else load_causal_lm(self.path, self.dtype, self.device)
         )
+        if cfg.tp_size > 1:
+            if tp_mesh is None or tp_mesh.size() != cfg.tp_size:
+                raise ConfigError(
+                    f"target.tp_size={cfg.tp_size} needs the island's TP mesh of that size "
+                    f"(got {None if tp_mesh is None else tp_mesh.size()})"
+                )
+            from producers.engines.tp import shard_decoder
+
+            shard_decoder(self.model, tp_mesh)
         self.target_fingerprint = target_fingerprint(self.path)
         self.tokenizer_fingerprint = (
             tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else "none"
