@@ -259,6 +259,33 @@ class Leases:
             if out or not bad or time.monotonic() >= deadline:
                 return out
 
+    # -- leases settled by another member's process (target-TP islands)
+    def hand_over(self, leases: Iterable[Lease]) -> list[tuple[str, bytes, dict | None]]:
+        """Give unsettled leases to another process: they leave this member's registry and
+        credit without being settled. Returns `(reply subject, record bytes, headers)` per lease, what
+        the other process passes to `adopt`. The broker cannot tell: any connection settles a
+        delivery by publishing to its reply subject."""
+        out = []
+        for lease in leases:
+            if lease.settled is not None:
+                raise BusError(f"lease seq {lease.seq} is already settled ({lease.settled})")
+            self._held.discard(lease)
+            out.append((lease.msg.reply, lease.msg.data, lease.msg.headers))
+        return out
+
+    def adopt(self, reply: str, data: bytes, headers: dict | None = None) -> Lease:
+        """The lease another process handed over (see `hand_over`), settled through this
+        member's connection from now on. Raises `BusError` for a reply subject that is not a
+        delivery of this group, `RecordError` for a record that does not parse."""
+        stream, consumer, deliveries, seq = _ack_metadata(reply)
+        if (stream, consumer) != (self.stream, self.group):
+            raise BusError(f"lease {reply!r} is not a delivery of {self.stream}/{self.group}")
+        msg = Msg(self.bus.nc, subject=self.stream, reply=reply, data=data, headers=headers)
+        lease = Lease(parse_record(self.record_cls, data), msg, stream, consumer, seq,
+                      deliveries, self)  # fmt: skip
+        self._held.add(lease)
+        return lease
+
     # -- windows
     async def ack_all(
         self, leases: Iterable[Lease], *, confirm: bool = True, timeout_s: float | None = None
