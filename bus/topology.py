@@ -218,6 +218,15 @@ class RunKV:
         """Training finished (`summary`: steps, samples, final checkpoint...); producers stop."""
         return await self._put(KEY_TRAIN_COMPLETE, summary)
 
+    async def clear_train_complete(self) -> None:
+        """A resumed run trains again: producers must not stop on the old marker."""
+        if await self.train_complete() is None:
+            return
+        try:
+            await self.kv.delete(KEY_TRAIN_COMPLETE)
+        except Exception as e:
+            raise BusError(f"cannot delete KV key {KEY_TRAIN_COMPLETE!r}: {e}") from e
+
     async def train_complete(self) -> dict[str, Any] | None:
         return await self._get(KEY_TRAIN_COMPLETE)
 

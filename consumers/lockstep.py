@@ -59,16 +59,43 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+_control: Any = None  # the gloo group of every rank, when the default group is NCCL
+
+
+def init_control_group() -> None:
+    """Create the control-plane group. Every rank calls it once, right after
+    `init_process_group` and before any other `new_group` (groups are matched by order).
+
+    Lockstep statuses and lineage travel on gloo (CPU) even when gradients use NCCL: they are
+    tiny, need no GPU sync, and the colocated capture thread may run NCCL collectives of the
+    target's TP group at the same time (two threads issuing NCCL kernels on one GPU can
+    deadlock; gloo and NCCL cannot)."""
+    global _control
+    if distributed() and dist.get_backend() != "gloo" and _control is None:
+        _control = dist.new_group(backend="gloo")
+
+
+def control_group() -> Any:
+    """The group for control-plane collectives (None: the default group, which is gloo)."""
+    if _control is None and distributed() and dist.get_backend() != "gloo":
+        raise RuntimeError("the default group is not gloo: call init_control_group() first")
+    return _control
+
+
+def reset_control_group() -> None:
+    """Forget the control group (after `destroy_process_group`)."""
+    global _control
+    _control = None
+
+
 def agree(status: Status, held: int = 0, need: int = 1) -> Decision:
     """All ranks call this with their status and held count and get the same decision."""
     if not distributed():
         return decide([status], [held], need)
-    # Two ints per rank, on the backend's device (gloo: CPU, NCCL: the current GPU).
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    mine = torch.tensor([int(status), held], dtype=torch.int64, device=device)
+    # Two ints per rank, on the gloo control group (CPU).
+    mine = torch.tensor([int(status), held], dtype=torch.int64)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
+    dist.all_gather(gathered, mine, group=control_group())
     rows = [t.tolist() for t in gathered]
     return decide([Status(r[0]) for r in rows], [r[1] for r in rows], need)
 
@@ -78,5 +105,5 @@ def gather_objects(obj: Any) -> list[Any]:
     if not distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=control_group())
     return out

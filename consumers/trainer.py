@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +28,9 @@ import torch
 from consumers.checkpoint import CheckpointManager, rng_state, set_rng_state
 from consumers.cursor import SamplesCursor
 from consumers.loader import Loader, Window
-from consumers.lockstep import distributed, gather_objects
-from consumers.parallel import average_gradients
+from consumers.lockstep import control_group, distributed, gather_objects
+from consumers.parallel import average_gradients, full_state, is_sharded, load_full_state
+from consumers.profiling import profiled_step
 from core.strategies.base import StepContext, Strategy
 from core.telemetry import tracer
 from core.training import train_step
@@ -89,6 +91,8 @@ class Trainer:
         source_stats: Callable[[], dict[str, float]] | None = None,
         device: torch.device | str = "cpu",
         autocast_dtype: torch.dtype | None = None,
+        profile_step: int | None = None,
+        profile_dir: Path | None = None,
     ):
         self.model, self.strategy, self.optimizer, self.scheduler = (
             model,
@@ -103,6 +107,8 @@ class Trainer:
         self.source_stats = source_stats
         self.device = torch.device(device)
         self.autocast_dtype = autocast_dtype
+        self.sharded = is_sharded(model)
+        self.profile_step, self.profile_dir = profile_step, profile_dir
         self._tracer = tracer("specbus.trainer")
         self._window_metrics: dict[str, list[float]] = defaultdict(list)
         self._interval = self._new_interval()
@@ -123,10 +129,11 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        module = getattr(self.model, "module", self.model)
+        """The checkpoint's content: full model and optimizer state (collective under FSDP)."""
+        model_sd, optim_sd = full_state(self.model, self.optimizer)
         return {
-            "model": {k: v for k, v in module.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_sd,
+            "optimizer": optim_sd,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "rng": rng_state(),
             "step": self.state.step,
@@ -138,9 +145,7 @@ class Trainer:
 
     @staticmethod
     def restore(model: torch.nn.Module, optimizer, scheduler, saved: dict[str, Any]) -> TrainState:
-        module = getattr(model, "module", model)
-        module.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
+        load_full_state(model, optimizer, saved["model"], saved["optimizer"])
         if scheduler is not None and saved.get("scheduler") is not None:
             scheduler.load_state_dict(saved["scheduler"])
         set_rng_state(saved["rng"])
@@ -161,7 +166,11 @@ class Trainer:
                 window = self.loader.next_window()
                 if window is None:
                     break
-                self._step(window)
+                if self.state.step == self.profile_step and self.profile_dir is not None:
+                    with profiled_step(self.profile_dir, self.state.step, self.rank):
+                        self._step(window)
+                else:
+                    self._step(window)
                 if self.state.step % self.log_every == 0:
                     self._log()
                 if self.checkpoints is not None and self.state.step % self.checkpoint_every == 0:
@@ -194,7 +203,8 @@ class Trainer:
             result = train_step(
                 self.strategy, self.model, batches, self.optimizer, self.scheduler,
                 grad_clip=self.grad_clip, step=ctx, autocast_dtype=self.autocast_dtype,
-                reduce_gradients=average_gradients,  # the step's one all-reduce
+                # the step's one all-reduce (ddp); FSDP reduce-scatters inside the backward
+                reduce_gradients=None if self.sharded else average_gradients,
             )  # fmt: skip
             for k, v in {**result.metrics, "grad_norm": result.grad_norm}.items():
                 self._window_metrics[k].append(_scalar(v))
@@ -256,10 +266,13 @@ class Trainer:
         return None
 
     def save(self) -> None:
-        """Rank 0 writes the checkpoint; every rank agrees on the step before moving on."""
-        if self.rank == 0 and self.checkpoints is not None:
-            path = self.checkpoints.save(self.state.step, self.state_dict(), score=self.score())
-            self._last_checkpoint = str(path)
+        """Rank 0 writes the checkpoint; every rank agrees on the step before moving on.
+        Under FSDP every rank takes part in gathering the full state."""
+        if self.checkpoints is not None and (self.rank == 0 or self.sharded):
+            state = self.state_dict()
+            if self.rank == 0:
+                path = self.checkpoints.save(self.state.step, state, score=self.score())
+                self._last_checkpoint = str(path)
         self._last_checkpoint_step = self.state.step
         if distributed():
-            torch.distributed.barrier()
+            torch.distributed.barrier(group=control_group())

@@ -143,13 +143,18 @@ class TrainingConfig(Section):
     seed: int = 0
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    wrap: Literal["ddp", "fsdp", "none"] = "ddp"
+    # ddp: replicated draft, one gradient all-reduce per optimizer step; fsdp: parameters,
+    # gradients and optimizer state sharded over the ranks (FSDP2), one reduce-scatter per step
+    wrap: Literal["ddp", "fsdp"] = "ddp"
     prefetch: int = Field(2, ge=0)
     checkpoint_dir: Path | None = None  # None: <run_dir>/checkpoints
     checkpoint_every: int = Field(100, ge=1)
     keep_checkpoints: int = Field(3, ge=1)
     log_every: int = Field(10, ge=1)
     eval_every: int | None = Field(None, ge=1)
+    # torch.profiler around this optimizer step (0-based): its collectives per rank are written
+    # to <run_dir>/profile/step<N>-rank<r>.json (counts by name) and a .txt op table
+    profile_step: int | None = Field(None, ge=0)
 
 
 class DeploymentConfig(Section):

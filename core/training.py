@@ -114,14 +114,19 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over `batches` (gradient accumulation: each loss scaled by 1/len).
 
-    `reduce_gradients(params)` runs after the last backward (data-parallel averaging). Clips
+    `reduce_gradients(params)` runs after the last backward (data-parallel averaging; an FSDP
+    model reduces its own gradients, on the last micro-step only). Clips
     the global grad norm of the trainable parameters to `grad_clip`, steps the
     optimizer and the scheduler, zeroes the gradients. Returns loss/metrics averaged over
     the micro-batches, the pre-clip grad norm and the lr used.
     """
     model.train()
     all_metrics = []
-    for batch in batches:
+    # FSDP (consumers/parallel.py): reduce-scatter gradients on the last micro-step only.
+    sharded = hasattr(model, "set_requires_gradient_sync")
+    for i, batch in enumerate(batches):
+        if sharded:
+            model.set_requires_gradient_sync(i == len(batches) - 1)
         device_type = batch.tensors["input_ids"].device.type
         with torch.autocast(
             device_type=device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None
@@ -133,6 +138,8 @@ def train_step(
     if reduce_gradients is not None:  # data parallel: the step's one all-reduce
         reduce_gradients(params)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+        grad_norm = grad_norm.full_tensor()
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     if scheduler is not None:

@@ -14,6 +14,7 @@ import pytest
 
 from bus.connection import connect
 from bus.dead import list_dead
+from bus.topology import open_kv
 from core.config import BusConfig
 from core.store import open_store
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
@@ -30,6 +31,14 @@ def dead_letters(url: str, run: str):
     async def go():
         async with await connect(BusConfig(), url) as bus:
             return await list_dead(bus, run)
+
+    return asyncio.run(go())
+
+
+def train_complete(url: str, run: str):
+    async def go():
+        async with await connect(BusConfig(), url) as bus:
+            return await (await open_kv(bus, run)).train_complete()
 
     return asyncio.run(go())
 
@@ -254,3 +263,53 @@ def test_resume_with_a_mismatched_config_is_refused(make_cluster, tmp_path):
     assert "refusing to resume" in other.log("trainer-0") and "micro_batch" in other.log(
         "trainer-0"
     )
+
+
+def test_trainer_replicas_join_from_the_latest_checkpoint(make_cluster):
+    """Elastic scale-out: one trainer rank trains a few steps, then the run goes on with two
+    ranks (the new replica joins the "trainers" group) from the latest checkpoint."""
+    n = 60
+    cluster = make_cluster(n)
+    cluster.start("feeder", "feed")
+    cluster.start("producer-0", "produce", "--id", "p0")
+    cluster.start("trainer-0", "train", "training.max_steps=4")  # world 1
+    cluster.assert_ok(cluster.wait("feeder", "trainer-0", "producer-0"))
+    first = cluster.checkpoint_state()
+    assert first["step"] == 4 and len(first["lineage"]) == 4 * MICRO
+    cluster.trainers(WORLD, "--resume")
+    deadline = time.monotonic() + 60
+    while train_complete(cluster.url, cluster.cfg.run) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # The resume cleared the train-complete marker: a producer captures again (the first one's
+    # features left with it; the trainers' recapture requests bring them back).
+    cluster.start("producer-1", "produce", "--id", "p1")
+    cluster.assert_ok(cluster.wait("producer-1", "trainer-0", "trainer-1"))
+    state = cluster.checkpoint_state()
+    assert state["lineage"][: len(first["lineage"])] == first["lineage"]
+    assert state["step"] > 4
+    assert len(assert_lineage(cluster, n)) == n - (n - 4 * MICRO) % WINDOW
+
+
+def test_fsdp_trainers_reduce_gradients_once_per_step(make_cluster):
+    """training.wrap=fsdp over 2 gloo ranks with accumulation 2: the run completes exactly once,
+    and the profiled step shows one gradient reduce-scatter per rank (not one per micro-step)."""
+    import json
+
+    n = 24
+    cluster = make_cluster(
+        n,
+        overrides=["training.wrap=fsdp", "training.accumulation=2", "training.micro_batch=1",
+                   "training.profile_step=1"],
+    )  # fmt: skip
+    cluster.assert_ok(run_all(cluster, producers=1))
+    state = cluster.checkpoint_state()
+    assert len(state["lineage"]) == n and len(set(state["lineage"])) == n
+    assert "fc.weight" in state["model"] and state["optimizer"]["state"]
+    for rank in range(WORLD):
+        report = json.loads(
+            (cluster.cfg.resolved_run_dir / "profile" / f"step1-rank{rank}.json").read_text()
+        )
+        ops = report["collectives"]
+        scatter = {k: v for k, v in ops.items() if "reduce_scatter" in k and k.startswith("c10d")}
+        assert sum(scatter.values()) == 1, ops
+        assert not any(k.startswith("c10d::allreduce") for k in ops if ops[k] > 1), ops
