@@ -140,6 +140,23 @@ def test_nan_and_inf_rejected_at_put(make_store):
     store.put("b", {"x": big_but_finite})
 
 
+def test_screen_covers_every_chunk_without_false_rejections(make_store):
+    # shm and staged Mooncake puts screen chunk by chunk while copying (core/store/chunked.py):
+    # a NaN/Inf anywhere, including a short last chunk, is found; chunks whose fp16 sum
+    # overflows but hold only finite values pass.
+    store = make_store()
+    n = (3 << 20) // 2 + 5  # 3 MiB of bf16 and a bit: three full chunks and a short one
+    for where, bad in ((n // 2, float("nan")), (n - 1, float("-inf")), (0, float("inf"))):
+        t = torch.randn(n).to(torch.bfloat16)
+        t[where] = bad
+        with pytest.raises(IntegrityError, match=r"'s'.*'hidden'.*1 NaN/Inf"):
+            store.put("s", {"ids": torch.arange(3), "hidden": t})
+    assert store.usage().num_samples == 0
+    loud = torch.full((3 << 20,), 60000.0, dtype=torch.float16)  # every chunk's sum overflows
+    specs = store.put("loud", {"x": loud})
+    assert torch.equal(store.get(specs)["x"], loud)
+
+
 def test_crc_mismatch_raises(make_store):
     store = make_store(crc=True)
     specs = store.put("a", {"x": torch.arange(10.0)})

@@ -223,3 +223,38 @@ def test_opening_any_store_sweeps_stores_of_dead_runs(uri, store_id):
     assert store_dir(store_id + "-kept").exists()  # keep_on_close stores are left alone
     other.close()
     shutil.rmtree(store_dir(store_id + "-kept"))
+
+
+def _mapped_store_files(root: Path) -> list[str]:
+    """Lines of /proc/self/maps naming files of the store at `root` (this process's mappings)."""
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if str(root) in line]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+def test_writer_mappings_never_pin_deleted_files(uri, store_id):
+    # Puts of >= 1 MiB copy into this process's mapping of the file (core/store/mapped.py),
+    # kept for reuse when the file is recycled. A mapping of a deleted file would hold its
+    # memory: gc and close must drop those, and reused files must hold the new bytes.
+    mib = 1 << 20
+    store = open_store(uri, budget_bytes=64 * mib, recycle_bytes=16 * mib, pool_bytes=0)
+    root = store_dir(store_id)
+    for i in range(4):  # 3 x 4 MiB, recycled into the same (mapped) files every round
+        xs = {f"x{j}": torch.randn(mib) + i for j in range(3)}
+        specs = store.put(f"s{i}", xs)
+        for name, t in store.get(specs).items():
+            assert torch.equal(t, xs[name])
+        store.release(specs)
+    assert store.usage().cached_bytes == 12 * mib
+    assert len(_mapped_store_files(root)) == 3  # kept mapped for the next puts
+    for f in (root / "free").iterdir():  # as another process trimming the cache would
+        f.unlink()
+    assert len([m for m in _mapped_store_files(root) if m.endswith("(deleted)")]) == 3
+    store.gc()
+    assert not _mapped_store_files(root)
+    xs = {"x": torch.randn(mib)}
+    assert torch.equal(store.get(store.put("again", xs))["x"], xs["x"])
+    assert len(_mapped_store_files(root)) == 1
+    store.close()
+    assert not _mapped_store_files(root)
+    assert not root.exists()
