@@ -260,3 +260,44 @@ def test_start_mooncake_for_specbus_up(tmp_path):
         other.close()
     finally:
         services.stop()
+
+
+def test_tcp_puts_send_caller_memory_and_unregister_it(mooncake_services, store_id):
+    # Over TCP a put sends a tensor from its own memory, registered for that put only (no
+    # staging copy); memory Mooncake will not register (overlapping another put's tensor) is
+    # staged through the pool instead. Nothing stays registered, every byte round-trips.
+    store = open_store(mooncake_store_config(mooncake_services, store_id))
+    base = torch.randn(3 << 20)  # 12 MiB
+    overlapping = {"a": base[: 2 << 20], "b": base[1 << 20 :]}  # second one: refused, staged
+    specs = store.put("s", overlapping)
+    got = store.get(specs)
+    assert all(torch.equal(got[n], t) for n, t in overlapping.items())
+    assert store._conn._held == {}
+    bad = base.clone()
+    bad[-1] = float("nan")
+    with pytest.raises(IntegrityError, match=r"'bad'.*'x'"):
+        store.put("bad", {"x": bad})  # screened beside the transfer, then removed
+    with pytest.raises(FeatureMissing):
+        store.get(
+            {"x": specs["a"].model_copy(update={"key": specs["a"].key.replace("/s/", "/bad/")})}
+        )
+    assert store._conn._held == {}
+    store.release(specs)
+    store.close()
+
+
+def test_staged_puts_screen_while_copying(mooncake_services, store_id):
+    # Where memory cannot be sent in place (RDMA), tensors are staged through the registered
+    # pool and screened chunk by chunk during that copy. Forced here on TCP.
+    store = open_store(mooncake_store_config(mooncake_services, store_id))
+    store._in_place = False
+    x = torch.randn(3 << 20).to(torch.bfloat16)
+    specs = store.put("ok", {"x": x, "ids": torch.arange(5)})
+    assert torch.equal(store.get(specs)["x"], x)
+    free = store._pool.free_bytes()
+    x[12345] = float("inf")
+    with pytest.raises(IntegrityError, match=r"'bad'.*'x'.*1 NaN/Inf"):
+        store.put("bad", {"ids": torch.arange(5), "x": x})
+    assert store._pool.free_bytes() == free  # the staging chunks went back to the pool
+    store.release(specs)
+    store.close()

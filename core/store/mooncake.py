@@ -9,9 +9,15 @@ Lessons from the predecessor (seeds/003) applied here:
   in the segment of a store node process (`ops.services.mooncake_node`) that outlives
   producers; objects in a producer's own segment died with it.
 - Registered buffers are pooled: one arena per client, registered once (RDMA rejects
-  unregistered memory; registering per call is slow). Puts stage through it (one memcpy at
-  ~5 GB/s in front of a ~1 GB/s TCP transfer); gets land in it and the tensors handed out
-  are views of it, returned to the pool when they die (core/store/pool.py).
+  unregistered memory and pins pages at registration). Gets land in it and the tensors handed
+  out are views of it, returned to the pool when they die (core/store/pool.py). Puts send
+  `alloc()`'d tensors from it as they are. Other tensors: over TCP, registration is
+  bookkeeping (~20 us, measured no slower than a pooled buffer), so the tensor is registered
+  for that put and sent from its own memory; staging it would add a copy as long as a third
+  of the transfer (a 64 MB copy ~12 ms against a ~35 ms loopback transfer) and, on 2 cores
+  busy with TCP, no room to hide it. Over RDMA, and where Mooncake refuses the registration
+  (memory overlapping another put's), tensors are staged through the pool, screened while
+  copied (core/store/chunked.py).
 - A short read (`get_into` returns fewer bytes than the spec) is an IntegrityError, never a
   tensor with an uninitialised tail.
 - `remove` right after a read fails with -706 while the reader's lease lives (10 s default).
@@ -53,7 +59,6 @@ from core.store.base import (
     RefLike,
     Screener,
     StoreUsage,
-    byte_view,
     check_crc,
     parse_key,
     prepare,
@@ -61,6 +66,7 @@ from core.store.base import (
     specs_of,
     to_device,
 )
+from core.store.chunked import copy_into, screen_whole
 from core.store.pool import BufferPool
 
 # Mooncake error codes (mooncake-store/include/types.h)
@@ -117,6 +123,7 @@ class MooncakeStore:
         self._client = self._conn.client
         self._pool = self._conn.pool
         self._replicate = self._conn.replicate
+        self._in_place = mc.protocol == "tcp"
         self._peak = 0
         self._metrics_at = -1e9
         self._metrics_seen = self._put_since = 0
@@ -149,20 +156,26 @@ class MooncakeStore:
                 f"{self.uri}: putting sample {sample_id!r} ({nbytes} B) would exceed the budget "
                 f"({allocated} of {self.cfg.budget_bytes} B in use)"
             )
-        # The NaN/Inf screen reads the tensors on another core while they are staged and sent
-        # (Mooncake releases the GIL during transfers); a bad sample is removed, then refused.
-        screened = self._screener.start(sample_id, tensors) if self.cfg.screen_nonfinite else None
         keys = [s.key for s in specs.values()]
-        with self._cond:  # a pending remove of these keys must not delete the new value
-            for key in keys:
-                self._pending.pop(key, None)
-        # Writing an existing key must replace it; put_from would silently keep the old bytes.
-        exist = self._client.batch_is_exist(keys)
-        existing = [k for k, e in zip(keys, exist, strict=True) if e == 1]
-        if existing:
-            self._client.batch_remove(existing, True)  # forced: is_exist itself took a read lease
+        screen = self.cfg.screen_nonfinite
+        held: list[int] = []
+        screened = None
         try:
-            self._put_objects(keys, list(kept.values()))
+            direct = self._hold_direct(kept, held)
+            # Tensors sent from their own memory are screened beside the existence check and
+            # the transfer (Mooncake releases the GIL); staged ones chunk by chunk as they are
+            # copied (chunked.py). A bad sample is removed, then refused.
+            if screen:
+                screened = self._screener.start(sample_id, {n: kept[n] for n in direct})
+            with self._cond:  # a pending remove of these keys must not delete the new value
+                for key in keys:
+                    self._pending.pop(key, None)
+            # Writing an existing key must replace it; put_from would keep the old bytes.
+            exist = self._client.batch_is_exist(keys)
+            existing = [k for k, e in zip(keys, exist, strict=True) if e == 1]
+            if existing:
+                self._client.batch_remove(existing, True)  # forced: is_exist took a read lease
+            self._put_objects(sample_id, keys, kept, direct, screen)
             if screened is not None:
                 screened.result()
         except BaseException:
@@ -171,6 +184,8 @@ class MooncakeStore:
         finally:
             if screened is not None:
                 screened.cancel()
+            for ptr in held:
+                self._conn.unhold(ptr)
         self._put_since += nbytes
         if gen > 0:
             self._supersede(sample_id, gen, list(kept))
@@ -196,15 +211,39 @@ class MooncakeStore:
             self._metrics_at, self._put_since = now, 0
         return self._metrics_seen + self._put_since
 
-    def _put_objects(self, keys: list[str], tensors: list[torch.Tensor]) -> None:
-        """Put tensors from registered memory: a tensor already in the pool (from `alloc`) goes
-        as is; others are staged through pool chunks, in batches that fit the pool."""
-        batch: list[tuple[str, int, int, bool]] = []  # (key, pool offset, size, staged)
+    def _hold_direct(self, kept: Mapping[str, torch.Tensor], held: list[int]) -> set[str]:
+        """Names of the tensors that go from their own memory, no staging copy: those in the
+        pool (from `alloc`) and, over TCP, any other (registered for this put: over TCP that
+        is bookkeeping, ~20 us, measured no slower than a pooled buffer; RDMA would pin pages,
+        so there they are staged through the pool). Registered pointers go to `held`."""
+        direct = set()
+        for name, t in kept.items():
+            size = t.numel() * t.element_size()
+            if not size:
+                continue
+            if self._pool.contains(t.data_ptr(), size):
+                direct.add(name)
+            elif self._in_place and self._conn.hold(t.data_ptr(), size):
+                held.append(t.data_ptr())
+                direct.add(name)
+        return direct
+
+    def _put_objects(
+        self,
+        sample_id: str,
+        keys: list[str],
+        kept: Mapping[str, torch.Tensor],
+        direct: set[str],
+        screen: bool,
+    ) -> None:
+        """Put every tensor: those in `direct` from their own memory, the others staged
+        through pool chunks (screened while copied), in batches that fit the pool."""
+        batch: list[tuple[str, int, int, int | None]] = []  # (key, ptr, size, staged offset)
         try:
-            for key, t in zip(keys, tensors, strict=True):
+            for key, (name, t) in zip(keys, kept.items(), strict=True):
                 size = t.numel() * t.element_size() or _SENTINEL
-                if t.numel() and self._pool.contains(t.data_ptr(), size):
-                    batch.append((key, t.data_ptr() - self._pool.base, size, False))
+                if name in direct:
+                    batch.append((key, t.data_ptr(), size, None))
                     continue
                 off = self._pool.alloc(size)
                 if off is None and batch:
@@ -212,30 +251,32 @@ class MooncakeStore:
                     self._put_batch(full)
                     off = self._pool.alloc(size)
                 if off is None:  # larger than the whole pool: register this tensor once
+                    if screen:
+                        screen_whole(sample_id, name, t)
                     self._put_unpooled(key, t)
                     continue
+                batch.append((key, self._pool.base + off, size, off))  # freed below on error
                 if t.numel():
-                    self._pool.view(off, size).copy_(byte_view(t))
-                batch.append((key, off, size, True))
+                    copy_into(sample_id, name, t, self._pool.view(off, size), screen=screen)
             if batch:
                 full, batch = batch, []
                 self._put_batch(full)
         finally:
-            for _, off, size, staged in batch:
-                if staged:
+            for _, _, size, off in batch:
+                if off is not None:
                     self._pool.free(off, size)
 
-    def _put_batch(self, batch: list[tuple[str, int, int, bool]]) -> None:
+    def _put_batch(self, batch: list[tuple[str, int, int, int | None]]) -> None:
         try:
             codes = self._client.batch_put_from(
-                [k for k, _, _, _ in batch],
-                [self._pool.base + off for _, off, _, _ in batch],
+                [key for key, _, _, _ in batch],
+                [ptr for _, ptr, _, _ in batch],
                 [size for _, _, size, _ in batch],
                 self._replicate,
             )
         finally:
-            for _, off, size, staged in batch:
-                if staged:
+            for _, _, size, off in batch:
+                if off is not None:
                     self._pool.free(off, size)
         for (key, _, _, _), code in zip(batch, codes, strict=True):
             if code != OK:
@@ -575,6 +616,32 @@ class _Connection:
             mc.buffer_bytes, register=lambda ptr, n: _register(self.client, ptr, n)
         )
         self.handles = 0
+        self._held: dict[int, list[int]] = {}  # ptr -> [size, puts using it]
+        self._held_lock = threading.Lock()
+
+    def hold(self, ptr: int, nbytes: int) -> bool:
+        """Register caller memory for the length of a put; concurrent puts of one tensor share
+        the registration. False when Mooncake refuses it (it overlaps another registered
+        region): the caller stages the tensor instead."""
+        with self._held_lock:
+            entry = self._held.get(ptr)
+            if entry is not None:
+                if entry[0] != nbytes:
+                    return False
+                entry[1] += 1
+                return True
+            if self.client.register_buffer(ptr, nbytes) != 0:
+                return False
+            self._held[ptr] = [nbytes, 1]
+            return True
+
+    def unhold(self, ptr: int) -> None:
+        with self._held_lock:
+            entry = self._held[ptr]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[ptr]
+                self.client.unregister_buffer(ptr)
 
 
 _connections: dict[tuple, _Connection] = {}
