@@ -8,7 +8,8 @@ commands from this coordinator. Per tensor size S, `total/S` bf16 tensors are mo
 - specbus mooncake://: `store.put` / `store.get` (default config: NaN screen on, CRC off),
   and `store.put` of a tensor from `store.alloc` (what a capture writing into store memory gets);
 - specbus shm://: `store.put` / `store.get` (also put with the NaN screen off);
-- memcpy: `dst.copy_(src)` of the same bytes into touched buffers, one per tensor.
+- memcpy: `dst.copy_(src)` of the same bytes into touched buffers, one per tensor, reused
+  every round (as the store reuses its released files; see `Worker.touched`).
 The writer puts, then the reader gets. Each specbus operation runs right after the same
 operation on its baseline (op by op, alternating), so both see the same machine load: on a
 shared 2-core box that matters more than anything else. Every phase runs `rounds` times after
@@ -45,6 +46,7 @@ class Worker:
         self.stores: dict[str, object] = {}
         self.raw = None
         self.raw_bufs: dict[int, object] = {}
+        self.dsts: dict[int, list] = {}
 
     def store(self, uri: str, **kw):
         key = uri + json.dumps(kw, sort_keys=True)
@@ -53,6 +55,16 @@ class Worker:
 
             self.stores[key] = open_store(uri, **kw)
         return self.stores[key]
+
+    def touched(self, size: int, n: int) -> list:
+        """The memcpy baseline's destinations: one bf16 buffer per tensor, touched once and
+        reused every round, as the store's released files are (recycled, already faulted).
+        Fresh buffers zeroed just before the copies would also sit in the cache."""
+        if size not in self.dsts:
+            self.dsts[size] = [
+                self.torch.zeros(size // 2, dtype=self.torch.bfloat16) for _ in range(n)
+            ]
+        return self.dsts[size]
 
     def raw_buf(self, master: str, size: int):
         if self.raw is None:
@@ -120,7 +132,7 @@ class Worker:
             store = self.store(cmd["uri"])
             unscreened = self.store(cmd["uri"], screen_nonfinite=False)
             t = torch.randn(size // 2).to(torch.bfloat16)
-            dsts = [torch.zeros_like(t) for _ in range(n)]  # touched, one per tensor, like files
+            dsts = self.touched(size, n)
             specs, unscreened_specs = [], []
             for i, dst in enumerate(dsts):
                 timed("memcpy", dst.copy_, t)
@@ -140,7 +152,7 @@ class Worker:
             store = self.store(cmd["uri"])
             specs = [FeatureSpec.model_validate_json(s) for s in cmd["specs"]]
             src = torch.randn(size // 2).to(torch.bfloat16)
-            dsts = [torch.zeros_like(src) for _ in range(n)]
+            dsts = self.touched(size, n)
             for spec, dst in zip(specs, dsts, strict=False):
                 timed("memcpy_read", dst.copy_, src)
                 timed("shm_get", store.get, {"hidden": spec})
