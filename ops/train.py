@@ -45,7 +45,7 @@ from core.store import open_store
 from core.strategies.base import build_strategy
 from core.telemetry import setup_tracing
 from core.training import build_optimizer, build_scheduler
-from producers.colocated import ColocatedSource, validate_colocated
+from producers.colocated import ColocatedSource, join_island, validate_colocated
 from producers.engines.registry import build_engine
 from producers.feeder import vocab_from_manifest
 
@@ -119,8 +119,9 @@ def run_trainer(
     rank, world, local_rank = dist_env()
     if cfg.telemetry.otel:
         setup_tracing(f"{cfg.telemetry.service_name}-trainer")
+    islands = None
     if cfg.deployment.mode == "colocated":  # refuse an impossible setup before anything starts
-        validate_colocated(
+        islands = validate_colocated(
             cfg,
             load_target_info(resolve_target_dir(cfg.target.model), name=cfg.target.model),
             world,
@@ -180,11 +181,17 @@ def run_trainer(
         contract = strategy.feature_contract(info)
         skip = lambda seq, sample_id: state.cursor.is_done(seq) or sample_id in state.trained  # noqa: E731
         if colocated:
-            engine = build_engine(cfg.target.model_copy(update={"device": str(device)}))
+            # Target-TP islands: every rank builds the TP mesh and the island groups here, at
+            # the same point (groups are matched by creation order), then its engine shard.
+            island = join_island(islands, rank, device.type)
+            engine = build_engine(
+                cfg.target.model_copy(update={"device": str(device)}),
+                **({"tp_mesh": island.tp_mesh} if island.tp > 1 else {}),
+            )
             store = open_store(cfg.store.model_copy(update={"uri": "mem://"}))
             source = ColocatedSource(
                 bus, cfg.run, group, topo.kv, engine, contract, store, cfg.bus, skip=skip,
-                capture_device=device if device.type == "cuda" else None,
+                capture_device=device if device.type == "cuda" else None, island=island,
             )  # fmt: skip
             prefetch = 0  # capture the next window only after the last one is released
         else:

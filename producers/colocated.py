@@ -11,16 +11,42 @@ overlap. No SAMPLES stream and no remote store are involved.
 A task whose capture fails is nak'd with a delay or dead-lettered on its last delivery
 (the same rule as the capture worker); a task the checkpoint already holds is acked and
 skipped without being captured.
+
+Target-TP islands (`target.tp_size = tp > 1`, `core/islands.py`): the island's ranks run one
+sharded target, so they must capture the same tasks in the same order.
+- Only the island leader leases: per take it fetches up to `tp * n` tasks, captures the
+  largest multiple of `tp` of them and keeps the rest leased for its next take (a nak would
+  count toward `max_deliver`). It sends the batch (each task's reply subject, record bytes and
+  headers) to its peers over the island's gloo group, even an empty one (then with its view of
+  the end of data), so every island rank's take returns in step.
+- Every island rank captures the whole batch on its island worker thread (FIFO, one job per
+  leader message, independent of the bus loop's tasks: a take cancelled at the end of data
+  cannot leave a peer alone in a collective). Poison isolation (`capture_isolated`) is
+  deterministic, so all ranks see the same failures.
+- Settlement: failures are settled once, by the leader (nak with delay / dead letter). The
+  good captures are cut into `tp` equal contiguous slices; peer `i` keeps slice `i` in its
+  `mem://` store and adopts those leases (`Leases.adopt`: it heartbeats and acks them through
+  its own connection); the leader hands the peers' leases over (`Leases.hand_over`). A
+  remainder of good captures beyond a multiple of `tp` goes back to the leader's kept leases
+  (captured again next take). Equal slices keep every rank's loader room, and so its number
+  of takes, the same as its leader's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from bus.connection import Bus
 from bus.lag import lag
-from bus.lease import Leases
+from bus.lease import Lease, Leases, parse_record
 from bus.publisher import Publisher
 from bus.subjects import PRODUCERS, Names
 from bus.topology import RunKV
@@ -33,6 +59,9 @@ from core.models.target import TargetInfo
 from core.strategies.base import FeatureContract
 from core.telemetry import tracer
 from producers.capture import capture_isolated, sample_id_of, settle_failure
+from producers.engines.tp import check_tp_shapes
+
+log = logging.getLogger("specbus.colocated")
 
 
 def validate_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPlan:
@@ -50,9 +79,17 @@ def validate_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPl
         )
     plan = IslandPlan(world=world, tp=cfg.target.tp_size, micro_batch=cfg.training.micro_batch,
                       accumulation=cfg.training.accumulation)  # fmt: skip
-    if cfg.target.tp_size > 1 and cfg.target.engine == "hf":
-        raise ConfigError(
-            f"target.tp_size={cfg.target.tp_size} needs a tensor-parallel engine; the hf engine runs tp_size=1"
+    if cfg.target.tp_size > 1:
+        if cfg.target.engine != "hf":
+            raise ConfigError(
+                f"target.tp_size={cfg.target.tp_size} in colocated mode runs on the hf engine, "
+                f"not target.engine={cfg.target.engine!r}"
+            )
+        check_tp_shapes(
+            cfg.target.tp_size,
+            num_attention_heads=info.num_attention_heads,
+            num_key_value_heads=info.num_key_value_heads,
+            intermediate_size=info.intermediate_size,
         )
     need = plan.island_batch * cfg.data.max_length
     if cfg.target.max_total_tokens is not None and cfg.target.max_total_tokens < need:
@@ -61,6 +98,102 @@ def validate_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPl
             f"({plan.island_batch} samples x data.max_length {cfg.data.max_length} = {need} tokens)"
         )
     return plan
+
+
+@dataclass
+class Island:
+    """This rank's place in its target-TP island: the TP mesh its engine shards over and the
+    gloo group its leader sends tasks on (None for both when tp == 1)."""
+
+    plan: IslandPlan
+    rank: int
+    tp_mesh: Any = None
+    group: Any = None
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp
+
+    @property
+    def leader(self) -> int:
+        return self.plan.leader_of(self.rank)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.plan.is_leader(self.rank)
+
+    @property
+    def peer(self) -> int:
+        """This rank's index in its island (0 = the leader)."""
+        return self.rank - self.leader
+
+
+def join_island(plan: IslandPlan, rank: int, device_type: str) -> Island:
+    """Build the island groups. Every rank calls it at the same point (groups are matched by
+    creation order): per island, a TP group (the default backend: NCCL on GPU, gloo on CPU)
+    as the engine's 1-D mesh, and a gloo group for the leader's task messages (small,
+    host-side, off the GPU streams). The TP group is always a new one, never the default
+    group (a DeviceMesh over the whole world would reuse it): the capture thread's
+    collectives must not interleave with the training thread's."""
+    if plan.tp == 1:
+        return Island(plan, rank)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    tp_groups = [dist.new_group(plan.ranks_of(i)) for i in range(plan.num_islands)]
+    task_groups = [
+        dist.new_group(plan.ranks_of(i), backend="gloo") for i in range(plan.num_islands)
+    ]
+    island = plan.island_of(rank)
+    mesh = DeviceMesh.from_group(tp_groups[island], device_type, mesh_dim_names=("tp",))
+    return Island(plan, rank, mesh, task_groups[island])
+
+
+class _IslandWorker(threading.Thread):
+    """One job per leader message, in order, on every island rank: the leader broadcasts the
+    message, peers receive it, then every rank captures the batch (the sharded forward's
+    collectives match). Results go to the bus loop's queue as `(message, results)`; an error
+    (a dead island rank) as the exception. `None` is the closing message."""
+
+    def __init__(self, island: Island, capture, loop: asyncio.AbstractEventLoop, device):
+        super().__init__(name=f"specbus-island-r{island.rank}", daemon=True)
+        self.island, self.capture, self.loop, self.device = island, capture, loop, device
+        self.results: asyncio.Queue = asyncio.Queue()
+        self._jobs: list = []
+        self._ready = threading.Condition()
+
+    def submit(self, message: dict | None) -> None:
+        """Leader only: queue a message (None closes the island)."""
+        with self._ready:
+            self._jobs.append(message)
+            self._ready.notify()
+
+    def _next(self) -> dict | None:
+        if self.island.is_leader:
+            with self._ready:
+                self._ready.wait_for(lambda: self._jobs)
+                message = self._jobs.pop(0)
+        else:
+            message = None
+        box = [message]
+        dist.broadcast_object_list(box, src=self.island.leader, group=self.island.group)
+        return box[0]
+
+    def run(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            try:
+                message = self._next()
+                if message is None:
+                    return
+                tasks = [parse_record(PromptTask, data) for _, data, _ in message["tasks"]]
+                results = self.capture(tasks) if tasks else []
+                out: Any = (message, results)
+            except BaseException as e:  # surfaced by the next take on the bus loop
+                out = e
+            self.loop.call_soon_threadsafe(self.results.put_nowait, out)
+            if isinstance(out, BaseException):
+                return
 
 
 class ColocatedSource(GroupSettlement):
@@ -77,6 +210,7 @@ class ColocatedSource(GroupSettlement):
         *,
         skip: Callable[[int, str], bool] = lambda seq, sample_id: False,
         capture_device=None,
+        island: Island | None = None,
     ):
         self.bus, self.run, self.group, self.kv = bus, run, group, kv
         # On a GPU rank the features stay where the target computed them: the trainer reads
@@ -89,10 +223,22 @@ class ColocatedSource(GroupSettlement):
         self._retired: list[int] = []
         self._tracer = tracer("specbus.colocated")
         self.stats = {"capture_s": 0.0, "captured": 0, "dead_letters": 0, "skipped": 0}
+        self.island = island if island is not None and island.tp > 1 else None
+        self._worker: _IslandWorker | None = None
+        self._beat = None  # leader: the heartbeat of everything it holds
+        self._kept: list[Lease] = []  # leader: leased, not captured yet (beyond a multiple of tp)
+        self._upstream = False  # island: the leader's view of the end of data, at the last take
+        # Tasks this source nak'd after a failed capture -> when to stop waiting for them. A
+        # nak'd task waiting out its delay is ack-pending, not pending, at the broker: without
+        # this, the run could end before its next delivery (and its dead letter).
+        self._retrying: dict[int, float] = {}
 
     async def take(self, n: int, timeout_s: float) -> list[Item]:
+        if self.island is not None:
+            return await self._take_island(n, timeout_s)
         leases = []
         for lease in await self.group.fetch(n, timeout_s):
+            self._retrying.pop(lease.seq, None)
             if self.skip(lease.seq, sample_id_of(lease.record)):
                 await lease.ack()
                 self.stats["skipped"] += 1
@@ -113,9 +259,7 @@ class ColocatedSource(GroupSettlement):
         for lease, result in zip(leases, results, strict=True):
             task: PromptTask = lease.record
             if isinstance(result, Exception):
-                if await settle_failure(lease, result, self.publisher, self.names, self.bus_cfg):
-                    self.stats["dead_letters"] += 1
-                    self._retired.append(lease.seq)
+                await self._failed(lease, result)
                 continue
             specs = self.store.put(sample_id_of(task), result, task.generation)
             items.append(
@@ -132,7 +276,98 @@ class ColocatedSource(GroupSettlement):
             self.stats["captured"] += 1
         return items
 
+    async def _failed(self, lease: Lease, error: Exception) -> None:
+        if await settle_failure(lease, error, self.publisher, self.names, self.bus_cfg):
+            self.stats["dead_letters"] += 1
+            self._retired.append(lease.seq)
+        else:  # nak'd with a delay: the data is not over before it comes back (see upstream)
+            due = asyncio.get_running_loop().time() + self.bus_cfg.nak_delay_s
+            self._retrying[lease.seq] = due + self.bus_cfg.ack_wait_s
+
+    # -- target-TP islands (see the module doc) -------------------------------------------
+    def _capture(self, tasks: list[PromptTask]) -> list:
+        with self._tracer.start_as_current_span("capture") as span:
+            span.set_attribute("specbus.tasks", len(tasks))
+            return capture_isolated(self.engine, self.contract, tasks, self.capture_device)
+
+    async def _take_island(self, n: int, timeout_s: float) -> list[Item]:
+        island = self.island
+        if self._worker is None:
+            self._worker = _IslandWorker(
+                island, self._capture, asyncio.get_running_loop(), self.capture_device
+            )
+            self._worker.start()
+            if island.is_leader:  # every lease it holds (kept ones too), until close
+                self._beat = self.group.heartbeat()
+                await self._beat.__aenter__()
+        batch: list[Lease] = []
+        if island.is_leader:
+            for lease in await self.group.fetch(max(island.tp * n - len(self._kept), 0), timeout_s):
+                self._retrying.pop(lease.seq, None)
+                if self.skip(lease.seq, sample_id_of(lease.record)):
+                    await lease.ack()
+                    self.stats["skipped"] += 1
+                else:
+                    self._kept.append(lease)
+            usable = len(self._kept) // island.tp * island.tp
+            batch, self._kept = self._kept[:usable], self._kept[usable:]
+            message = {"tasks": [(x.msg.reply, x.msg.data, x.msg.headers) for x in batch]}
+            if not batch:
+                message["upstream_done"] = await self._upstream_done()
+            self._worker.submit(message)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        out = await self._worker.results.get()
+        if isinstance(out, BaseException):
+            raise out
+        message, results = out
+        if not message["tasks"]:
+            self._upstream = message["upstream_done"]
+            return []
+        self._upstream = False
+        self.stats["capture_s"] += loop.time() - t0
+        good = [i for i, r in enumerate(results) if not isinstance(r, Exception)]
+        per_peer = len(good) // island.tp
+        mine = good[island.peer * per_peer : (island.peer + 1) * per_peer]
+        if island.is_leader:
+            failed = [(i, r) for i, r in enumerate(results) if isinstance(r, Exception)]
+            for i, error in failed:  # settled once, here: every island rank saw the same
+                await self._failed(batch[i], error)
+            self._kept = [batch[i] for i in good[per_peer * island.tp :]] + self._kept
+            theirs = set(good[: per_peer * island.tp]) - set(mine)
+            self.group.hand_over(batch[i] for i in sorted(theirs))
+            leases = {i: batch[i] for i in mine}
+        else:
+            leases = {i: self.group.adopt(*message["tasks"][i]) for i in mine}
+        items = []
+        for i in mine:
+            lease, result = leases[i], results[i]
+            task: PromptTask = lease.record
+            specs = self.store.put(sample_id_of(task), result, task.generation)
+            items.append(
+                Item(
+                    seq=lease.seq,
+                    sample_id=sample_id_of(task),
+                    num_tokens=len(task.input_ids or ()),
+                    lease=lease,
+                    tensors=self.store.get(specs),
+                    stored=specs,
+                    redelivered=lease.deliveries > 1,
+                )
+            )
+        self.stats["captured"] += len(items)
+        return items
+
     async def upstream_done(self) -> bool:
+        if self.island is not None:  # the leader's view, as of the last take (same on all)
+            return self._upstream
+        return await self._upstream_done()
+
+    async def _upstream_done(self) -> bool:
+        now = asyncio.get_running_loop().time()
+        self._retrying = {seq: due for seq, due in self._retrying.items() if due > now}
+        if self._retrying:
+            return False
         if self.group.buffered or await self.kv.feed_complete() is None:
             return False
         return (await lag(self.bus, self.run, PRODUCERS)).pending == 0
@@ -148,5 +383,24 @@ class ColocatedSource(GroupSettlement):
         out, self._retired = self._retired, []
         return out
 
+    async def _give_back(self) -> None:
+        if self._beat is not None:
+            await self._beat.__aexit__(None, None, None)
+        # A pull request of the last fetch may still be open at the broker and take a task the
+        # loader just gave back: let it expire, then nak what landed and what is still held.
+        await asyncio.sleep(self.bus_cfg.fetch_timeout_s)
+        await self.group.close(nak_held=True)
+        await self.bus.nc.flush()  # a publish still buffered when the bus closes is lost
+
     def close(self) -> None:
+        """Island: the leader closes the island (its peers' workers stop after the jobs
+        before), then gives back what it still holds (kept tasks, batches no take consumed)."""
+        worker = self._worker
+        if worker is not None:
+            if self.island.is_leader:
+                worker.submit(None)
+            worker.join(timeout=120)
+            if worker.is_alive():
+                log.warning("island worker of rank %d did not stop", self.island.rank)
+            asyncio.run_coroutine_threadsafe(self._give_back(), worker.loop).result(timeout=30)
         self.store.close()

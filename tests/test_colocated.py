@@ -105,7 +105,7 @@ def test_colocated_rank_killed_then_resumed_exactly_once(
         (["deployment.sequence_parallel=2"], "deployment.sequence_parallel=2"),
         (["deployment.target_ep=2"], "deployment.target_ep=2"),
         (["data.max_length=300"], "headroom"),
-        (["target.tp_size=2"], "tp_size=2"),
+        (["target.tp_size=2", "target.engine=sglang"], "not target.engine='sglang'"),
         (["target.max_total_tokens=10"], "max_total_tokens=10"),
     ],
 )
