@@ -196,3 +196,21 @@ def test_alloc_then_put(make_store):
     specs = store.put("a", {"hidden": t, "ids": torch.arange(4)})
     del t  # the store does not depend on the caller keeping its tensor
     _assert_same(store.get(specs), {"hidden": want, "ids": torch.arange(4)})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scheme", ["mem", "shm"])
+def test_cuda_tensors_are_screened_on_their_device(scheme, store_id):
+    # Tensors on an accelerator are screened there (a sum on the GPU), not after their copy to
+    # host memory; they still round-trip and NaN/Inf is still refused with the tensor's name.
+    store = open_store(f"{scheme}://{store_id}", pool_bytes=16 << 20)
+    ok = torch.randn(3 << 20, device="cuda").to(torch.bfloat16)
+    specs = store.put("ok", {"h": ok, "ids": torch.arange(4)})
+    assert torch.equal(store.get(specs)["h"].cpu(), ok.cpu())
+    bad = ok.clone()
+    bad[-1] = float("nan")
+    with pytest.raises(IntegrityError, match=r"'bad'.*'h'"):
+        store.put("bad", {"ids": torch.arange(4), "h": bad})
+    assert store.usage().num_samples == 1
+    store.close()

@@ -158,15 +158,20 @@ class MooncakeStore:
             )
         keys = [s.key for s in specs.values()]
         screen = self.cfg.screen_nonfinite
+        on_device = {n for n, t in tensors.items() if t.device.type != "cpu"}
         held: list[int] = []
         screened = None
         try:
             direct = self._hold_direct(kept, held)
-            # Tensors sent from their own memory are screened beside the existence check and
-            # the transfer (Mooncake releases the GIL); staged ones chunk by chunk as they are
-            # copied (chunked.py). A bad sample is removed, then refused.
+            # Tensors on an accelerator are screened there (cheap); CPU tensors sent from their
+            # own memory beside the existence check and the transfer (Mooncake releases the
+            # GIL); staged ones chunk by chunk as they are copied (chunked.py). A bad sample
+            # is removed, then refused.
             if screen:
-                screened = self._screener.start(sample_id, {n: kept[n] for n in direct})
+                screened = self._screener.start(
+                    sample_id,
+                    {n: tensors[n] for n in on_device} | {n: kept[n] for n in direct - on_device},
+                )
             with self._cond:  # a pending remove of these keys must not delete the new value
                 for key in keys:
                     self._pending.pop(key, None)
@@ -175,7 +180,7 @@ class MooncakeStore:
             existing = [k for k, e in zip(keys, exist, strict=True) if e == 1]
             if existing:
                 self._client.batch_remove(existing, True)  # forced: is_exist took a read lease
-            self._put_objects(sample_id, keys, kept, direct, screen)
+            self._put_objects(sample_id, keys, kept, direct, screen, on_device)
             if screened is not None:
                 screened.result()
         except BaseException:
@@ -235,9 +240,11 @@ class MooncakeStore:
         kept: Mapping[str, torch.Tensor],
         direct: set[str],
         screen: bool,
+        screened_elsewhere: set[str],
     ) -> None:
         """Put every tensor: those in `direct` from their own memory, the others staged
-        through pool chunks (screened while copied), in batches that fit the pool."""
+        through pool chunks (screened while copied unless `screened_elsewhere`), in batches
+        that fit the pool."""
         batch: list[tuple[str, int, int, int | None]] = []  # (key, ptr, size, staged offset)
         try:
             for key, (name, t) in zip(keys, kept.items(), strict=True):
@@ -250,14 +257,16 @@ class MooncakeStore:
                     full, batch = batch, []
                     self._put_batch(full)
                     off = self._pool.alloc(size)
+                screen_here = screen and name not in screened_elsewhere
                 if off is None:  # larger than the whole pool: register this tensor once
-                    if screen:
+                    if screen_here:
                         screen_whole(sample_id, name, t)
                     self._put_unpooled(key, t)
                     continue
                 batch.append((key, self._pool.base + off, size, off))  # freed below on error
                 if t.numel():
-                    copy_into(sample_id, name, t, self._pool.view(off, size), screen=screen)
+                    view = self._pool.view(off, size)
+                    copy_into(sample_id, name, t, view, screen=screen_here)
             if batch:
                 full, batch = batch, []
                 self._put_batch(full)

@@ -68,6 +68,7 @@ from core.store.base import (
     parse_key,
     prepare,
     sample_of,
+    screen_all,
     specs_of,
     to_device,
 )
@@ -270,11 +271,17 @@ class ShmStore:
             st.count += 1
             trash += self._trim_cache(st, self.cfg.budget_bytes - st.resident)
             self._lock.write(st)
-        # the NaN/Inf screen sums each chunk just written (chunked.py); a bad sample never
-        # leaves its tmp dir
+        # The NaN/Inf screen: tensors on an accelerator there (cheap), the others by summing
+        # each chunk just written (chunked.py). A bad sample never leaves its tmp dir.
+        screen = self.cfg.screen_nonfinite
+        on_device = {n: t for n, t in tensors.items() if t.device.type != "cpu"}
         try:
+            if screen:
+                screen_all(sample_id, on_device)
             for name, t in kept.items():
-                self._write(sample_id, name, t, os.path.join(tmp, name), name in recycled)
+                path = os.path.join(tmp, name)
+                screen_here = screen and name not in on_device
+                self._write(sample_id, name, t, path, name in recycled, screen_here)
         except BaseException:
             with self._lock:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -286,11 +293,12 @@ class ShmStore:
         with self._lock:
             final = os.path.join(sdir, f"g{gen}")
             gone = [final] if os.path.exists(final) else []  # a re-put replaces the old value
-            gone += [
-                os.path.join(sdir, n)
-                for n in os.listdir(sdir)
-                if n.startswith("g") and _gen_of(n) < gen
-            ]
+            if gen > 0:  # older generations go
+                gone += [
+                    os.path.join(sdir, n)
+                    for n in os.listdir(sdir)
+                    if n.startswith("g") and _gen_of(n) < gen
+                ]
             st = self._lock.read()
             for d in gone:
                 trash.append(self._retire(Path(d), st))
@@ -300,12 +308,13 @@ class ShmStore:
             shutil.rmtree(d, ignore_errors=True)
         return specs
 
-    def _write(self, sample_id: str, name: str, t: torch.Tensor, path: str, recycled: bool):
+    def _write(
+        self, sample_id: str, name: str, t: torch.Tensor, path: str, recycled: bool, screen: bool
+    ) -> None:
         """Write a tensor's file: into this process's mapping of it when it is large enough
         (a recycled file is usually mapped already: a plain memcpy, see mapped.py), else with
         write(). Either way the NaN/Inf screen sums each chunk just copied (chunked.py)."""
         nbytes = t.numel() * t.element_size()
-        screen = self.cfg.screen_nonfinite
         if recycled:
             fd = os.open(path, os.O_RDWR)
         else:
