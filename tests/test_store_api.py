@@ -202,8 +202,8 @@ def test_alloc_then_put(make_store):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scheme", ["mem", "shm"])
 def test_cuda_tensors_are_screened_on_their_device(scheme, store_id):
-    # Tensors on an accelerator are screened there (a sum on the GPU), not after their copy to
-    # host memory; they still round-trip and NaN/Inf is still refused with the tensor's name.
+    # Tensors on an accelerator are screened there (their host copies are written unscreened):
+    # they round-trip, and NaN/Inf is still refused with the tensor's name.
     store = open_store(f"{scheme}://{store_id}", pool_bytes=16 << 20)
     ok = torch.randn(3 << 20, device="cuda").to(torch.bfloat16)
     specs = store.put("ok", {"h": ok, "ids": torch.arange(4)})
