@@ -35,8 +35,9 @@ from bus.topology import declare
 from consumers.bus_source import BusSource
 from consumers.checkpoint import CheckpointManager
 from consumers.loader import Loader
+from consumers.lockstep import control_group, init_control_group, reset_control_group
 from consumers.loop_thread import LoopThread
-from consumers.parallel import broadcast_parameters
+from consumers.parallel import broadcast_parameters, shard
 from consumers.trainer import Trainer, TrainResult, TrainState
 from core.config import RunConfig
 from core.errors import CheckpointError, ConfigError
@@ -73,6 +74,7 @@ def init_distributed(cfg: RunConfig, rank: int, world: int, local_rank: int) -> 
             else ("nccl" if use_cuda else "gloo")
         )
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=10))
+        init_control_group()  # before any other group: gloo for lockstep and lineage
     return device
 
 
@@ -83,16 +85,21 @@ def autocast_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def plan_of_training(cfg: RunConfig, manifest: dict[str, Any], world: int) -> dict[str, Any]:
-    """What a checkpoint must agree with to be resumed by this run."""
+def plan_of_training(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed by this run.
+
+    The world size is not part of it: a checkpoint holds the full model and optimizer state
+    (gathered under FSDP) and a global cursor and lineage, so a run resumes with more or fewer
+    trainer ranks (elastic restart). The schedule is re-planned for the new world size from the
+    step reached."""
     return {
         "manifest_plan": manifest["plan_hash"],
         "strategy": cfg.strategy.model_dump(mode="json"),
         "micro_batch": cfg.training.micro_batch,
         "accumulation": cfg.training.accumulation,
-        "world": world,
         "tp": cfg.target.tp_size,
         "mode": cfg.deployment.mode,
+        "wrap": cfg.training.wrap,  # the optimizer state's layout differs
     }
 
 
@@ -144,6 +151,8 @@ def run_trainer(
         strategy = build_strategy(cfg.strategy, info, heads=heads, aux_layers=cfg.target.aux_layers)
         model = strategy.build_model(info, heads, vocab_from_manifest(manifest)).to(device)
         broadcast_parameters(model)
+        if cfg.training.wrap == "fsdp" and world > 1:
+            model = shard(model, device)
         optimizer = build_optimizer(model, cfg.training)
         per_step = world * cfg.training.micro_batch * cfg.training.accumulation
         total_steps = cfg.training.total_steps or max(1, manifest["planned_tasks"] // per_step)
@@ -155,7 +164,7 @@ def run_trainer(
         group_name = PRODUCERS if colocated else TRAINERS
         ckpt_dir = cfg.training.checkpoint_dir or (cfg.resolved_run_dir / "checkpoints")
         checkpoints = CheckpointManager(
-            ckpt_dir, plan_of_training(cfg, manifest, world), keep=cfg.training.keep_checkpoints
+            ckpt_dir, plan_of_training(cfg, manifest), keep=cfg.training.keep_checkpoints
         )
         state = TrainState()
         if resume:
@@ -169,13 +178,14 @@ def run_trainer(
                 )
             if rank == 0:  # everything above the floor comes again; the cursor skips what is in
                 loop.call(reposition(bus, cfg.run, group_name, state.cursor.floor + 1))
+                loop.call(topo.kv.clear_train_complete())  # producers capture again
         elif checkpoints.resolve("latest") is not None:
             raise CheckpointError(
                 f"{Path(ckpt_dir)} already holds checkpoints of run {cfg.run!r}: pass --resume to continue it, "
                 "or use another run name / training.checkpoint_dir"
             )
         if dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=control_group())
 
         group = loop.call(Leases.join(bus, cfg.run, group_name))
         contract = strategy.feature_contract(info)
@@ -234,6 +244,8 @@ def run_trainer(
             lag=lambda: loop.call(lag(bus, cfg.run)),
             device=device,
             autocast_dtype=autocast_dtype(cfg, device),
+            profile_step=cfg.training.profile_step,
+            profile_dir=cfg.resolved_run_dir / "profile",
         )
         result = trainer.fit()
         if rank == 0:
@@ -256,3 +268,4 @@ def run_trainer(
             loop.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+            reset_control_group()

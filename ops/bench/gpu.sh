@@ -9,6 +9,7 @@
 #   bash ops/bench/gpu.sh                 # tests, then the benchmark (2048 and 4096 tokens)
 #   GPU_TESTS=0 bash ops/bench/gpu.sh     # the benchmark only
 #   BENCH_ARGS="--steps 24" bash ops/bench/gpu.sh
+#   BENCH=multi bash ops/bench/gpu.sh     # on 2+ GPUs: ops/bench/gpu_multi.py
 #
 # Fetch the wheels here first (once; see the device README):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -44,13 +45,18 @@ command -v nats-server >/dev/null || { echo "nats-server not on PATH"; exit 1; }
 status=0
 if [ "${GPU_TESTS:-1}" != 0 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-    tests/test_gpu.py tests/test_eagle3_gpu.py 2>&1 | tee "$OUT/pytest.log"
+    tests/test_gpu.py tests/test_eagle3_gpu.py tests/test_parallel.py tests/test_tp_engine.py 2>&1 | tee "$OUT/pytest.log"
   status=${PIPESTATUS[0]}
   echo "gpu tests exit $status after $(( $(date +%s) - started ))s"
 fi
 
-timeout "${BENCH_TIMEOUT:-420}" python3 -m ops.bench.gpu_pipeline --seqs "${SEQS:-2048,4096}" \
-  --profile --out "$OUT/gpu_pipeline.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+if [ "${BENCH:-pipeline}" = multi ]; then  # several GPUs: ops/bench/gpu_multi.py
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m ops.bench.gpu_multi --out "$OUT/gpu_multi.json" \
+    ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+else
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m ops.bench.gpu_pipeline --seqs "${SEQS:-2048,4096}" \
+    --profile --out "$OUT/gpu_pipeline.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
 bench=${PIPESTATUS[0]}
 echo "benchmark exit $bench, total $(( $(date +%s) - started ))s"
 [ "$status" = 0 ] && [ "$bench" = 0 ]
