@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -258,3 +259,29 @@ def test_writer_mappings_never_pin_deleted_files(uri, store_id):
     store.close()
     assert not _mapped_store_files(root)
     assert not root.exists()
+
+
+def test_concurrent_puts_while_mappings_are_evicted(uri):
+    # Two threads put through one handle while the mapping cache (one 2 MiB file) evicts
+    # constantly: a mapping is never unmapped under a copy, and every sample reads back.
+    mib = 1 << 20
+    store = open_store(uri, budget_bytes=64 * mib, recycle_bytes=2 * mib, pool_bytes=0)
+    errors = []
+
+    def work(tag: str) -> None:
+        try:
+            for i in range(40):
+                x = torch.full((mib // 2,), float(i))  # 2 MiB
+                specs = store.put(f"{tag}{i}", {"x": x})
+                assert torch.equal(store.get(specs)["x"], x)
+                store.release(specs)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(tag,)) for tag in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    store.close()

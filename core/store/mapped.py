@@ -10,9 +10,11 @@ Bounds (a mapping pins its file's pages even after every process unlinked the fi
 - only files of at least `MIN_BYTES` are mapped (smaller ones are written with write()),
   at most `MAX_ENTRIES` of them and `max_bytes` in all; the least recently used go first;
 - each use checks the least recently used entry and drops it if its file was deleted, so a
-  deleted file is released within a few puts; `clear()` (at the store handle's close and gc)
-  drops everything, `sweep()` (at gc) the mappings of deleted files.
+  deleted file is released within a few puts; `sweep()` (at gc) drops the mappings of every
+  deleted file, `clear()` (when the process's last handle on the store closes) all of them.
 So at most `max_bytes` (the store's `recycle_bytes`) of deleted files stay pinned, briefly.
+A mapping a put is copying into is never unmapped under it (`torch.frombuffer` would not
+stop that): a dropped one is unmapped when that put is done.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +38,9 @@ class _Entry:
     fd: int
     size: int
     mm: mmap.mmap
-    view: torch.Tensor  # flat uint8 over `mm`
+    view: torch.Tensor | None  # flat uint8 over `mm`
+    users: int = 0  # puts copying into it now: it is never unmapped under them
+    dropped: bool = False  # out of the cache; unmapped when the last user is done
 
 
 class MappedFiles:
@@ -49,17 +54,29 @@ class MappedFiles:
     def wants(self, nbytes: int) -> bool:
         return nbytes >= MIN_BYTES and nbytes <= self.max_bytes
 
-    def view(self, fd: int) -> torch.Tensor:
+    @contextlib.contextmanager
+    def mapped(self, fd: int) -> Iterator[torch.Tensor]:
         """A flat uint8 view of the whole file open at `fd` (a regular file this process
-        writes exclusively while it uses the view). Takes ownership of `fd`: the caller must
-        not close it. The view stays valid until `clear()`."""
+        writes exclusively meanwhile), valid inside the `with`. Takes ownership of `fd`: the
+        caller must not close it. (The view must not outlive the block: `torch.frombuffer`
+        does not stop an mmap from being unmapped under it.)"""
+        entry = self._acquire(fd)
+        try:
+            yield entry.view
+        finally:
+            with self._lock:
+                entry.users -= 1
+                if entry.dropped and not entry.users:
+                    self._unmap(entry)
+
+    def _acquire(self, fd: int) -> _Entry:
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         with self._lock:
             self._drop_deleted_oldest()
             entry = self._entries.pop(key, None)
             if entry is not None and entry.size != st.st_size:  # truncated since: map again
-                self._close(entry)
+                self._drop(entry)
                 entry = None
             if entry is not None:
                 os.close(fd)
@@ -71,12 +88,13 @@ class MappedFiles:
                     raise
                 entry = _Entry(fd, st.st_size, mm, torch.frombuffer(mm, dtype=torch.uint8))
                 self._bytes += entry.size
+            entry.users += 1
             self._entries[key] = entry  # most recently used last
             while len(self._entries) > 1 and (
                 len(self._entries) > MAX_ENTRIES or self._bytes > self.max_bytes
             ):
-                self._close(self._entries.popitem(last=False)[1])
-            return entry.view
+                self._drop(self._entries.popitem(last=False)[1])
+            return entry
 
     def sweep(self) -> None:
         """Drop the mappings of every file that was deleted."""
@@ -84,12 +102,12 @@ class MappedFiles:
             for key, entry in list(self._entries.items()):
                 if not os.fstat(entry.fd).st_nlink:
                     del self._entries[key]
-                    self._close(entry)
+                    self._drop(entry)
 
     def clear(self) -> None:
         with self._lock:
             while self._entries:
-                self._close(self._entries.popitem(last=False)[1])
+                self._drop(self._entries.popitem(last=False)[1])
 
     def _drop_deleted_oldest(self) -> None:
         while self._entries:
@@ -97,13 +115,18 @@ class MappedFiles:
             if os.fstat(entry.fd).st_nlink:
                 return
             del self._entries[key]
-            self._close(entry)
+            self._drop(entry)
 
-    def _close(self, entry: _Entry) -> None:
+    def _drop(self, entry: _Entry) -> None:
+        """Under the lock: an entry left the cache; unmap it unless a put is using it."""
         self._bytes -= entry.size
-        del entry.view  # the tensor exports the mmap's buffer: release it before closing
-        with contextlib.suppress(BufferError):  # a view still lives: the GC unmaps it later
-            entry.mm.close()
+        entry.dropped = True
+        if not entry.users:
+            self._unmap(entry)
+
+    def _unmap(self, entry: _Entry) -> None:
+        entry.view = None
+        entry.mm.close()
         os.close(entry.fd)
 
 

@@ -322,7 +322,8 @@ class ShmStore:
         if self._maps.wants(nbytes):
             if not recycled:
                 os.ftruncate(fd, nbytes)
-            copy_into(sample_id, name, t, self._maps.view(fd), screen=screen)  # owns fd
+            with self._maps.mapped(fd) as dst:  # takes fd
+                copy_into(sample_id, name, t, dst, screen=screen)
             return
         try:
             write_fd(sample_id, name, t, fd, screen=screen)
