@@ -493,7 +493,6 @@ class ShmStore:
         process killed between a file operation and its counter update. The free-file cache
         stays (bounded, reused by puts; it goes with the store).
         """
-        self._maps.sweep()  # this process's mappings of deleted files
         live = set(live) if live is not None else None
         grace = self.cfg.gc_grace_s if min_age_s is None else min_age_s
         now = time.time()
@@ -527,6 +526,7 @@ class ShmStore:
                 trash += list((self.root / "trash").iterdir())
         for d in trash:
             shutil.rmtree(d, ignore_errors=True)
+        self._maps.sweep()  # this process's mappings of files deleted, by now too
         return max(freed, old_resident - resident)
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
