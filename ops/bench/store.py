@@ -1,6 +1,6 @@
 """Feature store throughput: specbus store vs raw Mooncake, and shm vs memcpy.
 
-    python -m ops.bench.store [--sizes-mb 4,64] [--total-mb 256] [--rounds 3] [--json out.json]
+    python -m ops.bench.store [--sizes-mb 4,64] [--total-mb 256] [--rounds 5] [--json out.json]
 
 A writer process and a reader process (separate interpreters, torch single-threaded) take
 commands from this coordinator. Per tensor size S, `total/S` bf16 tensors are moved by:
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sizes-mb", default="4,64")
     ap.add_argument("--total-mb", type=int, default=256, help="bytes moved per phase and path")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)  # a shared box: more rounds, steadier medians
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.worker:
