@@ -85,6 +85,13 @@ def validate_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPl
                 f"target.tp_size={cfg.target.tp_size} in colocated mode runs on the hf engine, "
                 f"not target.engine={cfg.target.engine!r}"
             )
+        if cfg.training.wrap == "fsdp" and world > 1:
+            # FSDP's checkpoint gathers are NCCL collectives on the training thread; they
+            # could interleave with the island's TP capture on its worker thread.
+            raise ConfigError(
+                f"target.tp_size={cfg.target.tp_size} with training.wrap='fsdp' is not supported "
+                "in colocated mode: use training.wrap=ddp"
+            )
         check_tp_shapes(
             cfg.target.tp_size,
             num_attention_heads=info.num_attention_heads,

@@ -120,16 +120,17 @@ def test_tp_island_dead_letters_a_poisoned_task_once(tmp_path, tiny_target, nats
 
 
 @pytest.mark.parametrize(
-    "tp, world, needle",
+    "tp, world, extra, needle",
     [
-        (4, 4, "target.tp_size=4 does not divide the target's num_key_value_heads=2"),
-        (2, 3, "world size 3 is not a multiple of target.tp_size=2"),
+        (4, 4, [], "target.tp_size=4 does not divide the target's num_key_value_heads=2"),
+        (2, 3, [], "world size 3 is not a multiple of target.tp_size=2"),
+        (2, 2, ["training.wrap=fsdp"], "use training.wrap=ddp"),
     ],
 )
-def test_tp_island_config_refusals(tmp_path, tiny_target, tp, world, needle):
+def test_tp_island_config_refusals(tmp_path, tiny_target, tp, world, extra, needle):
     data = write_tokenised_data(tmp_path / "data.jsonl", 4)
     cfg = pipeline_config("r", tmp_path, tiny_target, data, store_uri="mem://",
-                          overrides=[*TP, f"target.tp_size={tp}"])  # fmt: skip
+                          overrides=[*TP, f"target.tp_size={tp}", *extra])  # fmt: skip
     with pytest.raises(ConfigError, match=needle):
         validate_colocated(cfg, load_target_info(tiny_target), world=world)
 
