@@ -8,7 +8,8 @@ cache keeps their mappings, keyed by inode, and a put becomes a memcpy.
 
 Bounds (a mapping pins its file's pages even after every process unlinked the file):
 - only files of at least `MIN_BYTES` are mapped (smaller ones are written with write()),
-  at most `MAX_ENTRIES` of them and `max_bytes` in all; the least recently used go first;
+  at most `MAX_ENTRIES` of them and `max_bytes` in all; the least recently used go first
+  (each mapping holds two file descriptors: ours, to see its link count, and mmap's own);
 - each use checks the least recently used entry and drops it if its file was deleted, so a
   deleted file is released within a few puts; `sweep()` (at gc) drops the mappings of every
   deleted file, `clear()` (when the process's last handle on the store closes) all of them.
