@@ -165,6 +165,10 @@ class DeploymentConfig(Section):
     target_ep: int = Field(1, ge=1)
     producers: int = Field(1, ge=0)
     trainers: int = Field(1, ge=1)
+    # Colocated: windows captured ahead of the one training (0: the next capture starts after
+    # the last window is released, residency one window; 1: capture overlaps the step, two
+    # windows resident). Target-TP islands need 0.
+    colocated_prefetch: int = Field(0, ge=0)
 
 
 class TelemetryConfig(Section):

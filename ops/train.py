@@ -203,7 +203,9 @@ def run_trainer(
                 bus, cfg.run, group, topo.kv, engine, contract, store, cfg.bus, skip=skip,
                 capture_device=device if device.type == "cuda" else None, island=island,
             )  # fmt: skip
-            prefetch = 0  # capture the next window only after the last one is released
+            # 0: capture the next window only after the last one is released (one window
+            # resident); > 0: the capture of the next window overlaps this step
+            prefetch = cfg.deployment.colocated_prefetch
         else:
             source = BusSource(
                 bus, cfg.run, group, topo.kv,

@@ -3,10 +3,12 @@
 It leases PromptTasks from the run's "producers" group, captures them with the rank's own
 target engine into a `mem://` store, and hands them to the same loader, lockstep windows,
 trainer and checkpoints as the disaggregated path; the tasks are acked at the optimizer
-boundary (the TASKS sequence is the cursor). The loader runs it with `prefetch=0`, so the
-capture of the next window starts only after the previous window was committed and its
-tensors released: residency never exceeds one window, and long-sequence features never
-overlap. No SAMPLES stream and no remote store are involved.
+boundary (the TASKS sequence is the cursor). The loader runs it with
+`prefetch=deployment.colocated_prefetch`: with the default 0 the capture of the next window
+starts only after the previous window was committed and its tensors released (residency never
+exceeds one window, long-sequence features never overlap); with 1 the next window is
+captured while the step runs (two windows resident). No SAMPLES stream and no remote store
+are involved.
 
 A task whose capture fails is nak'd with a delay or dead-lettered on its last delivery
 (the same rule as the capture worker); a task the checkpoint already holds is acked and
@@ -84,6 +86,11 @@ def validate_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPl
             raise ConfigError(
                 f"target.tp_size={cfg.target.tp_size} in colocated mode runs on the hf engine, "
                 f"not target.engine={cfg.target.engine!r}"
+            )
+        if cfg.deployment.colocated_prefetch:
+            raise ConfigError(
+                f"deployment.colocated_prefetch={cfg.deployment.colocated_prefetch} needs "
+                f"target.tp_size=1 (an island captures in step with its peers): use 0"
             )
         if cfg.training.wrap == "fsdp" and world > 1:
             # FSDP's checkpoint gathers are NCCL collectives on the training thread; they

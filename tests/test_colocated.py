@@ -115,3 +115,27 @@ def test_colocated_config_refusals(tmp_path, tiny_target, overrides, needle):
                           overrides=["deployment.mode=colocated", *overrides])  # fmt: skip
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         validate_colocated(cfg, load_target_info(tiny_target), world=2)
+
+
+def test_colocated_prefetch_overlaps_capture_and_bounds_residency(
+    tmp_path, tiny_target, nats_server, run_id
+):
+    """deployment.colocated_prefetch=1: the next window is captured during the step; residency
+    stays within two windows and every sample is trained once."""
+    data = write_tokenised_data(tmp_path / "data.jsonl", 24, lengths=(40, 40))
+    cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
+                          overrides=["deployment.mode=colocated", "training.log_every=1",
+                                     "deployment.colocated_prefetch=1"])  # fmt: skip
+    cluster = Cluster(cfg, tmp_path / "procs", nats_server.url)
+    try:
+        cluster.start("feeder", "feed")
+        cluster.trainers(2)
+        cluster.assert_ok(cluster.wait("feeder", "trainer-0", "trainer-1"))
+    finally:
+        cluster.stop()
+    sample_bytes = 40 * 8 * 2 + 40 * 96 * 4 + 40 * 32 * 4
+    window = cfg.training.micro_batch * cfg.training.accumulation
+    peaks = [row["store_peak_bytes"] for row in cluster.checkpoint_state()["history"]]
+    assert window * sample_bytes < max(peaks) <= 2 * window * sample_bytes
+    lineage = cluster.checkpoint_state()["lineage"]
+    assert len(lineage) == len(set(lineage)) == 24

@@ -9,6 +9,8 @@ plane), each process pinned to its GPU(s) with CUDA_VISIBLE_DEVICES.
 
 Scenarios (`--scenarios`, default all that fit `--gpus`):
 - coloc1       colocated, 1 rank on GPU 0: the per-GPU baseline;
+- coloc1p      as coloc1 with `deployment.colocated_prefetch=1` (capture overlaps the step);
+- ddpp         as ddp with `deployment.colocated_prefetch=1`;
 - ddp          colocated, one rank per GPU, replicated draft (one all-reduce per step);
 - fsdp         colocated, one rank per GPU, FSDP draft; run in two phases: the first stops
                at half the steps, the second resumes from its checkpoint (same world size);
@@ -232,9 +234,13 @@ def scenario(name: str, gpus: int, args, work: Path, target: Path, data: Path, f
     half = max(args.warmup + 2, args.steps // 2)
     others = ",".join(str(g) for g in range(1, gpus))
     coloc = {"mode": "colocated"}
-    if name == "coloc1":
+    if name in ("coloc1", "coloc1p"):
         tree, world, used = config_tree(run_name, work, target, data, args, **coloc), 1, 1
         phases = [[Proc("train", "0")]]
+    elif name == "ddpp":
+        tree = config_tree(run_name, work, target, data, args, **coloc)
+        world = used = gpus
+        phases = [[Proc("train", str(g)) for g in range(gpus)]]
     elif name in ("ddp", "fsdp"):
         tree = config_tree(run_name, work, target, data, args, wrap=name, **coloc)
         world = used = gpus
@@ -261,6 +267,8 @@ def scenario(name: str, gpus: int, args, work: Path, target: Path, data: Path, f
                   [Proc("produce", "0")] + grown]  # fmt: skip
     else:
         raise SystemExit(f"unknown scenario {name!r}")
+    if name in ("coloc1p", "ddpp"):  # capture of the next window overlaps the step
+        tree["deployment"]["colocated_prefetch"] = 1
     hidden = args.hidden
     run = Run(name, work, tree, hidden)
     out: dict = {"gpus_used": used, "trainer_ranks": world}
