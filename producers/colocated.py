@@ -271,24 +271,26 @@ class ColocatedSource(GroupSettlement):
         self.stats["capture_s"] += loop.time() - t0
         items = []
         for lease, result in zip(leases, results, strict=True):
-            task: PromptTask = lease.record
             if isinstance(result, Exception):
                 await self._failed(lease, result)
                 continue
-            specs = self.store.put(sample_id_of(task), result, task.generation)
-            items.append(
-                Item(
-                    seq=lease.seq,
-                    sample_id=sample_id_of(task),
-                    num_tokens=len(task.input_ids or ()),
-                    lease=lease,
-                    tensors=self.store.get(specs),
-                    stored=specs,
-                    redelivered=lease.deliveries > 1,
-                )
-            )
+            items.append(self._stored_item(lease, result))
             self.stats["captured"] += 1
         return items
+
+    def _stored_item(self, lease: Lease, features: dict) -> Item:
+        """Put a task's features into the store; the loader's item for them."""
+        task: PromptTask = lease.record
+        specs = self.store.put(sample_id_of(task), features, task.generation)
+        return Item(
+            seq=lease.seq,
+            sample_id=sample_id_of(task),
+            num_tokens=len(task.input_ids or ()),
+            lease=lease,
+            tensors=self.store.get(specs),
+            stored=specs,
+            redelivered=lease.deliveries > 1,
+        )
 
     async def _failed(self, lease: Lease, error: Exception) -> None:
         if await settle_failure(lease, error, self.publisher, self.names, self.bus_cfg):
@@ -353,22 +355,7 @@ class ColocatedSource(GroupSettlement):
             leases = {i: batch[i] for i in mine}
         else:
             leases = {i: self.group.adopt(*message["tasks"][i]) for i in mine}
-        items = []
-        for i in mine:
-            lease, result = leases[i], results[i]
-            task: PromptTask = lease.record
-            specs = self.store.put(sample_id_of(task), result, task.generation)
-            items.append(
-                Item(
-                    seq=lease.seq,
-                    sample_id=sample_id_of(task),
-                    num_tokens=len(task.input_ids or ()),
-                    lease=lease,
-                    tensors=self.store.get(specs),
-                    stored=specs,
-                    redelivered=lease.deliveries > 1,
-                )
-            )
+        items = [self._stored_item(leases[i], results[i]) for i in mine]
         self.stats["captured"] += len(items)
         return items
 
