@@ -22,6 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from consumers.lockstep import distributed
 
@@ -51,17 +60,12 @@ def broadcast_parameters(module: torch.nn.Module) -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(model, FSDPModule)
 
 
 def shard(model: nn.Module, device: torch.device) -> nn.Module:
     """FSDP2 over every rank of the default group (in place; returns `model`). Frozen
     parameters (the target's embedding) are left out: replicated, never gathered."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
     frozen = {p for p in model.parameters() if not p.requires_grad}
     fully_shard(model, mesh=mesh, ignored_params=frozen or None)
@@ -81,12 +85,6 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     if not is_sharded(model):
         module = getattr(model, "module", model)
         return dict(module.state_dict()), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return (
         get_model_state_dict(model, options=options),
@@ -104,12 +102,6 @@ def load_full_state(
         module.load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
         return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     # Copies: the loaders write the distributed tensors back into the dicts they are given.
     set_model_state_dict(model, dict(model_sd), options=options)
