@@ -72,12 +72,6 @@ def shard(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """FSDP: reduce-scatter this micro-step's gradients (True) or keep accumulating (False)."""
-    if is_sharded(model):
-        model.set_requires_gradient_sync(sync)
-
-
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts with full tensors on CPU. Collective under FSDP (every
     rank must call it; only rank 0 receives the tensors, the others get empty dicts); plain
@@ -106,10 +100,3 @@ def load_full_state(
     # Copies: the loaders write the distributed tensors back into the dicts they are given.
     set_model_state_dict(model, dict(model_sd), options=options)
     set_optimizer_state_dict(model, optimizer, copy.deepcopy(optim_sd), options=options)
-
-
-def scalar(value: Any) -> float:
-    """A norm that may be a DTensor (FSDP) as a float."""
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return float(value)
