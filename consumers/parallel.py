@@ -17,7 +17,6 @@ what FSDP's hooks need.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 import torch.distributed as dist
