@@ -63,10 +63,11 @@ from core.store.base import (
     parse_key,
     prepare,
     sample_prefix,
+    screen_all,
     specs_of,
     to_device,
 )
-from core.store.chunked import copy_into, screen_whole
+from core.store.chunked import SharedScreen, copy_into, screen_whole
 from core.store.pool import BufferPool
 
 # Mooncake error codes (mooncake-store/include/types.h)
@@ -80,6 +81,11 @@ RPC_FAIL = -900
 
 # An empty tensor is stored as a one-byte sentinel so that its absence is still detectable.
 _SENTINEL = 1
+
+# In-place (TCP) puts of this many bytes of floating CPU tensors and more share their screen
+# with the screen worker; smaller ones are summed by the put's thread alone (a handoff costs
+# more than their sum).
+SCREEN_HELP_MIN_BYTES = 1 << 20
 
 
 def metadata_address(metadata: str) -> str:
@@ -160,18 +166,21 @@ class MooncakeStore:
         screen = self.cfg.screen_nonfinite
         on_device = {n for n, t in tensors.items() if t.device.type != "cpu"}
         held: list[int] = []
-        screened = None
+        shared = None
         try:
             direct = self._hold_direct(kept, held)
-            # Tensors on an accelerator are screened there (cheap); CPU tensors sent from their
-            # own memory beside the existence check and the transfer (Mooncake releases the
-            # GIL); staged ones chunk by chunk as they are copied (chunked.py). A bad sample
-            # is removed, then refused.
+            # Tensors on an accelerator are screened there, now (cheap). CPU tensors sent from
+            # their own memory are screened beside the existence check and the transfer (both
+            # release the GIL): the screen worker sums chunks while Mooncake sends, this
+            # thread sums what is left after (chunked.SharedScreen). Staged ones are summed
+            # chunk by chunk as they are copied (chunked.py). Screening beside the transfer
+            # is safe because nobody reads these keys before put() returns (the SampleRef is
+            # published after): a bad sample is removed, then refused, never seen.
             if screen:
-                screened = self._screener.start(
-                    sample_id,
-                    {n: tensors[n] for n in on_device} | {n: kept[n] for n in direct - on_device},
-                )
+                screen_all(sample_id, {n: tensors[n] for n in on_device})
+                shared = SharedScreen(sample_id, {n: kept[n] for n in direct - on_device})
+                if shared.nbytes >= SCREEN_HELP_MIN_BYTES:
+                    self._screener.help(shared)
             with self._cond:  # a pending remove of these keys must not delete the new value
                 for key in keys:
                     self._pending.pop(key, None)
@@ -180,15 +189,15 @@ class MooncakeStore:
             existing = [k for k, e in zip(keys, exist, strict=True) if e == 1]
             if existing:
                 self._client.batch_remove(existing, True)  # forced: is_exist took a read lease
-            self._put_objects(sample_id, keys, kept, direct, screen, on_device)
-            if screened is not None:
-                screened.result()
+            self._put_objects(sample_id, keys, kept, direct, screen, on_device | direct)
+            if shared is not None:
+                shared.finish()
         except BaseException:
-            self._client.batch_remove(keys, True)  # no half-written sample stays behind
+            if shared is not None:
+                shared.cancel()
+            self._discard(keys, {s.key: s.nbytes for s in specs.values()})
             raise
         finally:
-            if screened is not None:
-                screened.cancel()
             for ptr in held:
                 self._conn.unhold(ptr)
         self._put_since += nbytes
@@ -429,6 +438,23 @@ class MooncakeStore:
                 if code not in (OK, OBJECT_NOT_FOUND) and key not in self._pending:
                     nbytes = (sizes or {}).get(key, 0)
                     self._pending[key] = _Pending(nbytes, now, now + self.mc.release_retry_s)
+            self._cond.notify()
+
+    def _discard(self, keys: list[str], sizes: Mapping[str, int]) -> None:
+        """Remove what a failed put wrote (no half-written or rejected sample stays behind),
+        forced: nobody may hold a read lease on unpublished keys but this handle's own
+        existence check. Keys the store will not remove now (master away) go to the retrier,
+        due at once and forced, so their bytes still go."""
+        try:
+            codes = self._client.batch_remove(keys, True)
+        except Exception:  # noqa: BLE001 - the put's own error is the one to raise; retried
+            codes = [None] * len(keys)
+        now = time.monotonic()
+        with self._cond:
+            for key, code in zip(keys, codes, strict=True):
+                if code not in (OK, OBJECT_NOT_FOUND):
+                    forced_from = now - self.mc.force_release_after_s
+                    self._pending[key] = _Pending(sizes.get(key, 0), forced_from, now)
             self._cond.notify()
 
     def _retry_loop(self) -> None:

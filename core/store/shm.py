@@ -63,6 +63,7 @@ from core.store import mapped, procs
 from core.store.base import (
     DTYPES,
     RefLike,
+    Screener,
     StoreUsage,
     check_crc,
     parse_key,
@@ -72,11 +73,14 @@ from core.store.base import (
     specs_of,
     to_device,
 )
-from core.store.chunked import copy_into, write_fd
+from core.store.chunked import SharedScreen, copy_into, write_fd
 from core.store.pool import BufferPool
 
 SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-_STATS = struct.Struct("<qqqq")  # resident bytes, samples, peak bytes, cached bytes
+_STATS = struct.Struct("<qqqq")
+# Samples with this many bytes of floating CPU tensors share their screen with the screen
+# worker; smaller ones are summed by the put's thread alone (a handoff costs more).
+SCREEN_HELP_MIN_BYTES = 1 << 20  # resident bytes, samples, peak bytes, cached bytes
 
 _pool: BufferPool | None = None
 _pool_lock = threading.Lock()
@@ -221,6 +225,7 @@ class ShmStore:
         self._free = str(self.root / "free")
         self._maps = mapped.shared(str(self.root), cfg.recycle_bytes)
         self._handle = f"{procs.token()}.{uuid.uuid4().hex[:8]}"
+        self._screener = Screener()
         self._closed = False
         self._pid = os.getpid()
         with self._lock:
@@ -248,41 +253,57 @@ class ShmStore:
             screen=False,
         )
         nbytes = sum(s.nbytes for s in specs.values())
+        # The NaN/Inf screen: tensors on an accelerator there (cheap); CPU tensors chunk by
+        # chunk as they are copied (chunked.py), shared with the screen worker when the
+        # sample is large enough (it sums chunks from the back while this thread copies;
+        # chunked.SharedScreen). A bad sample never leaves its tmp dir.
+        screen = self.cfg.screen_nonfinite
+        on_device = {n: t for n, t in tensors.items() if t.device.type != "cpu"}
+        shared = None
+        if screen:
+            shared = SharedScreen(sample_id, {n: t for n, t in kept.items() if n not in on_device})
+            if shared.nbytes >= SCREEN_HELP_MIN_BYTES:
+                self._screener.help(shared)
         # string paths, not pathlib, on this path: pathlib cost ~100 us per put (a 4 MB put
         # takes ~1 ms)
         sdir = os.path.join(self._samples, sample_id)
         tmp = os.path.join(sdir, f".g{gen}.{procs.token()}.{os.urandom(4).hex()}.tmp")
         trash = []
-        with self._lock:
-            st = self._lock.read()
-            if st.resident + nbytes > self.cfg.budget_bytes:
-                raise StoreFull(
-                    f"{self.uri}: putting sample {sample_id!r} ({nbytes} B) would exceed the budget "
-                    f"({st.resident} of {self.cfg.budget_bytes} B in use)"
-                )
-            try:
-                os.mkdir(tmp)
-            except FileNotFoundError:  # the sample's first generation
-                os.makedirs(sdir, exist_ok=True)
-                os.mkdir(tmp)
-            _write_text(os.path.join(tmp, ".nbytes"), str(nbytes))  # the reservation, for gc
-            recycled = self._take_free(tmp, kept, st)
-            st.resident += nbytes
-            st.count += 1
-            trash += self._trim_cache(st, self.cfg.budget_bytes - st.resident)
-            self._lock.write(st)
-        # The NaN/Inf screen: tensors on an accelerator there (cheap), the others by summing
-        # each chunk just written (chunked.py). A bad sample never leaves its tmp dir.
-        screen = self.cfg.screen_nonfinite
-        on_device = {n: t for n, t in tensors.items() if t.device.type != "cpu"}
+        try:
+            with self._lock:
+                st = self._lock.read()
+                if st.resident + nbytes > self.cfg.budget_bytes:
+                    raise StoreFull(
+                        f"{self.uri}: putting sample {sample_id!r} ({nbytes} B) would exceed "
+                        f"the budget ({st.resident} of {self.cfg.budget_bytes} B in use)"
+                    )
+                try:
+                    os.mkdir(tmp)
+                except FileNotFoundError:  # the sample's first generation
+                    os.makedirs(sdir, exist_ok=True)
+                    os.mkdir(tmp)
+                _write_text(os.path.join(tmp, ".nbytes"), str(nbytes))  # the reservation, for gc
+                recycled = self._take_free(tmp, kept, st)
+                st.resident += nbytes
+                st.count += 1
+                trash += self._trim_cache(st, self.cfg.budget_bytes - st.resident)
+                self._lock.write(st)
+        except BaseException:
+            if shared is not None:
+                shared.cancel()
+            raise
         try:
             if screen:
                 screen_all(sample_id, on_device)
             for name, t in kept.items():
                 path = os.path.join(tmp, name)
                 screen_here = screen and name not in on_device
-                self._write(sample_id, name, t, path, name in recycled, screen_here)
+                self._write(sample_id, name, t, path, name in recycled, screen_here, shared)
+            if shared is not None:
+                shared.finish()
         except BaseException:
+            if shared is not None:
+                shared.cancel()
             with self._lock:
                 shutil.rmtree(tmp, ignore_errors=True)
                 st = self._lock.read()
@@ -309,7 +330,14 @@ class ShmStore:
         return specs
 
     def _write(
-        self, sample_id: str, name: str, t: torch.Tensor, path: str, recycled: bool, screen: bool
+        self,
+        sample_id: str,
+        name: str,
+        t: torch.Tensor,
+        path: str,
+        recycled: bool,
+        screen: bool,
+        shared: SharedScreen | None,
     ) -> None:
         """Write a tensor's file: into this process's mapping of it when it is large enough
         (a recycled file is usually mapped already: a plain memcpy, see mapped.py), else with
@@ -323,10 +351,10 @@ class ShmStore:
             if not recycled:
                 os.ftruncate(fd, nbytes)
             with self._maps.mapped(fd) as dst:  # takes fd
-                copy_into(sample_id, name, t, dst, screen=screen)
+                copy_into(sample_id, name, t, dst, screen=screen, shared=shared)
             return
         try:
-            write_fd(sample_id, name, t, fd, screen=screen)
+            write_fd(sample_id, name, t, fd, screen=screen, shared=shared)
         finally:
             os.close(fd)
 
@@ -544,6 +572,7 @@ class ShmStore:
             return
         self._closed = True
         _open_handles.discard(self)
+        self._screener.close()
         mapped.unshare(str(self.root), self._maps)
         if os.getpid() != self._pid:
             return  # a forked child's copy of the handle: the parent still holds the store
