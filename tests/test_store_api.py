@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -155,6 +157,84 @@ def test_screen_covers_every_chunk_without_false_rejections(make_store):
     loud = torch.full((3 << 20,), 60000.0, dtype=torch.float16)  # every chunk's sum overflows
     specs = store.put("loud", {"x": loud})
     assert torch.equal(store.get(specs)["x"], loud)
+
+
+def test_screen_beside_the_write_rejects_and_leaves_nothing(make_store):
+    # Samples with 1 MiB or more of floating CPU data are screened on the store's screen
+    # worker while the put writes them (shm: the copy into the mapping; Mooncake: the
+    # transfer from the caller's memory). A NaN/Inf in any tensor still refuses the sample
+    # with the tensor's name and leaves nothing of it (no sample, its keys missing, no bytes
+    # resident); a good sample's CRC is still recorded and checked; the worker is one thread
+    # for the handle's life, not one per put.
+    store = make_store(crc=True)
+    g = torch.Generator().manual_seed(1)
+    good = {
+        "ids": torch.arange(7),
+        "hidden": torch.randn(1 << 20, generator=g).to(torch.bfloat16),  # 2 MiB
+        "target": torch.randn(1 << 18, generator=g),  # 1 MiB
+    }
+    specs = store.put("ok", good)
+    screeners = _screen_threads()
+    for name, where in (("hidden", -1), ("target", 0), ("hidden", 12345)):
+        before = store.usage()
+        bad = {n: t.clone() for n, t in good.items()}
+        bad[name][where] = float("nan")
+        with pytest.raises(IntegrityError, match=rf"'bad'.*'{name}'.*1 NaN/Inf"):
+            store.put("bad", bad)
+        after = store.usage()
+        assert (after.num_samples, after.resident_bytes) == (
+            before.num_samples,
+            before.resident_bytes,
+        )
+        for spec in specs.values():
+            with pytest.raises(FeatureMissing):
+                store.get(
+                    {spec.name: spec.model_copy(update={"key": spec.key.replace("/ok/", "/bad/")})}
+                )
+        store.put(f"again{where}", good)  # the worker still serves puts after a rejection
+    assert _screen_threads() == screeners
+    _assert_same(store.get(specs), good)
+    tampered = {"hidden": specs["hidden"].model_copy(update={"crc32": specs["hidden"].crc32 ^ 1})}
+    with pytest.raises(IntegrityError, match="CRC32"):
+        store.get(tampered)
+
+
+def test_shared_screen_splits_chunks_and_never_waits_for_its_helper():
+    # chunked.SharedScreen: the helper claims chunks from the back, the put's thread from
+    # the front as it writes; finish() sums whatever has no sum yet (unclaimed, or claimed
+    # by a helper that has not reported) instead of waiting, and names the bad tensor.
+    from core.store.chunked import SharedScreen
+
+    x = torch.randn(5 << 18)  # 5 MiB of fp32: five 1 MiB chunks
+    y = x.clone()
+    y[-1] = float("inf")  # in the very last chunk: a helper's first
+    both = {"ids": torch.arange(3), "x": x, "y": y}
+    helped = SharedScreen("s", both)
+    helped.help()  # a helper that runs to the end takes every chunk
+    assert None not in helped.sums
+    with pytest.raises(IntegrityError, match=r"'s'.*'y'.*1 NaN/Inf"):
+        helped.finish()
+    alone = SharedScreen("s", both)
+    alone.screen_next()  # the put's thread wrote and summed the first chunk; no helper ran
+    assert alone.sums[0] is not None and alone.sums[1] is None
+    with pytest.raises(IntegrityError, match=r"'s'.*'y'"):
+        alone.finish()
+    stalled = SharedScreen("s", {"x": x})
+    stalled._back -= 1  # the last chunk claimed by a helper that never reports back
+    stalled.finish()  # returns: the chunk is summed here
+    assert None not in stalled.sums
+    y[-1] = 0.0
+    raced = SharedScreen("s", {"x": x, "y": y})  # a real helper thread racing the front
+    worker = threading.Thread(target=raced.help)
+    worker.start()
+    for _ in range(4):
+        raced.screen_next()
+    raced.finish()
+    worker.join()
+
+
+def _screen_threads() -> int:
+    return sum(t.name.startswith("nan-screen") for t in threading.enumerate())
 
 
 def test_crc_mismatch_raises(make_store):

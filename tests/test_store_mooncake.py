@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import subprocess
 import sys
@@ -210,6 +211,37 @@ def test_killed_writer_leaks_nothing_after_gc(private_mooncake, store_id):
     store.close()
 
 
+def test_rejected_puts_leave_no_bytes_resident(private_mooncake, store_id):
+    # The screen runs beside the transfer (in-place TCP puts of 1 MiB and more) or before it
+    # (small ones): either way a refused sample's objects are removed before put() raises,
+    # on an idle cluster exactly: resident bytes back where they were, nothing pending. A
+    # refused re-put of a sample leaves no value under its keys, neither old nor new.
+    store = open_store(mooncake_store_config(private_mooncake, store_id))
+    kept = store.put("kept", {"h": torch.randn(1 << 20)})
+    before = store.usage()
+    for n in (1000, 1 << 20, 4 << 20):
+        bad = torch.randn(n).to(torch.bfloat16)
+        bad[n // 3] = float("inf")
+        with pytest.raises(IntegrityError, match=r"'bad'.*'x'.*1 NaN/Inf"):
+            store.put("bad", {"ids": torch.arange(3), "x": bad})
+        after = store.usage()
+        assert (after.resident_bytes, after.num_samples) == (
+            before.resident_bytes,
+            before.num_samples,
+        )
+        assert after.pending_release_bytes == 0
+    ok = store.put("again", {"x": torch.ones(1 << 20)})
+    bad = torch.ones(1 << 20)
+    bad[7] = float("nan")
+    with pytest.raises(IntegrityError, match=r"'again'.*'x'"):
+        store.put("again", {"x": bad})
+    with pytest.raises(FeatureMissing):
+        store.get(ok)
+    assert store.usage().resident_bytes == before.resident_bytes
+    store.release(kept)
+    store.close()
+
+
 def test_full_segment_is_store_full(tmp_path, store_id):
     services = MooncakeServices(tmp_path, segment_bytes=32 << 20, **FAST).start()
     try:
@@ -294,6 +326,7 @@ def test_staged_puts_screen_while_copying(mooncake_services, store_id):
     x = torch.randn(3 << 20).to(torch.bfloat16)
     specs = store.put("ok", {"x": x, "ids": torch.arange(5)})
     assert torch.equal(store.get(specs)["x"], x)
+    gc.collect()  # views of the shared pool that earlier tests left in cycles return now, not mid-test
     free = store._pool.free_bytes()
     x[12345] = float("inf")
     with pytest.raises(IntegrityError, match=r"'bad'.*'x'.*1 NaN/Inf"):
