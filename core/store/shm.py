@@ -20,7 +20,8 @@ directory and overwrites it. Files of 1 MiB and more are written through this pr
 mapping of the file, kept across puts (core/store/mapped.py: a recycled file is then written
 at memcpy speed, where write() runs at ~0.7x); smaller ones with write(). The NaN/Inf screen
 sums each ~1 MiB chunk right after copying it (core/store/chunked.py), so it costs no
-second pass over memory. The cache of free files is bounded (`recycle_bytes`, and resident +
+second pass over memory; from 1 MiB per sample the screen worker sums chunks from the back
+meanwhile (chunked.SharedScreen). The cache of free files is bounded (`recycle_bytes`, and resident +
 cached never exceeds the budget), shown as `usage().cached_bytes`, and goes with the store. Reads copy once: `readinto` from the shared file straight into the tensor,
 which lives in a per-process pool of pre-faulted memory (freed when the tensor dies) or, when
 the pool is full, in fresh memory. A read then checks that the file it read is still the
