@@ -27,6 +27,26 @@ def losses(cluster: Cluster) -> list[float]:
     return [row["loss"] for row in cluster.checkpoint_state()["history"]]
 
 
+# One sample of 40 tokens: ids + mask (int64) + hidden_states [40, 3*32] + target [40, 32] (fp32)
+sample_bytes = 40 * 8 * 2 + 40 * 96 * 4 + 40 * 32 * 4
+
+
+def run_two_colocated_ranks(tmp_path, target, server, run_id, n: int, *overrides: str):
+    """Feed `n` samples of 40 tokens and run 2 colocated ranks to the end of the data."""
+    data = write_tokenised_data(tmp_path / "data.jsonl", n, lengths=(40, 40))
+    cfg = pipeline_config(run_id, tmp_path / "run", target, data, store_uri="mem://",
+                          overrides=["deployment.mode=colocated", "training.log_every=1",
+                                     *overrides])  # fmt: skip
+    cluster = Cluster(cfg, tmp_path / "procs", server.url)
+    try:
+        cluster.start("feeder", "feed")
+        cluster.trainers(2)
+        cluster.assert_ok(cluster.wait("feeder", "trainer-0", "trainer-1"))
+    finally:
+        cluster.stop()
+    return cfg, cluster
+
+
 def test_equivalence_gate_colocated_equals_disaggregated(tmp_path, tiny_target, nats_server):
     data = write_tokenised_data(tmp_path / "data.jsonl", 12)
     dis_cfg = pipeline_config(
@@ -53,18 +73,7 @@ def test_equivalence_gate_colocated_equals_disaggregated(tmp_path, tiny_target, 
 
 
 def test_colocated_residency_never_exceeds_one_window(tmp_path, tiny_target, nats_server, run_id):
-    data = write_tokenised_data(tmp_path / "data.jsonl", 16, lengths=(40, 40))
-    cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
-                          overrides=["deployment.mode=colocated", "training.log_every=1"])  # fmt: skip
-    cluster = Cluster(cfg, tmp_path / "procs", nats_server.url)
-    try:
-        cluster.start("feeder", "feed")
-        cluster.trainers(2)
-        cluster.assert_ok(cluster.wait("feeder", "trainer-0", "trainer-1"))
-    finally:
-        cluster.stop()
-    # one sample: ids + mask (int64) + hidden_states [40, 3*32] + target [40, 32] (fp32)
-    sample_bytes = 40 * 8 * 2 + 40 * 96 * 4 + 40 * 32 * 4
+    cfg, cluster = run_two_colocated_ranks(tmp_path, tiny_target, nats_server, run_id, 16)
     history = cluster.checkpoint_state()["history"]
     assert (
         max(row["store_peak_bytes"] for row in history) <= cfg.training.micro_batch * sample_bytes
@@ -122,18 +131,9 @@ def test_colocated_prefetch_overlaps_capture_and_bounds_residency(
 ):
     """deployment.colocated_prefetch=1: the next window is captured during the step; residency
     stays within two windows and every sample is trained once."""
-    data = write_tokenised_data(tmp_path / "data.jsonl", 24, lengths=(40, 40))
-    cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
-                          overrides=["deployment.mode=colocated", "training.log_every=1",
-                                     "deployment.colocated_prefetch=1"])  # fmt: skip
-    cluster = Cluster(cfg, tmp_path / "procs", nats_server.url)
-    try:
-        cluster.start("feeder", "feed")
-        cluster.trainers(2)
-        cluster.assert_ok(cluster.wait("feeder", "trainer-0", "trainer-1"))
-    finally:
-        cluster.stop()
-    sample_bytes = 40 * 8 * 2 + 40 * 96 * 4 + 40 * 32 * 4
+    cfg, cluster = run_two_colocated_ranks(
+        tmp_path, tiny_target, nats_server, run_id, 24, "deployment.colocated_prefetch=1"
+    )
     window = cfg.training.micro_batch * cfg.training.accumulation
     peaks = [row["store_peak_bytes"] for row in cluster.checkpoint_state()["history"]]
     assert window * sample_bytes < max(peaks) <= 2 * window * sample_bytes
