@@ -38,12 +38,7 @@ def run_two_colocated_ranks(tmp_path, target, server, run_id, n: int, *overrides
                           overrides=["deployment.mode=colocated", "training.log_every=1",
                                      *overrides])  # fmt: skip
     cluster = Cluster(cfg, tmp_path / "procs", server.url)
-    try:
-        cluster.start("feeder", "feed")
-        cluster.trainers(2)
-        cluster.assert_ok(cluster.wait("feeder", "trainer-0", "trainer-1"))
-    finally:
-        cluster.stop()
+    cluster.run_colocated(2)
     return cfg, cluster
 
 

@@ -83,12 +83,7 @@ def test_tp_island_trains_every_sample_once(tmp_path, tiny_target, nats_server, 
     cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
                           overrides=TP)  # fmt: skip
     cluster = Cluster(cfg, tmp_path / "procs", nats_server.url)
-    try:
-        cluster.start("feeder", "feed")
-        cluster.trainers(2)
-        cluster.assert_ok(cluster.wait("feeder", "trainer-0", "trainer-1", timeout=120))
-    finally:
-        cluster.stop()
+    cluster.run_colocated(2, timeout=120)
     state = cluster.checkpoint_state()
     lineage = state["lineage"]
     assert len(lineage) == len(set(lineage)) == 16  # island batch 4 x 4 steps, all of them
@@ -102,12 +97,7 @@ def test_tp_island_dead_letters_a_poisoned_task_once(tmp_path, tiny_target, nats
     cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
                           overrides=TP)  # fmt: skip
     cluster = Cluster(cfg, tmp_path / "procs", nats_server.url)
-    try:
-        cluster.start("feeder", "feed")
-        cluster.trainers(2)
-        cluster.assert_ok(cluster.wait("feeder", "trainer-0", "trainer-1", timeout=120))
-    finally:
-        cluster.stop()
+    cluster.run_colocated(2, timeout=120)
     dead = [d for d in dead_letters(cfg, nats_server.url) if d.reason == "capture_failed"]
     assert len(dead) == 1 and "outside the vocabulary" in dead[0].detail
     assert dead[0].deliveries == cfg.bus.max_deliver
