@@ -48,12 +48,9 @@ from pathlib import Path
 import torch
 
 from core.config import build_config, dump_config
-from ops.bench.gpu_pipeline import QWEN3_8B, shm_uri, write_data, write_target
+from ops.bench.gpu_pipeline import QWEN3_8B, TINY, shm_uri, write_data, write_target
 from ops.services.common import free_port, stop_pid
 from ops.services.nats import NatsServer
-
-TINY = {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
 
 
 @dataclass

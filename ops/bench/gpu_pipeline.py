@@ -65,6 +65,9 @@ QWEN3_8B = {
     "eos_token_id": 151645,
 }
 SEED = 0
+# --tiny: a 4-layer, 2k-vocab target of the same architecture (a CPU check of the code paths)
+TINY = {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
 _MARKER = "specbus_target.json"  # core.models.target reads the fingerprint from it
 
 
@@ -448,11 +451,7 @@ def main() -> None:
     args = ap.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     work = Path(tempfile.mkdtemp(prefix="specbus-gpubench-"))
-    overrides = (
-        {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-        if args.tiny else None
-    )  # fmt: skip
+    overrides = TINY if args.tiny else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
     target = write_target(work / "target", overrides, device=device)
