@@ -15,6 +15,7 @@ and skipped); the checkpoint carries it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -166,10 +167,12 @@ class Trainer:
                 window = self.loader.next_window()
                 if window is None:
                     break
-                if self.state.step == self.profile_step and self.profile_dir is not None:
-                    with profiled_step(self.profile_dir, self.state.step, self.rank):
-                        self._step(window)
-                else:
+                profiled = self.state.step == self.profile_step and self.profile_dir is not None
+                with (
+                    profiled_step(self.profile_dir, self.state.step, self.rank)
+                    if profiled
+                    else contextlib.nullcontext()
+                ):
                     self._step(window)
                 if self.state.step % self.log_every == 0:
                     self._log()
