@@ -1,7 +1,9 @@
 """The disaggregated source: SampleRefs leased from the trainers' group, tensors from the store.
 
 `take(n)` fetches up to `n` refs and, for each:
-- already in the model (`skip`: the checkpoint's cursor or lineage holds it) -> acked, skipped;
+- already in the model (the ledger holds it: a replay after a resume, a redelivery) -> acked
+  and released, skipped (an early skip that saves the store read; the loader's filter after
+  the lockstep gather is what guarantees exactly once);
 - of another strategy, target or tokenizer, or missing a feature the strategy needs ->
   dead-lettered with the reason (the run goes on);
 - tensors missing or corrupt in the store (released after an earlier ack, a dead store node,
@@ -16,6 +18,7 @@ them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +31,7 @@ from bus.publisher import Publisher
 from bus.replay import get as get_stored
 from bus.subjects import PRODUCERS, TRAINERS, Names
 from bus.topology import RunKV
-from consumers.source import GroupSettlement, Item
+from consumers.source import GroupSettlement, Item, Trained, Upstream
 from core.contracts import PromptTask, SampleRef
 from core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
 from core.store import open_store
@@ -49,7 +52,7 @@ class BusSource(GroupSettlement):
         features: tuple[str, ...],
         target_fingerprint: str | None = None,
         tokenizer_fingerprint: str | None = None,
-        skip: Callable[[int, str], bool] = lambda seq, sample_id: False,
+        trained: Trained | None = None,
         open_store_fn: Callable[[str], Any] = open_store,
     ):
         self.bus, self.run, self.group, self.kv = bus, run, group, kv
@@ -60,7 +63,7 @@ class BusSource(GroupSettlement):
             target_fingerprint,
             tokenizer_fingerprint,
         )
-        self.skip = skip
+        self.trained = trained
         self._open_store_fn = open_store_fn
         self._stores: dict[str, Any] = {}
         self._retired: list[int] = []
@@ -71,6 +74,14 @@ class BusSource(GroupSettlement):
     def store(self, uri: str):
         if uri not in self._stores:
             self._stores[uri] = self._open_store_fn(uri)
+        return self._stores[uri]
+
+    async def _store(self, uri: str):
+        """The store of `uri`, opened off the bus loop: opening one (a Mooncake client) can
+        take seconds, during which the heartbeats of every held lease must go on."""
+        if uri not in self._stores:
+            store = await asyncio.to_thread(self._open_store_fn, uri)
+            self._stores.setdefault(uri, store)
         return self._stores[uri]
 
     def _problem(self, ref: SampleRef) -> str | None:
@@ -128,18 +139,26 @@ class BusSource(GroupSettlement):
         items: list[Item] = []
         for lease in await self.group.fetch(n, timeout_s):
             ref: SampleRef = lease.record
-            if self.skip(lease.seq, ref.sample_id):
+            if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
                 await lease.ack()
                 self.stats["skipped"] += 1
+                if self._problem(ref) is None:  # its keys (maybe another generation's)
+                    with contextlib.suppress(StoreError):
+                        (await self._store(ref.store_uri)).release(ref)
                 continue
             problem = self._problem(ref)
             if problem:
                 await self._dead(lease, "invalid", problem)
                 continue
             try:
-                tensors = await asyncio.to_thread(self.store(ref.store_uri).get, ref, self.features)
+                store = await self._store(ref.store_uri)
+                tensors = await asyncio.to_thread(store.get, ref, self.features)
             except (FeatureMissing, IntegrityError) as e:
-                await self._recapture(lease, e)
+                if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
+                    await lease.ack()  # trained (and released) by another rank meanwhile
+                    self.stats["skipped"] += 1
+                else:
+                    await self._recapture(lease, e)
                 continue
             except StoreError as e:  # store unreachable: give it back, try later
                 log.warning("store error on %s, nak: %s", ref.sample_id, e)
@@ -159,21 +178,28 @@ class BusSource(GroupSettlement):
             )
         return items
 
-    async def upstream_done(self) -> bool:
-        """Feed complete, no task pending at the producers, no ref undelivered, none buffered
-        here. (Checked after an empty `take`: nothing can come to this rank any more except
-        a recapture, which makes the producers' lag non-zero again.)"""
+    async def upstream(self) -> Upstream:
+        """Done when the feed is complete, no task is pending or in work at the producers, no
+        ref is undelivered and none is buffered here. (Checked after an empty `take`: nothing
+        can come to this rank any more except a recapture, which makes the producers' lag
+        non-zero again.) `ack_pending` is the trainers' delivered-and-unacked count."""
         if self.group.buffered:
-            return False
+            return Upstream(False, waiting_for="deliveries buffered here")
         if self._feed_count is None:
             self._feed_count = await self.kv.feed_complete()
             if self._feed_count is None:
-                return False
+                return Upstream(False, waiting_for="the feeder (feed not complete)")
         upstream = await lag(self.bus, self.run, PRODUCERS)
         if upstream.messages:
-            return False
+            return Upstream(
+                False,
+                waiting_for=f"producers: {upstream.pending} tasks pending, "
+                f"{upstream.ack_pending} in capture",
+            )
         mine = await lag(self.bus, self.run, TRAINERS)
-        return mine.pending == 0
+        if mine.pending:
+            return Upstream(False, mine.ack_pending, f"{mine.pending} refs not delivered yet")
+        return Upstream(True, mine.ack_pending)
 
     def release(self, items: list[Item]) -> None:
         for item in items:

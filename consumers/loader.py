@@ -1,21 +1,26 @@
-"""The loader: leased items -> full lockstep windows -> collated micro-batches.
+"""The loader: leased items -> full lockstep windows, filtered against the ledger -> micro-batches.
 
 One loader per trainer rank. A prefetch task on the bus loop keeps up to
 `need * (1 + prefetch)` items leased and their tensors loaded (prefetch=0: one window), and a
 heartbeat task keeps every held lease alive while steps run. `next_window()` blocks until all
-ranks agree (consumers/lockstep.py): it returns a `Window` of exactly
-`micro_batch * accumulation` items, or None at the end of data, after nak'ing a partial
-window (never trained). `commit(window)` acks the window's items after the optimizer step,
-then releases their tensors.
+ranks agree (consumers/lockstep.py) and returns a `Window` of exactly
+`micro_batch * accumulation` items, or None at the end of data (partial windows nak'd, never
+trained) or when asked to stop. `commit(window)` records the window in the ledger, acks its
+items, then releases their tensors.
 
-Items the model already holds (the checkpoint's cursor or lineage has them, as after a resume
-or a redelivery) are acked and skipped by the source, never trained twice.
+Exactly once is decided here, not by the broker. The loader owns the `Ledger`
+(consumers/ledger.py, a `Stateful` that goes into every checkpoint). Before each step the
+ranks gather their candidate windows and filter them identically (`plan_round`): an item the
+ledger holds is acked and released, never trained (a redelivery after a lapsed lease or a
+broker restart, a replay after a resume, a second capture of one task); an item duplicating
+another rank's candidate is parked until the commit; the step runs only when every rank still
+has a full window. The source's early skip (`Trained.contains` at take time) only saves work.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import queue
 import threading
 import time
@@ -23,15 +28,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from consumers.lockstep import Decision, Status, agree
+from consumers.ledger import Key, Ledger, plan_round
+from consumers.lockstep import Decision, Status, agree, gather_objects, rank
 from consumers.loop_thread import LoopThread
-from consumers.source import Item, Source
+from consumers.source import Item, Source, Upstream
+from core.errors import BusError
+
+log = logging.getLogger("specbus.loader")
 
 
 @dataclass
 class Window:
     items: list[Item]
     micro_batches: list[Any]
+    keys: list[Key] = field(default_factory=list)  # every rank's items of this step
     wait_s: float = 0.0  # time next_window() blocked (data-wait)
     num_tokens: int = field(init=False)
 
@@ -48,28 +58,44 @@ class Loader:
         *,
         micro_batch: int,
         accumulation: int,
+        ledger: Ledger | None = None,
         prefetch: int = 1,
         heartbeat_s: float = 10.0,
         poll_s: float = 0.1,
         fetch_timeout_s: float = 1.0,
         stop_after_s: float | None = None,
+        stop: threading.Event | None = None,
+        report_wait_s: float = 30.0,
     ):
         self.source, self.loop, self.collate = source, loop, collate
+        self.ledger = ledger if ledger is not None else Ledger()
         self.micro_batch, self.accumulation = micro_batch, accumulation
         self.need = micro_batch * accumulation
         self.capacity = self.need * (1 + prefetch)
         # A time budget ends the data for this rank; lockstep makes every rank stop together.
         self._deadline = time.monotonic() + stop_after_s if stop_after_s else None
+        self.stop = stop if stop is not None else threading.Event()
+        self.stopped = False  # next_window() returned None because a stop was asked for
         self.poll_s, self.fetch_timeout_s, self.heartbeat_s = poll_s, fetch_timeout_s, heartbeat_s
+        self.report_wait_s = report_wait_s
         self._ready: queue.Queue[Item] = queue.Queue()
         self._held: list[Item] = []  # taken from _ready, waiting for the window to fill
+        self._parked: list[Item] = []  # duplicates of an item another rank trains this step
         self._leased_items: dict[int, Item] = {}
         self._lock = threading.Lock()
-        self._upstream_done = False
+        self._upstream = Upstream(done=False)
         self._requeried = False
+        self._closed = False
         self._error: BaseException | None = None
-        self.stats = {"redeliveries": 0}
+        self.stats = {"redeliveries": 0, "duplicates": 0}
         self._tasks = [loop.submit(self._prefetch()), loop.submit(self._heartbeat())]
+
+    # -- Stateful: the ledger is the loader's position in the data ---------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.ledger.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ledger.load_state_dict(state)
 
     # -- bus-loop side ---------------------------------------------------------------
     def _in_flight(self) -> int:
@@ -91,11 +117,13 @@ class Loader:
                     # received here) lands in the second round's fetch.
                     if self._requeried:  # surplus was just given back: look again from scratch
                         quiet, self._requeried = 0, False
-                    quiet = quiet + 1 if await self.source.upstream_done() else 0
-                    self._upstream_done = quiet >= 2
+                    view = await self.source.upstream()
+                    quiet = quiet + 1 if view.done else 0
+                    self._upstream = view if quiet >= 2 else Upstream(False, view.ack_pending,
+                                                                      view.waiting_for)  # fmt: skip
                     continue
                 quiet = 0
-                self._upstream_done = False
+                self._upstream = Upstream(done=False)
                 with self._lock:
                     for item in items:
                         self._leased_items[id(item)] = item
@@ -108,14 +136,27 @@ class Loader:
             self._error = e
 
     async def _heartbeat(self) -> None:
+        failing_since: float | None = None
         while True:
             await asyncio.sleep(self.heartbeat_s)
             with self._lock:
                 items = list(self._leased_items.values())
-            if items:
-                # A lost heartbeat is retried next beat; a redelivery it causes is tolerated.
-                with contextlib.suppress(Exception):
-                    await self.source.keepalive(items)
+            if not items:
+                continue
+            try:
+                await self.source.keepalive(items)
+            except Exception as e:  # noqa: BLE001 - retried next beat; a lapse is tolerated
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning(
+                        "heartbeat of %d leases failed, retrying every %.1fs (a lease that "
+                        "lapses meanwhile is redelivered and filtered): %s",
+                        len(items), self.heartbeat_s, e,
+                    )  # fmt: skip
+                continue
+            if failing_since is not None:
+                log.warning("heartbeats back after %.1fs", time.monotonic() - failing_since)
+                failing_since = None
 
     def _forget(self, items: list[Item]) -> None:
         with self._lock:
@@ -124,42 +165,108 @@ class Loader:
 
     # -- training-thread side --------------------------------------------------------
     def next_window(self) -> Window | None:
-        """Block until every rank holds a full window (returned) or the data is over (None)."""
+        """Block until every rank holds a full window of items not yet trained (returned), the
+        data is over (None) or a stop was asked for (None, `stopped` set)."""
         t0 = time.perf_counter()
+        reported = t0
         while True:
             if self._error is not None:
                 raise self._error
+            self._drop_trained_held()
             deadline = time.perf_counter() + self.poll_s
             while len(self._held) < self.need:
                 try:
-                    self._held.append(
-                        self._ready.get(timeout=max(0.0, deadline - time.perf_counter()))
-                    )
+                    item = self._ready.get(timeout=max(0.0, deadline - time.perf_counter()))
                 except queue.Empty:
                     break
+                if self.ledger.contains(*item.key):
+                    self._settle_trained([item])
+                else:
+                    self._held.append(item)
             out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
-            if out_of_time:
+            upstream = self._upstream
+            if self.stop.is_set():
+                status = Status.STOPPING
+            elif out_of_time:
                 status = Status.ENDED
             elif len(self._held) >= self.need:
                 status = Status.FULL
-            elif self._upstream_done and self._ready.empty():
+            elif upstream.done and self._ready.empty():
                 status = Status.ENDED
             else:
                 status = Status.WAITING
             held = 0 if out_of_time else len(self._held) + self._ready.qsize()
-            decision = agree(status, held, self.need)
+            decision = agree(
+                status, held, self.need,
+                # an ended rank's view of the broker; a time budget ends regardless
+                ack_pending=upstream.ack_pending if status == Status.ENDED and not out_of_time else -1,
+                unsettled=self.source.unsettled(),
+            )  # fmt: skip
             if decision is Decision.TRAIN:
-                items, self._held = self._held[: self.need], self._held[self.need :]
-                mbs = [
-                    self.collate([it.tensors for it in items[i : i + self.micro_batch]])
-                    for i in range(0, self.need, self.micro_batch)
-                ]
-                return Window(items=items, micro_batches=mbs, wait_s=time.perf_counter() - t0)
-            if decision is Decision.REBALANCE:
+                window = self._plan_window()
+                if window is not None:
+                    window.wait_s = time.perf_counter() - t0
+                    return window
+            elif decision is Decision.REBALANCE:
                 self._give_back_surplus()
-            elif decision is Decision.END:
+            elif decision in (Decision.END, Decision.STOP):
+                self.stopped = decision is Decision.STOP
                 self.close()
                 return None
+            now = time.perf_counter()
+            if now - reported >= self.report_wait_s:
+                reported = now
+                log.info(
+                    "rank %d waiting for data for %.0fs: holding %d of %d%s",
+                    rank(), now - t0, len(self._held), self.need,
+                    f" ({upstream.waiting_for})" if upstream.waiting_for else "",
+                )  # fmt: skip
+
+    def _plan_window(self) -> Window | None:
+        """Every rank: gather the candidate windows, filter them against the ledger and each
+        other (the same plan on every rank), settle what is already trained. Returns the
+        window when every rank still has a full one, else None (the ranks go on filling)."""
+        candidates = self._held[: self.need]
+        rows = gather_objects(([i.key for i in candidates], self.source.drain_retired()))
+        for _, retired in rows:
+            self.ledger.retire(retired)
+        plans = plan_round(self.ledger, [keys for keys, _ in rows])
+        mine = plans[rank()]
+        self._settle_trained([candidates[i] for i in mine.trained])
+        self._parked.extend(candidates[i] for i in mine.parked)
+        self._held = [candidates[i] for i in mine.keep] + self._held[self.need :]
+        if any(len(p.keep) < self.need for p in plans):
+            return None
+        items, self._held = self._held[: self.need], self._held[self.need :]
+        mbs = [
+            self.collate([it.tensors for it in items[i : i + self.micro_batch]])
+            for i in range(0, self.need, self.micro_batch)
+        ]
+        keys = [keys[i] for (keys, _), plan in zip(rows, plans, strict=True) for i in plan.keep]
+        return Window(items=items, micro_batches=mbs, keys=keys)
+
+    def _drop_trained_held(self) -> None:
+        """Items another rank trained since this rank took them: settle them before counting."""
+        trained = [i for i in self._held if self.ledger.contains(*i.key)]
+        if trained:
+            self._held = [i for i in self._held if not self.ledger.contains(*i.key)]
+            self._settle_trained(trained)
+
+    def _settle_trained(self, items: list[Item]) -> None:
+        """Already in the model: ack (the broker may have lost the first ack) and release,
+        never train. A lost ack here only costs another redelivery, filtered again."""
+        if not items:
+            return
+        self.stats["duplicates"] += len(items)
+        log.info(
+            "rank %d: %d delivered item(s) already trained, acked and released (seq %s)",
+            rank(), len(items), ",".join(str(i.seq) for i in items[:8]),
+        )  # fmt: skip
+        self.loop.call(self.source.ack(items, confirm=False))
+        self._forget(items)
+        self.source.release(items)
+        for item in items:
+            item.tensors = {}
 
     def _give_back_surplus(self) -> None:
         """End of data with uneven ranks: keep one window, nak the rest, stop prefetching."""
@@ -170,29 +277,51 @@ class Loader:
             except queue.Empty:
                 break
         surplus, self._held = self._held[self.need :], self._held[: self.need]
-        self._upstream_done = False
+        self._upstream = Upstream(done=False)
         self._requeried = True
         if surplus:
             self.loop.call(self.source.nak(surplus))
             self._forget(surplus)
 
     def commit(self, window: Window) -> None:
-        """After optimizer.step(): ack the window's items, then free their tensors."""
-        self.loop.call(self.source.ack(window.items))
+        """After optimizer.step(): record the step's items (every rank's) in the ledger, ack
+        this rank's (confirmed; an ack the broker does not confirm is logged, not fatal: the
+        item comes back and is filtered), then free their tensors. Parked duplicates are
+        settled by the next round, now that their originals are in."""
+        self.ledger.record(window.keys)
+        try:
+            self.loop.call(self.source.ack(window.items))
+        except BusError as e:
+            # The ledger already holds them: an unconfirmed ack (the broker restarted and lost
+            # its place, and answers no ack beyond it) only means a redelivery, filtered.
+            log.warning("rank %d: %s; they will be redelivered and filtered", rank(), e)
         self._forget(window.items)
         self.source.release(window.items)
         for item in window.items:
             item.tensors = {}
+        if self._parked:
+            parked, self._parked = self._parked, []
+            self._held[:0] = parked  # trained ones are settled by the next round's first look
 
     def close(self) -> None:
-        """Stop prefetching and give back everything still leased (nak, no delay)."""
+        """Stop prefetching and give back everything still leased (nak, no delay), then
+        every delivery not handed out. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         for t in self._tasks:
             t.cancel()
-        # Every leased item (held, ready or in flight) is in _leased_items until committed.
+        # Every leased item (held, parked, ready or in flight) is in _leased_items until settled.
         with self._lock:
             held = list(self._leased_items.values())
-        self._held = []
+        self._held, self._parked = [], []
         self._ready = queue.Queue()
-        if held:
-            self.loop.call(self.source.nak(held))
-            self._forget(held)  # their tensors stay in the store for the next lease holder
+        try:
+            if held:
+                self.loop.call(self.source.nak(held))
+                self._forget(held)  # their tensors stay in the store for the next lease holder
+            self.loop.call(self.source.give_back())
+        except Exception as e:  # noqa: BLE001 - a dead broker: the leases lapse and come back
+            log.warning(
+                "could not give back %d leases (they will be redelivered): %s", len(held), e
+            )

@@ -9,7 +9,10 @@ ranks exchange one small status each and all take the same decision:
   hold enough for one more step (prefetch left them uneven): each rank gives back what it
   holds beyond one window (nak), stops prefetching, and the starved ranks lease it;
 - END when no rank can complete its window and every rank sees the end of data (then the
-  partial windows are nak'd, not trained);
+  partial windows are nak'd, not trained), and every message the broker counts as delivered
+  and unacked on the ranks' group is held by some rank (a lost ack or a dead member's lease
+  comes back after `ack_wait`: the data is not over before it does);
+- STOP when any rank was asked to stop (SIGINT/SIGTERM): every rank stops at the same step;
 - WAIT otherwise (keep filling, keep the leases alive).
 """
 
@@ -27,6 +30,7 @@ class Status(enum.IntEnum):
     ENDED = 0  # window not full and the data is over (as this rank sees it)
     WAITING = 1  # window not full, more may come
     FULL = 2
+    STOPPING = 3  # asked to stop (a signal): every rank stops at this step
 
 
 class Decision(enum.Enum):
@@ -34,13 +38,23 @@ class Decision(enum.Enum):
     WAIT = "wait"
     REBALANCE = "rebalance"
     END = "end"
+    STOP = "stop"
 
 
 def decide(
-    statuses: Iterable[Status], held: Iterable[int] | None = None, need: int = 1
+    statuses: Iterable[Status],
+    held: Iterable[int] | None = None,
+    need: int = 1,
+    *,
+    ack_pending: Iterable[int] | None = None,
+    unsettled: Iterable[int] | None = None,
 ) -> Decision:
-    """`held[r]`: items rank r could train now; `need`: one window per rank."""
+    """`held[r]`: items rank r could train now; `need`: one window per rank.
+    `ack_pending[r]`: the broker's delivered-and-unacked count on the ranks' group as rank r
+    saw it when it concluded the end (-1: no view); `unsettled[r]`: leases rank r holds."""
     statuses = list(statuses)
+    if any(s == Status.STOPPING for s in statuses):
+        return Decision.STOP
     if held is None:
         held = [need if s == Status.FULL else 0 for s in statuses]
     held = list(held)
@@ -51,6 +65,13 @@ def decide(
         uneven = any(h > need for h in held)
         if uneven and sum(held) >= need * len(statuses):
             return Decision.REBALANCE
+        held_by_nobody = (
+            ack_pending is not None
+            and unsettled is not None
+            and max(ack_pending, default=-1) > sum(unsettled)
+        )
+        if held_by_nobody:
+            return Decision.WAIT  # a lost ack or a dead member's lease: it will come back
         return Decision.END
     return Decision.WAIT
 
@@ -88,16 +109,29 @@ def reset_control_group() -> None:
     _control = None
 
 
-def agree(status: Status, held: int = 0, need: int = 1) -> Decision:
-    """All ranks call this with their status and held count and get the same decision."""
+def agree(
+    status: Status, held: int = 0, need: int = 1, *, ack_pending: int = -1, unsettled: int = 0
+) -> Decision:
+    """All ranks call this with their status, held count and end view (see `decide`) and get
+    the same decision."""
     if not distributed():
-        return decide([status], [held], need)
-    # Two ints per rank, on the gloo control group (CPU).
-    mine = torch.tensor([int(status), held], dtype=torch.int64)
+        return decide([status], [held], need, ack_pending=[ack_pending], unsettled=[unsettled])
+    # Four ints per rank, on the gloo control group (CPU).
+    mine = torch.tensor([int(status), held, ack_pending, unsettled], dtype=torch.int64)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine, group=control_group())
     rows = [t.tolist() for t in gathered]
-    return decide([Status(r[0]) for r in rows], [r[1] for r in rows], need)
+    return decide(
+        [Status(r[0]) for r in rows],
+        [r[1] for r in rows],
+        need,
+        ack_pending=[r[2] for r in rows],
+        unsettled=[r[3] for r in rows],
+    )
+
+
+def rank() -> int:
+    return dist.get_rank() if distributed() else 0
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -8,6 +8,7 @@ and the trainer are the same for both.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,40 +28,91 @@ class Item:
     stored: Any = None  # what the source's store releases (a SampleRef, or the put's specs)
     redelivered: bool = False
 
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.seq, self.sample_id
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A source's view of what may still come (see `Source.upstream`).
+
+    `done`: nothing more can be delivered to this rank. `ack_pending`: messages the broker
+    counts as delivered and not acked on this rank's consumer group; at the end they must all
+    be held by some rank (a lost ack or a dead member's lease is redelivered after `ack_wait`,
+    so the data is not over before it comes back). `waiting_for`: what is missing, for people."""
+
+    done: bool
+    ack_pending: int = 0
+    waiting_for: str = ""
+
+
+class Trained(Protocol):
+    """The trainer's record of what is in the model (`consumers.ledger.Ledger`)."""
+
+    def contains(self, seq: int, sample_id: str) -> bool: ...
+
 
 class Source(Protocol):
+    stats: dict[str, float]
+
     async def take(self, n: int, timeout_s: float) -> list[Item]:
         """Lease up to `n` items with their tensors loaded. Items that cannot be trained
-        (invalid, poisoned, superseded by a recapture) are handled here and not returned.
-        Returns [] after `timeout_s` when nothing came."""
+        (invalid, poisoned, superseded by a recapture, already trained) are handled here and
+        not returned. Returns [] after `timeout_s` when nothing came."""
 
-    async def upstream_done(self) -> bool:
-        """True when no more items can come (feed complete, nothing pending anywhere)."""
+    async def upstream(self) -> Upstream:
+        """Whether more items can come (feed complete, nothing pending anywhere)."""
 
     async def keepalive(self, items: list[Item]) -> None:
         """Extend the leases of items still being worked on (in-progress heartbeat)."""
 
-    async def ack(self, items: list[Item]) -> None:
-        """The items are in the model: confirm them to the broker."""
+    async def ack(self, items: list[Item], *, confirm: bool = True) -> None:
+        """The items are in the model: confirm them to the broker (`confirm=False`:
+        fire-and-forget, for duplicates whose loss only costs another redelivery)."""
 
     async def nak(self, items: list[Item], delay_s: float = 0.0) -> None:
         """Give the items back for redelivery (a partial window at the end, a shutdown)."""
 
+    async def give_back(self) -> None:
+        """Stop leasing: give back deliveries not handed out and every unsettled lease."""
+
+    def unsettled(self) -> int:
+        """Leases this rank holds unsettled (handed out or received and buffered)."""
+
     def release(self, items: list[Item]) -> None:
         """Free the items' tensors in the store (after ack)."""
 
+    def drain_retired(self) -> list[int]:
+        """Sequences settled here that will never be trained (dead, superseded) since the
+        last call: the cursor passes them."""
+
+    def usage(self) -> Any:
+        """The store's residency as this rank sees it (None when unknown)."""
+
 
 class GroupSettlement:
-    """keepalive / ack / nak for sources whose items hold bus leases of `self.group`."""
+    """Settlement for sources whose items hold bus leases of `self.group` (a `Leases`)."""
 
     group: Any
+    bus: Any
 
     async def keepalive(self, items: list[Item]) -> None:
         for item in items:
             await item.lease.in_progress()
 
-    async def ack(self, items: list[Item]) -> None:
-        await self.group.ack_all([i.lease for i in items])
+    async def ack(self, items: list[Item], *, confirm: bool = True) -> None:
+        await self.group.ack_all([i.lease for i in items], confirm=confirm)
 
     async def nak(self, items: list[Item], delay_s: float = 0.0) -> None:
         await self.group.nak_all([i.lease for i in items], delay_s)
+
+    def unsettled(self) -> int:
+        return self.group.outstanding
+
+    async def give_back(self) -> None:
+        # A pull request of the last fetch may still be open at the broker and deliver after
+        # the loader stopped: let it expire, then nak what landed and what is still held.
+        await asyncio.sleep(self.group.cfg.fetch_timeout_s)
+        await self.group.close(nak_held=True)
+        await self.bus.flush()  # a settlement still buffered when the bus closes is lost

@@ -3,19 +3,22 @@
 One `Trainer` per rank. Every optimizer step consumes one window of exactly
 `micro_batch * accumulation` items per rank (consumers/loader.py); gradient accumulation runs
 the micro-steps locally and averages gradients across ranks in one all-reduce per optimizer
-step (consumers/parallel.py). Only
-after `optimizer.step()` are the window's items acked (then their tensors released), so a
-kill at any point loses nothing: unacked items are redelivered, and the checkpoint's cursor
-and lineage make a replayed item a no-op.
+step (consumers/parallel.py). Only after `optimizer.step()` is the window recorded in the
+loader's ledger and its items acked (then their tensors released), so a kill at any point
+loses nothing: unacked items are redelivered, and the ledger (in every checkpoint) makes a
+redelivered or replayed item a no-op.
 
-Lineage: the sample ids trained into the model, in order, gathered from every rank each step.
-A sample id enters it at most once (replays and redeliveries of trained samples are acked
-and skipped); the checkpoint carries it.
+Stopping: `stop` (set by SIGINT/SIGTERM, see consumers/shutdown.py) ends the loop at the next
+step boundary on every rank (lockstep STOP), then the leases are given back and a checkpoint
+is saved at the last optimizer step. If the loop fails instead (a peer rank died and a
+collective raised, the broker was given up on), rank 0 still saves that checkpoint when it can
+do so alone (the draft replicated, not sharded), then the error propagates.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections import defaultdict
@@ -27,32 +30,23 @@ from typing import Any
 import torch
 
 from consumers.checkpoint import CheckpointManager, rng_state, set_rng_state
-from consumers.cursor import SamplesCursor
 from consumers.loader import Loader, Window
-from consumers.lockstep import control_group, distributed, gather_objects
+from consumers.lockstep import control_group, distributed
 from consumers.parallel import average_gradients, full_state, is_sharded, load_full_state
 from consumers.profiling import profiled_step
 from core.strategies.base import StepContext, Strategy
 from core.telemetry import tracer
 from core.training import train_step
 
+log = logging.getLogger("specbus.trainer")
+
 
 @dataclass
 class TrainState:
-    """Everything a resume restores besides the model and optimizer."""
+    """What a resume restores besides the model, optimizer and the loader's ledger."""
 
     step: int = 0
-    samples: int = 0
-    cursor: SamplesCursor = field(default_factory=SamplesCursor)
-    lineage: list[str] = field(default_factory=list)
-    trained: set[str] = field(default_factory=set)
     history: list[dict[str, float]] = field(default_factory=list)  # one row per log interval
-
-    def record(self, seqs: list[int], sample_ids: list[str], retired: list[int]) -> None:
-        self.cursor.mark(seqs + retired)
-        self.lineage.extend(sample_ids)
-        self.trained.update(sample_ids)
-        self.samples += len(sample_ids)
 
 
 @dataclass
@@ -62,6 +56,7 @@ class TrainResult:
     lineage: list[str]
     history: list[dict[str, float]]
     checkpoint: str | None
+    stopped: bool = False  # ended by a stop request, not by the end of data or max_steps
 
 
 def _scalar(v: Any) -> float:
@@ -85,11 +80,8 @@ class Trainer:
         checkpoint_every: int = 100,
         log_every: int = 10,
         rank: int = 0,
-        retired: Callable[[], list[int]] = list,
         on_log: Callable[[dict[str, float]], None] | None = None,
-        store_usage: Callable[[], Any] | None = None,
         lag: Callable[[], Any] | None = None,
-        source_stats: Callable[[], dict[str, float]] | None = None,
         device: torch.device | str = "cpu",
         autocast_dtype: torch.dtype | None = None,
         profile_step: int | None = None,
@@ -104,8 +96,7 @@ class Trainer:
         self.loader, self.checkpoints, self.state = loader, checkpoints, state
         self.total_steps, self.grad_clip, self.max_steps = total_steps, grad_clip, max_steps
         self.checkpoint_every, self.log_every, self.rank = checkpoint_every, log_every, rank
-        self.retired, self.on_log, self.store_usage, self.lag = retired, on_log, store_usage, lag
-        self.source_stats = source_stats
+        self.on_log, self.lag = on_log, lag
         self.device = torch.device(device)
         self.autocast_dtype = autocast_dtype
         self.sharded = is_sharded(model)
@@ -114,7 +105,7 @@ class Trainer:
         self._window_metrics: dict[str, list[float]] = defaultdict(list)
         self._interval = self._new_interval()
         self._last_checkpoint: str | None = None
-        self._last_checkpoint_step = -1
+        self._last_checkpoint_step = state.step
 
     @staticmethod
     def _new_interval() -> dict[str, float]:
@@ -128,9 +119,14 @@ class Trainer:
             "steps": 0,
         }
 
+    @property
+    def samples(self) -> int:
+        return len(self.loader.ledger)
+
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The checkpoint's content: full model and optimizer state (collective under FSDP)."""
+        """The checkpoint's content: full model and optimizer state (collective under FSDP)
+        and the loader's ledger (`cursor`, `lineage`)."""
         model_sd, optim_sd = full_state(self.model, self.optimizer)
         return {
             "model": model_sd,
@@ -138,27 +134,20 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "rng": rng_state(),
             "step": self.state.step,
-            "samples": self.state.samples,
-            "cursor": self.state.cursor.to_dict(),
-            "lineage": list(self.state.lineage),
+            "samples": self.samples,
+            **self.loader.state_dict(),
             "history": list(self.state.history),
         }
 
     @staticmethod
     def restore(model: torch.nn.Module, optimizer, scheduler, saved: dict[str, Any]) -> TrainState:
+        """Load model, optimizer, scheduler and RNG from a checkpoint; the ledger part
+        (`cursor`, `lineage`) is the loader's (`Loader.load_state_dict(saved)`)."""
         load_full_state(model, optimizer, saved["model"], saved["optimizer"])
         if scheduler is not None and saved.get("scheduler") is not None:
             scheduler.load_state_dict(saved["scheduler"])
         set_rng_state(saved["rng"])
-        lineage = list(saved["lineage"])
-        return TrainState(
-            step=saved["step"],
-            samples=saved["samples"],
-            cursor=SamplesCursor.from_dict(saved["cursor"]),
-            lineage=lineage,
-            trained=set(lineage),
-            history=list(saved.get("history", [])),
-        )
+        return TrainState(step=saved["step"], history=list(saved.get("history", [])))
 
     # -- loop --------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -178,22 +167,33 @@ class Trainer:
                     self._log()
                 if self.checkpoints is not None and self.state.step % self.checkpoint_every == 0:
                     self.save()
-        finally:
-            self.loader.close()
+        except BaseException as e:
+            # The model and the ledger are at the last optimizer step (a failed step never
+            # reached optimizer.step(); a finished one is recorded right after it).
+            with contextlib.suppress(Exception):
+                self.loader.close()
+            self._save_alone()
+            if not (isinstance(e, Exception) and self.loader.stop.is_set()):
+                raise
+            # Asked to stop, and a peer is gone (torchrun stops the survivors of a dead rank):
+            # the step is abandoned, the last one saved, the leases given back.
+            log.warning("rank %d abandoned step %d on stop: %s", self.rank, self.state.step, e)
+            return self._result(stopped=True)
+        self.loader.close()
         if self._interval["steps"]:
             self._log()
-        if (
-            self.checkpoints is not None
-            and self.state.step
-            and self._last_checkpoint_step != self.state.step
-        ):
+        if self.checkpoints is not None and self._last_checkpoint_step != self.state.step:
             self.save()
+        return self._result(stopped=self.loader.stopped)
+
+    def _result(self, *, stopped: bool) -> TrainResult:
         return TrainResult(
             self.state.step,
-            self.state.samples,
-            list(self.state.lineage),
+            self.samples,
+            list(self.loader.ledger.lineage),
             self.state.history,
             self._last_checkpoint,
+            stopped=stopped,
         )
 
     def _step(self, window: Window) -> None:
@@ -209,21 +209,14 @@ class Trainer:
                 # the step's one all-reduce (ddp); FSDP reduce-scatters inside the backward
                 reduce_gradients=None if self.sharded else average_gradients,
             )  # fmt: skip
-            for k, v in {**result.metrics, "grad_norm": result.grad_norm}.items():
-                self._window_metrics[k].append(_scalar(v))
-
-            # The step is applied: agree on what it contained, then confirm it upstream.
+            # The step is applied: record it (the window's keys were agreed before the step,
+            # on every rank), then confirm it upstream. Nothing that can fail comes between.
             t_bus = time.perf_counter()
-            mine = (
-                [i.seq for i in window.items],
-                [i.sample_id for i in window.items],
-                self.retired(),
-            )
-            for seqs, ids, retired in gather_objects(mine):
-                self.state.record(seqs, ids, retired)
+            self.state.step += 1
             self.loader.commit(window)
             bus_s = time.perf_counter() - t_bus
-        self.state.step += 1
+            for k, v in {**result.metrics, "grad_norm": result.grad_norm}.items():
+                self._window_metrics[k].append(_scalar(v))
         iv = self._interval
         iv["wait"] += window.wait_s
         iv["bus"] += bus_s
@@ -242,13 +235,13 @@ class Trainer:
         row["data_wait_frac"] = iv["wait"] / elapsed
         row["bus_s_per_step"] = iv["bus"] / max(iv["steps"], 1)
         row["redeliveries"] = float(self.loader.stats["redeliveries"])
-        if self.source_stats is not None:
-            row.update({k: float(v) for k, v in self.source_stats().items()})
+        row["duplicates"] = float(self.loader.stats["duplicates"])
+        row.update({k: float(v) for k, v in self.loader.source.stats.items()})
         if self.lag is not None:
             lag = self.lag()
             row["lag_refs"] = float(lag.messages)
             row["lag_bytes"] = float(lag.bytes)
-        usage = self.store_usage() if self.store_usage is not None else None
+        usage = self.loader.source.usage()
         if usage is not None:
             row["store_bytes"] = float(usage.resident_bytes)
             row["store_peak_bytes"] = float(usage.peak_bytes)
@@ -279,3 +272,27 @@ class Trainer:
         self._last_checkpoint_step = self.state.step
         if distributed():
             torch.distributed.barrier(group=control_group())
+
+    def _save_alone(self) -> None:
+        """After a failure: rank 0 saves the last optimizer step when it can do so without its
+        peers (the draft is replicated, not sharded). Never raises."""
+        if (
+            self.checkpoints is None
+            or self.rank != 0
+            or self.state.step == 0
+            or self._last_checkpoint_step == self.state.step
+        ):
+            return
+        if self.sharded and distributed():
+            log.warning(
+                "step %d not saved after the failure: the sharded draft needs every rank "
+                "(the run resumes from step %d)", self.state.step, self._last_checkpoint_step
+            )  # fmt: skip
+            return
+        try:
+            path = self.checkpoints.save(self.state.step, self.state_dict(), score=self.score())
+        except Exception as e:  # noqa: BLE001 - the original failure is what propagates
+            log.warning("could not save step %d after the failure: %s", self.state.step, e)
+            return
+        self._last_checkpoint, self._last_checkpoint_step = str(path), self.state.step
+        log.warning("saved the checkpoint of step %d after the failure: %s", self.state.step, path)

@@ -72,9 +72,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         on_log=lambda row: print(format_row(row), flush=True),
     )
-    if int(os.environ.get("RANK", 0)) == 0:
+    if result is not None and int(os.environ.get("RANK", 0)) == 0:
+        what = "training stopped" if result.stopped else "training done"
         print(
-            f"training done: {result.steps} steps, {result.samples} samples, checkpoint {result.checkpoint}"
+            f"{what}: {result.steps} steps, {result.samples} samples, checkpoint {result.checkpoint}"
         )
     return 0
 

@@ -17,7 +17,9 @@ releases the producers.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -34,10 +36,12 @@ from bus.subjects import PRODUCERS, TRAINERS
 from bus.topology import declare
 from consumers.bus_source import BusSource
 from consumers.checkpoint import CheckpointManager
+from consumers.ledger import Ledger
 from consumers.loader import Loader
 from consumers.lockstep import control_group, init_control_group, reset_control_group
 from consumers.loop_thread import LoopThread
 from consumers.parallel import broadcast_parameters, shard
+from consumers.shutdown import stop_on_signals
 from consumers.trainer import Trainer, TrainResult, TrainState
 from core.config import RunConfig
 from core.errors import CheckpointError, ConfigError
@@ -103,13 +107,21 @@ def plan_of_training(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def wait_for_manifest(loop: LoopThread, kv, run: str, timeout_s: float) -> dict[str, Any]:
+def wait_for_manifest(
+    loop: LoopThread, kv, run: str, timeout_s: float, stop: threading.Event
+) -> dict[str, Any] | None:
+    """The run's manifest, once the feeder wrote it; None if a stop was asked for first."""
     deadline = time.monotonic() + timeout_s
+    said = False
     while time.monotonic() < deadline:
         manifest = loop.call(kv.get_manifest())
         if manifest is not None:
             return manifest
-        time.sleep(0.2)
+        if not said:
+            log.info("waiting for the feeder of run %r to write its manifest", run)
+            said = True
+        if stop.wait(0.2):
+            return None
     raise ConfigError(
         f"run {run!r} has no manifest after {timeout_s:.0f}s: start the feeder (`specbus feed`) for this run"
     )
@@ -122,7 +134,30 @@ def run_trainer(
     resume: bool = False,
     manifest_timeout_s: float = 600.0,
     on_log=None,
-) -> TrainResult:
+) -> TrainResult | None:
+    """Run one trainer rank to the end of the data, `training.max_steps`, or a SIGINT/SIGTERM
+    (then it stops at a step boundary with every rank, saves and returns). Returns None when
+    stopped before training started."""
+    with stop_on_signals() as stop:
+        return _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop)
+
+
+def _best_effort_lag(loop: LoopThread, bus, run: str, timeout_s: float = 2.0):
+    """The trainers' lag for a log row, or NaNs when the broker does not answer in time (a log
+    line must not hold up training during a broker outage)."""
+
+    class _Unknown:
+        messages = bytes = math.nan
+
+    future = loop.submit(lag(bus, run))
+    try:
+        return future.result(timeout_s)
+    except Exception:  # noqa: BLE001 - an outage, a timeout: the row says unknown
+        future.cancel()
+        return _Unknown()
+
+
+def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> TrainResult | None:
     rank, world, local_rank = dist_env()
     if cfg.telemetry.otel:
         setup_tracing(f"{cfg.telemetry.service_name}-trainer")
@@ -140,7 +175,10 @@ def run_trainer(
     source = None
     try:
         topo = loop.call(declare(bus, cfg.bus, cfg.run))
-        manifest = wait_for_manifest(loop, topo.kv, cfg.run, manifest_timeout_s)
+        manifest = wait_for_manifest(loop, topo.kv, cfg.run, manifest_timeout_s, stop)
+        if manifest is None:
+            log.warning("stopped before the run's manifest appeared: nothing trained")
+            return None
         if manifest["strategy"] != cfg.strategy.name:
             raise ConfigError(
                 f"run {cfg.run!r} was fed for strategy {manifest['strategy']!r}, not {cfg.strategy.name!r}"
@@ -166,18 +204,18 @@ def run_trainer(
         checkpoints = CheckpointManager(
             ckpt_dir, plan_of_training(cfg, manifest), keep=cfg.training.keep_checkpoints
         )
-        state = TrainState()
+        state, ledger = TrainState(), Ledger()
         if resume:
             if checkpoints.resolve("latest") is not None:
-                state = Trainer.restore(model, optimizer, scheduler, checkpoints.load("latest"))
+                saved = checkpoints.load("latest")
+                state = Trainer.restore(model, optimizer, scheduler, saved)
+                ledger.load_state_dict(saved)
                 log.info(
-                    "rank %d resumed at step %d (cursor floor %d)",
-                    rank,
-                    state.step,
-                    state.cursor.floor,
-                )
-            if rank == 0:  # everything above the floor comes again; the cursor skips what is in
-                loop.call(reposition(bus, cfg.run, group_name, state.cursor.floor + 1))
+                    "rank %d resumed at step %d (cursor floor %d, %d samples trained)",
+                    rank, state.step, ledger.cursor.floor, len(ledger),
+                )  # fmt: skip
+            if rank == 0:  # everything above the floor comes again; the ledger skips what is in
+                loop.call(reposition(bus, cfg.run, group_name, ledger.cursor.floor + 1))
                 loop.call(topo.kv.clear_train_complete())  # producers capture again
         elif checkpoints.resolve("latest") is not None:
             raise CheckpointError(
@@ -189,7 +227,6 @@ def run_trainer(
 
         group = loop.call(Leases.join(bus, cfg.run, group_name))
         contract = strategy.feature_contract(info)
-        skip = lambda seq, sample_id: state.cursor.is_done(seq) or sample_id in state.trained  # noqa: E731
         if colocated:
             # Target-TP islands: every rank builds the TP mesh and the island groups here, at
             # the same point (groups are matched by creation order), then its engine shard.
@@ -200,7 +237,7 @@ def run_trainer(
             )
             store = open_store(cfg.store.model_copy(update={"uri": "mem://"}))
             source = ColocatedSource(
-                bus, cfg.run, group, topo.kv, engine, contract, store, cfg.bus, skip=skip,
+                bus, cfg.run, group, topo.kv, engine, contract, store, cfg.bus, trained=ledger,
                 capture_device=device if device.type == "cuda" else None, island=island,
             )  # fmt: skip
             # 0: capture the next window only after the last one is released (one window
@@ -213,17 +250,19 @@ def run_trainer(
                 features=contract.names,
                 target_fingerprint=manifest["target"]["fingerprint"],
                 tokenizer_fingerprint=manifest["target"]["tokenizer_fingerprint"],
-                skip=skip,
+                trained=ledger,
             )  # fmt: skip
             prefetch = cfg.training.prefetch
         loader = Loader(
             source, loop, lambda samples: strategy.collate(samples, cfg.data.max_length),
             micro_batch=cfg.training.micro_batch,
             accumulation=cfg.training.accumulation,
+            ledger=ledger,
             prefetch=prefetch,
             heartbeat_s=min(cfg.bus.heartbeat_s, cfg.bus.ack_wait_s / 3),
             fetch_timeout_s=cfg.bus.fetch_timeout_s,
             stop_after_s=cfg.training.max_minutes * 60 if cfg.training.max_minutes else None,
+            stop=stop,
         )  # fmt: skip
         trainer = Trainer(
             model=model,
@@ -239,18 +278,20 @@ def run_trainer(
             checkpoint_every=cfg.training.checkpoint_every,
             log_every=cfg.training.log_every,
             rank=rank,
-            retired=source.drain_retired,
             on_log=on_log,
-            store_usage=source.usage,
-            source_stats=lambda: source.stats,
-            lag=lambda: loop.call(lag(bus, cfg.run)),
+            lag=lambda: _best_effort_lag(loop, bus, cfg.run),
             device=device,
             autocast_dtype=autocast_dtype(cfg, device),
             profile_step=cfg.training.profile_step,
             profile_dir=cfg.resolved_run_dir / "profile",
         )
         result = trainer.fit()
-        if rank == 0:
+        if result.stopped:
+            log.warning(
+                "rank %d stopped at step %d (checkpoint %s): resume with --resume",
+                rank, result.steps, result.checkpoint,
+            )  # fmt: skip
+        elif rank == 0:
             loop.call(
                 topo.kv.mark_train_complete(
                     {

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +51,7 @@ from bus.lease import Lease, Leases, parse_record
 from bus.publisher import Publisher
 from bus.subjects import PRODUCERS, Names
 from bus.topology import RunKV
-from consumers.source import GroupSettlement, Item
+from consumers.source import GroupSettlement, Item, Trained, Upstream
 from core.config import BusConfig, RunConfig
 from core.contracts import PromptTask
 from core.errors import ConfigError
@@ -222,7 +221,7 @@ class ColocatedSource(GroupSettlement):
         store,
         bus_cfg: BusConfig,
         *,
-        skip: Callable[[int, str], bool] = lambda seq, sample_id: False,
+        trained: Trained | None = None,
         capture_device=None,
         island: Island | None = None,
     ):
@@ -233,7 +232,7 @@ class ColocatedSource(GroupSettlement):
         self.engine, self.contract, self.store, self.bus_cfg = engine, contract, store, bus_cfg
         self.names = Names(run)
         self.publisher = Publisher(bus)
-        self.skip = skip
+        self.trained = trained
         self._retired: list[int] = []
         self._tracer = tracer("specbus.colocated")
         self.stats = {"capture_s": 0.0, "captured": 0, "dead_letters": 0, "skipped": 0}
@@ -241,7 +240,7 @@ class ColocatedSource(GroupSettlement):
         self._worker: _IslandWorker | None = None
         self._beat = None  # leader: the heartbeat of everything it holds
         self._kept: list[Lease] = []  # leader: leased, not captured yet (beyond a multiple of tp)
-        self._upstream = False  # island: the leader's view of the end of data, at the last take
+        self._upstream = Upstream(False)  # island: the leader's view, as of the last take
         # Tasks this source nak'd after a failed capture -> when to stop waiting for them. A
         # nak'd task waiting out its delay is ack-pending, not pending, at the broker: without
         # this, the run could end before its next delivery (and its dead letter).
@@ -253,7 +252,7 @@ class ColocatedSource(GroupSettlement):
         leases = []
         for lease in await self.group.fetch(n, timeout_s):
             self._retrying.pop(lease.seq, None)
-            if self.skip(lease.seq, sample_id_of(lease.record)):
+            if self._trained(lease):
                 await lease.ack()
                 self.stats["skipped"] += 1
             else:
@@ -277,6 +276,11 @@ class ColocatedSource(GroupSettlement):
             items.append(self._stored_item(lease, result))
             self.stats["captured"] += 1
         return items
+
+    def _trained(self, lease: Lease) -> bool:
+        return self.trained is not None and self.trained.contains(
+            lease.seq, sample_id_of(lease.record)
+        )
 
     def _stored_item(self, lease: Lease, features: dict) -> Item:
         """Put a task's features into the store; the loader's item for them."""
@@ -320,7 +324,7 @@ class ColocatedSource(GroupSettlement):
         if island.is_leader:
             for lease in await self.group.fetch(max(island.tp * n - len(self._kept), 0), timeout_s):
                 self._retrying.pop(lease.seq, None)
-                if self.skip(lease.seq, sample_id_of(lease.record)):
+                if self._trained(lease):
                     await lease.ack()
                     self.stats["skipped"] += 1
                 else:
@@ -329,7 +333,8 @@ class ColocatedSource(GroupSettlement):
             batch, self._kept = self._kept[:usable], self._kept[usable:]
             message = {"tasks": [(x.msg.reply, x.msg.data, x.msg.headers) for x in batch]}
             if not batch:
-                message["upstream_done"] = await self._upstream_done()
+                view = await self._upstream_view()
+                message["upstream"] = (view.done, view.ack_pending, view.waiting_for)
             self._worker.submit(message)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -338,9 +343,9 @@ class ColocatedSource(GroupSettlement):
             raise out
         message, results = out
         if not message["tasks"]:
-            self._upstream = message["upstream_done"]
+            self._upstream = Upstream(*message["upstream"])
             return []
-        self._upstream = False
+        self._upstream = Upstream(False)
         self.stats["capture_s"] += loop.time() - t0
         good = [i for i, r in enumerate(results) if not isinstance(r, Exception)]
         per_peer = len(good) // island.tp
@@ -359,19 +364,24 @@ class ColocatedSource(GroupSettlement):
         self.stats["captured"] += len(items)
         return items
 
-    async def upstream_done(self) -> bool:
+    async def upstream(self) -> Upstream:
         if self.island is not None:  # the leader's view, as of the last take (same on all)
             return self._upstream
-        return await self._upstream_done()
+        return await self._upstream_view()
 
-    async def _upstream_done(self) -> bool:
+    async def _upstream_view(self) -> Upstream:
         now = asyncio.get_running_loop().time()
         self._retrying = {seq: due for seq, due in self._retrying.items() if due > now}
         if self._retrying:
-            return False
-        if self.group.buffered or await self.kv.feed_complete() is None:
-            return False
-        return (await lag(self.bus, self.run, PRODUCERS)).pending == 0
+            return Upstream(False, waiting_for=f"{len(self._retrying)} failed captures to retry")
+        if self.group.buffered:
+            return Upstream(False, waiting_for="deliveries buffered here")
+        if await self.kv.feed_complete() is None:
+            return Upstream(False, waiting_for="the feeder (feed not complete)")
+        tasks = await lag(self.bus, self.run, PRODUCERS)
+        if tasks.pending:
+            return Upstream(False, tasks.ack_pending, f"{tasks.pending} tasks not delivered yet")
+        return Upstream(True, tasks.ack_pending)
 
     def release(self, items: list[Item]) -> None:
         for item in items:
@@ -384,24 +394,21 @@ class ColocatedSource(GroupSettlement):
         out, self._retired = self._retired, []
         return out
 
-    async def _give_back(self) -> None:
-        if self._beat is not None:
-            await self._beat.__aexit__(None, None, None)
-        # A pull request of the last fetch may still be open at the broker and take a task the
-        # loader just gave back: let it expire, then nak what landed and what is still held.
-        await asyncio.sleep(self.bus_cfg.fetch_timeout_s)
-        await self.group.close(nak_held=True)
-        await self.bus.nc.flush()  # a publish still buffered when the bus closes is lost
-
-    def close(self) -> None:
+    async def give_back(self) -> None:
         """Island: the leader closes the island (its peers' workers stop after the jobs
-        before), then gives back what it still holds (kept tasks, batches no take consumed)."""
+        before), then everything still held is given back (kept tasks, batches no take
+        consumed)."""
         worker = self._worker
         if worker is not None:
             if self.island.is_leader:
                 worker.submit(None)
-            worker.join(timeout=120)
+            await asyncio.to_thread(worker.join, 120)
             if worker.is_alive():
                 log.warning("island worker of rank %d did not stop", self.island.rank)
-            asyncio.run_coroutine_threadsafe(self._give_back(), worker.loop).result(timeout=30)
+        if self._beat is not None:
+            await self._beat.__aexit__(None, None, None)
+            self._beat = None
+        await super().give_back()
+
+    def close(self) -> None:
         self.store.close()

@@ -1,0 +1,189 @@
+"""Exactly once is structural: every lockstep window is filtered against the loader's ledger
+after the gather and before the step, whatever the broker redelivers.
+
+The broker tests drive one trainer rank's loader by hand against a real nats-server: the
+duplicates come from the broker itself (a consumer rewound under held leases, as a broker
+restart with an asynchronously flushed consumer state does; a dead member's leases)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from bus.connection import connect
+from bus.lease import Leases
+from bus.publisher import Publisher
+from bus.replay import reposition
+from bus.subjects import TRAINERS, Names
+from bus.topology import declare
+from consumers.bus_source import BusSource
+from consumers.ledger import Ledger, plan_round
+from consumers.loader import Loader
+from consumers.lockstep import Decision, Status, decide
+from consumers.loop_thread import LoopThread
+from core.contracts import Provenance, SampleRef
+from core.store import open_store
+
+E, W, F, S = Status.ENDED, Status.WAITING, Status.FULL, Status.STOPPING
+
+
+# ---------------------------------------------------------------- the pure parts
+def test_plan_round_keeps_first_occurrences_and_settles_what_is_trained():
+    ledger = Ledger()
+    ledger.record([(1, "a"), (2, "b")])
+    windows = [
+        [(2, "b"), (3, "c"), (4, "d")],  # rank 0: seq 2 trained already
+        [(3, "c"), (5, "e"), (6, "d")],  # rank 1: seq 3 is rank 0's; sample d again (new seq)
+    ]
+    plans = plan_round(ledger, windows)
+    assert (plans[0].keep, plans[0].trained, plans[0].parked) == ([1, 2], [0], [])
+    assert (plans[1].keep, plans[1].trained, plans[1].parked) == ([1], [], [0, 2])
+    # the same inputs give the same plans (every rank computes them itself)
+    assert plan_round(ledger, windows) == plans
+
+
+def test_ledger_records_idempotently_and_round_trips():
+    ledger = Ledger()
+    assert ledger.record([(1, "a"), (2, "b")]) == 2
+    assert ledger.record([(2, "b"), (3, "a")]) == 0  # same sample under a new seq: no new entry
+    ledger.retire([5])
+    assert ledger.lineage == ["a", "b"]
+    assert ledger.contains(3, "zzz") and ledger.contains(99, "a") and not ledger.contains(4, "x")
+    assert ledger.cursor.floor == 3 and ledger.cursor.done_above == {5}
+    again = Ledger()
+    again.load_state_dict(ledger.state_dict())
+    assert again.state_dict() == ledger.state_dict() and again.contains(5, "y")
+
+
+@pytest.mark.parametrize(
+    "statuses, held, ack_pending, unsettled, decision",
+    [
+        ([F, S], [2, 2], [-1, -1], [2, 2], Decision.STOP),  # one rank asked: all stop
+        ([E, E], [1, 0], [3, 3], [1, 0], Decision.WAIT),  # 2 deliveries held by nobody
+        ([E, E], [1, 0], [1, 1], [1, 0], Decision.END),
+        ([F, E], [2, 0], [-1, 2], [2, 0], Decision.END),  # a full rank has no view
+    ],
+)
+def test_decide_stop_and_deliveries_held_by_nobody(statuses, held, ack_pending, unsettled, decision):
+    got = decide(statuses, held, need=2, ack_pending=ack_pending, unsettled=unsettled)
+    assert got == decision
+
+
+# ---------------------------------------------------------------- against a real broker
+class _Rank:
+    """One trainer rank's loader over the run's "trainers" group, driven by hand."""
+
+    def __init__(self, url: str, cfg, run: str, n: int, ghost: int = 0):
+        self.run, self.loop = run, LoopThread(f"test-{run}")
+        self.bus = self.loop.call(connect(cfg, url, name=f"test-{run}"))
+        self.topo = self.loop.call(declare(self.bus, cfg, run))
+        self.store = open_store(f"mem://{run}")
+        self.loop.call(self._publish(n))
+        self.loop.call(self.topo.kv.mark_feed_complete(n))
+        if ghost:  # another member leases `ghost` refs and dies without a word (no nak)
+            self.ghost_seqs = asyncio.run(self._ghost(url, cfg, ghost))
+        self.group = self.loop.call(Leases.join(self.bus, run, TRAINERS))
+        self.ledger = Ledger()
+        source = BusSource(
+            self.bus, run, self.group, self.topo.kv, strategy="eagle3",
+            features=("hidden_states",), target_fingerprint="fp", tokenizer_fingerprint="fp",
+            trained=self.ledger,
+        )  # fmt: skip
+        self.loader = Loader(
+            source, self.loop, lambda samples: samples, micro_batch=2, accumulation=1,
+            ledger=self.ledger, prefetch=2, poll_s=0.05, fetch_timeout_s=0.2, heartbeat_s=0.5,
+        )  # fmt: skip
+
+    async def _publish(self, n: int) -> None:
+        publisher = Publisher(self.bus)
+        for i in range(n):
+            specs = self.store.put(f"s{i}", {"hidden_states": torch.full((4,), float(i))})
+            ref = SampleRef(
+                sample_id=f"s{i}", run_id=self.run, task_id=f"t{i}", task_seq=i + 1,
+                store_uri=f"mem://{self.run}", features=specs,
+                nbytes=sum(s.nbytes for s in specs.values()), num_tokens=4, strategy="eagle3",
+                target_fingerprint="fp", tokenizer_fingerprint="fp",
+                provenance=Provenance(producer_id="test", engine="hf", created_at=0.0),
+            )  # fmt: skip
+            await publisher.publish(Names(self.run).samples, ref)
+
+    async def _ghost(self, url: str, cfg, n: int) -> list[int]:
+        bus = await connect(cfg, url, name="ghost")
+        group = await Leases.join(bus, self.run, TRAINERS)
+        leases = await group.fetch(n, 5.0)
+        await bus.nc.close()  # the leases lapse after ack_wait
+        return [lease.seq for lease in leases]
+
+    def wait_holding(self, n: int, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.loader._in_flight() < n:
+            assert time.monotonic() < deadline, f"the loader never held {n} items"
+            time.sleep(0.01)
+
+    def train_to_end(self) -> list[list[str]]:
+        """Run the windows to the end of data (commit = the optimizer step); the sample ids
+        of each trained window."""
+        windows = []
+        while (window := self.loader.next_window()) is not None:
+            windows.append([i.sample_id for i in window.items])
+            for item in window.items:  # the tensors trained are the ref's own
+                assert item.tensors["hidden_states"][0].item() == float(item.sample_id[1:])
+            self.loader.commit(window)
+        return windows
+
+    def consumer(self):
+        return self.loop.call(self.bus.js.consumer_info(Names(self.run).samples_stream, TRAINERS))
+
+    def close(self) -> None:
+        self.loader.close()
+        self.store.close()
+        self.loop.call(self.bus.close())
+        self.loop.close()
+
+
+@pytest.fixture
+def rank_of(nats_server, bus_cfg, run_id):
+    made = []
+
+    def make(n: int, ghost: int = 0, **bus):
+        rank = _Rank(nats_server.url, bus_cfg.model_copy(update=bus), run_id, n, ghost)
+        made.append(rank)
+        return rank
+
+    yield make
+    for rank in made:
+        rank.close()
+
+
+def test_refs_redelivered_while_held_are_trained_once(rank_of):
+    """Regression (issue 12, defect 1): a broker restart with an asynchronously flushed
+    consumer state delivers refs again as first deliveries while a rank still holds them.
+    Here the consumer is rewound to seq 1 while the rank holds two windows."""
+    rank = rank_of(8, ack_wait_s=30.0)
+    first = rank.loader.next_window()
+    rank.wait_holding(6)  # this window + two more (s2..s5), leased and loaded
+    rank.loop.call(reposition(rank.bus, rank.run, TRAINERS, 1))  # every ref comes again
+    rank.loader.commit(first)
+    rank.wait_holding(6)  # s2, s3 delivered again next to their first copies (s0, s1 skipped)
+    windows = [[i.sample_id for i in first.items], *rank.train_to_end()]
+    lineage = rank.ledger.lineage
+    assert sorted(lineage) == sorted(f"s{i}" for i in range(8)), windows
+    assert len(lineage) == len(set(lineage)) == 8, f"a sample was trained twice: {windows}"
+    assert rank.loader.stats["duplicates"] >= 2, rank.loader.stats  # filtered, never trained
+    info = rank.consumer()
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+
+
+def test_the_end_waits_for_leases_held_by_a_dead_member(rank_of):
+    """Regression (issue 12, defect 6): deliveries held by nobody (a dead member's leases, acks
+    a restarted broker lost) are ack-pending, not pending; the run must not end before they
+    come back and are trained, and nothing may be left ack-pending at the end."""
+    rank = rank_of(6, ghost=2, ack_wait_s=2.0)
+    assert len(rank.ghost_seqs) == 2
+    windows = rank.train_to_end()
+    assert sorted(rank.ledger.lineage) == [f"s{i}" for i in range(6)], windows
+    info = rank.consumer()
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)
