@@ -96,8 +96,16 @@ def test_truncated_object_is_a_short_read(uri, store_id):
     store.close()
 
 
-def test_writer_killed_mid_put_leaks_nothing_after_gc(uri):
+@pytest.mark.parametrize("reclaim", ["gc", "sweep"])
+def test_writer_killed_mid_put_leaks_nothing_after_gc(uri, reclaim):
+    # gc(live) or sweep(done) (the caller knows what is live, or what is finished): either
+    # way the dead writer's half-written put goes, and the complete sample when it is not
+    # live any more.
     here = open_store(uri, pool_bytes=0)
+    if reclaim == "gc":
+        keep, drop = (lambda: here.gc(live={"big"})), (lambda: here.gc(live=set(), min_age_s=0))
+    else:
+        keep, drop = (lambda: here.sweep(lambda _: False)), (lambda: here.sweep(lambda _: True))
     child = spawn(f"""
         s = open_store({uri!r}, pool_bytes=0)
         print("ready", flush=True)
@@ -118,10 +126,10 @@ def test_writer_killed_mid_put_leaks_nothing_after_gc(uri):
     child.send_signal(signal.SIGKILL)
     child.wait(10)
     assert here.usage().resident_bytes > 0  # the dead writer's reservation is still counted
-    here.gc(live={"big"})  # the complete sample (if any) is live; the half-written one is not
+    keep()  # the complete sample (if any) is live; the half-written one is not
     leftover = here.usage()
     assert leftover.resident_bytes in (0, 128 << 20) and leftover.num_samples in (0, 1)
-    here.gc(live=set(), min_age_s=0)
+    drop()
     assert here.usage().resident_bytes == 0 and here.usage().num_samples == 0
     samples = store_dir(uri.split("://")[1]) / "samples"
     assert not samples.exists() or not any(samples.iterdir())

@@ -174,6 +174,8 @@ class StoreBase:
       store's service is gone (nothing can be freed there, a restarted one holds nothing);
     - `_purge_rest() -> int`: what `purge` removes besides complete samples (puts in
       progress, cached files), bytes freed;
+    - `_reclaim_orphans() -> int`: what `sweep` removes besides complete samples: what is
+      certainly dead whatever the sample (shm: puts whose writer died), bytes freed;
     - `_shutdown()`: let go of the handle's resources (runs once).
     `settle_timeout_s` is how long `sweep` and `close` wait for refused removes by default.
     """
@@ -192,6 +194,8 @@ class StoreBase:
         passed since the first refusal, as `release` does), for up to `timeout_s` (default
         `settle_timeout_s`; 0: one retry, the rest stays with the background retrier).
 
+        Also reclaims what is certainly dead whatever the sample (shm: puts whose writer was
+        killed, as `gc()` does), so a sweep at the end of a run leaves nothing behind.
         Returns the bytes freed by this call. `done` is called once per stored sample id.
         This is how releases survive a crash: a release that a killed process had queued is
         re-derived from the trainer's record (the checkpoint's lineage) by whoever sweeps
@@ -208,7 +212,7 @@ class StoreBase:
                 verdict[s.sample_id] = bool(done(s.sample_id))
             if verdict[s.sample_id] or s.gen < newest[s.sample_id]:
                 doomed.append(s)
-        freed = self._drop(doomed, force=False)
+        freed = self._drop(doomed, force=False) + self._reclaim_orphans()
         return freed + self._settle(self._deadline(timeout_s))
 
     def purge(self) -> int:
@@ -235,8 +239,11 @@ class StoreBase:
             self._settle(self._deadline(timeout_s))
         except Exception as e:  # noqa: BLE001 - close must let go whatever the store says
             log.warning("%s: flushing releases at close failed: %s", self.uri, e)
-        finally:
-            self._shutdown()
+        finally:  # also after a second Ctrl-C in the flush
+            try:
+                self._shutdown()
+            except Exception as e:  # noqa: BLE001 - a shutdown path must not die in close
+                log.warning("%s: closing the store handle failed: %s", self.uri, e)
 
     def _deadline(self, timeout_s: float | None) -> float:
         wait = self.settle_timeout_s if timeout_s is None else max(timeout_s, 0.0)
@@ -257,6 +264,9 @@ class StoreBase:
         return 0  # removes are never refused here
 
     def _purge_rest(self) -> int:
+        return 0
+
+    def _reclaim_orphans(self) -> int:
         return 0
 
     def _shutdown(self) -> None:

@@ -762,6 +762,10 @@ class ShmStore(StoreBase):
             _rm(d)
         return freed
 
+    def _reclaim_orphans(self) -> int:
+        """Puts of dead writers (a producer killed mid-put) and trash, as gc() does."""
+        return self.gc()
+
     def _purge_rest(self) -> int:
         """Puts in progress (any writer's), the free-file cache and the trash go; the
         counters are recounted from what is left (nothing, unless a put landed meanwhile)."""
