@@ -42,7 +42,9 @@ class FeatureMissing(StoreError, KeyError):
     """
 
     def __init__(self, key: str, detail: str = ""):
-        super().__init__(f"feature {key!r} is missing from the store" + (f": {detail}" if detail else ""))
+        super().__init__(
+            f"feature {key!r} is missing from the store" + (f": {detail}" if detail else "")
+        )
         self.key = key
 
     def __str__(self) -> str:  # KeyError would repr() the message
@@ -51,6 +53,21 @@ class FeatureMissing(StoreError, KeyError):
 
 class StoreFull(StoreError):
     """A put would exceed the store's byte budget. Callers treat it as backpressure."""
+
+
+class StoreNoSpace(StoreFull):
+    """The filesystem under a file-backed store (shm://) has no room for a put, whatever the
+    budget says: `directory`, `needed` (the sample's bytes) and `free` (the filesystem's free
+    bytes after the failed put was cleaned up) name the shortfall. Nothing of the put stays
+    behind. A `StoreFull`, so callers back off as for the budget; the cure is a larger
+    filesystem (Docker: `--shm-size`) or a `store.budget_bytes` that fits in it.
+    """
+
+    def __init__(self, message: str, *, directory: str, needed: int, free: int):
+        super().__init__(message)
+        self.directory = directory
+        self.needed = needed
+        self.free = free
 
 
 class IntegrityError(StoreError):

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from core.errors import ConfigError, FeatureMissing, IntegrityError, StoreFull
+from core.errors import ConfigError, FeatureMissing, IntegrityError, StoreError, StoreFull
 from core.store import FeatureStore, open_store
 from tests.fixtures.mooncake import mooncake_store_config
 
@@ -256,6 +256,59 @@ def test_gc_reclaims_samples_nobody_will_consume(make_store):
     assert store.gc(live={"keep"}, min_age_s=0) >= 4000
     assert store.usage().num_samples == 1
     store.get(keep)
+
+
+def test_sweep_removes_every_finished_sample_and_only_those(make_store):
+    # The sweeper a trainer runs after a resume (and at the end of a run) with its record of
+    # finished samples: every stored generation of those goes, whoever put or released it;
+    # on Mooncake even one a read lease holds (its remove is refused, then retried until
+    # the lease lapses); the rest stays. `done` is asked once per sample id.
+    store = make_store()
+    t = {"h": torch.ones(1000), "ids": torch.arange(7)}  # 4056 B
+    a = store.put("a", t)
+    b = store.put("b", t, gen=2)
+    c = store.put("c", t)
+    store.get(a)  # Mooncake: a read lease, so the first remove of "a" is refused
+    asked = []
+
+    def done(sample_id: str) -> bool:
+        asked.append(sample_id)
+        return sample_id in {"a", "b"}
+
+    assert store.sweep(done) == 2 * 4056
+    assert sorted(asked) == ["a", "b", "c"]
+    usage = store.usage()
+    assert usage.num_samples == 1 and usage.pending_release_bytes == 0
+    for ref in (a, b):
+        with pytest.raises(FeatureMissing):
+            store.get(ref)
+    _assert_same(store.get(c), t)
+    assert store.sweep(done) == 0
+
+
+def test_purge_removes_everything_of_the_store(make_store):
+    # For a run that is gone: every sample of every generation, leases overridden.
+    store = make_store()
+    specs = [store.put(f"s{i}", {"h": torch.ones(1000)}, gen=i) for i in range(3)]
+    store.get(specs[0])  # Mooncake: a read lease, overridden
+    assert store.purge() == 3 * 4000
+    assert store.usage().num_samples == 0
+    for ref in specs:
+        with pytest.raises(FeatureMissing):
+            store.get(ref)
+    _assert_same(store.get(store.put("again", {"h": torch.ones(3)})), {"h": torch.ones(3)})
+
+
+def test_close_is_idempotent(make_store):
+    store = make_store()
+    specs = store.put("a", {"h": torch.ones(1000)})
+    store.get(specs)
+    store.release(specs)  # Mooncake: refused under the read lease, flushed by close
+    store.close()
+    store.close()  # a second close (another thread, a signal handler) returns at once
+    with pytest.raises(StoreError, match="closed"):
+        store.sweep(lambda _: True)
+    assert make_store().usage().num_samples == 0
 
 
 def test_bad_uris_and_ids_are_config_errors():

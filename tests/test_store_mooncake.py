@@ -16,7 +16,7 @@ import torch
 
 from core.contracts import FeatureSpec
 from core.errors import FeatureMissing, IntegrityError, StoreFull, StoreUnavailable
-from core.store import open_store
+from core.store import open_store, purge_store
 from ops.services.mooncake import MooncakeServices
 from tests.fixtures.mooncake import FAST, mooncake_store_config
 
@@ -334,3 +334,133 @@ def test_staged_puts_screen_while_copying(mooncake_services, store_id):
     assert store._pool.free_bytes() == free  # the staging chunks went back to the pool
     store.release(specs)
     store.close()
+
+
+# ---- releases that outlive their process (issue 12, defect 2) ---------------------------------
+
+SAMPLE = 1048632  # bytes of the sample below: 1 MiB of float32 + 7 int64
+
+
+def _with_client(cfg, **mc):
+    return cfg.model_copy(update={"mooncake": cfg.mooncake.model_copy(update=mc)})
+
+
+@pytest.fixture
+def long_lease_mooncake(tmp_path):
+    """Private services whose read lease (60 s) outlives any test: only a forced remove or
+    the lease's owner could free a read object in time."""
+    services = MooncakeServices(
+        tmp_path / "mooncake", segment_bytes=64 << 20, **{**FAST, "lease_ttl_ms": 60_000}
+    ).start()
+    yield services
+    services.stop()
+
+
+def _trainer_killed_with_pending_releases(store) -> list[str]:
+    """A child puts, reads and releases samples the way a trainer does (the reads' leases
+    make Mooncake refuse every release, so they wait in the child's memory), puts one more it
+    never trains, and is killed -9 before its retrier is due. Returns the trained ids."""
+    trained = [f"t{i}" for i in range(8)]
+    child = spawn(f"""
+        import sys
+        s = open_store({store.uri + "&buffer_bytes=" + str(16 << 20) + "&release_retry_s=60"!r})
+        t = {{"h": torch.randn(1 << 18), "ids": torch.arange(7)}}
+        for sid in {trained!r}:
+            specs = s.put(sid, t)
+            s.get(specs)  # takes the read lease
+            s.release(specs)  # refused (-706): pending in this process only
+        s.put("untrained", t)
+        print(s.usage().pending_release_bytes, flush=True)
+        sys.stdin.read()  # killed here
+    """)
+    line = child.stdout.readline()
+    assert line.strip() == str(8 * SAMPLE), (
+        child.stderr.read() if child.poll() is not None else line
+    )
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    return trained
+
+
+def test_releases_a_killed_trainer_left_pending_are_swept_by_the_next(
+    long_lease_mooncake, store_id
+):
+    # Regression, issue 12 defect 2: the releases died with the process; the samples are in
+    # its checkpoint, so nothing would ever remove them. The next process's sweep with the
+    # same record of trained samples does, leases overridden once force_release_after_s has
+    # passed (the dead reader's lease would hold 60 s here), and leaves the rest.
+    cfg = _with_client(
+        mooncake_store_config(long_lease_mooncake, store_id), force_release_after_s=1.0
+    )
+    store = open_store(cfg)
+    trained = _trainer_killed_with_pending_releases(store)
+    leaked = store.usage()
+    assert (leaked.num_samples, leaked.resident_bytes) == (9, 9 * SAMPLE)  # the fault landed
+    assert store.sweep(set(trained).__contains__) == 8 * SAMPLE
+    after = store.usage()
+    assert (after.num_samples, after.resident_bytes) == (1, SAMPLE)
+    assert after.pending_release_bytes == 0
+    assert store.sweep(lambda _: True) == SAMPLE  # the end of the run: nothing is left
+    assert store.usage().resident_bytes == 0  # bytes allocated at the master
+    store.close()
+
+
+def test_purge_store_removes_a_gone_runs_objects_at_once(long_lease_mooncake, store_id):
+    # A run that is gone (its processes killed, leases still held): every object of its
+    # store id goes at once, leases overridden; other store ids stay.
+    cfg = mooncake_store_config(long_lease_mooncake, store_id)
+    other = open_store(cfg, store_id=store_id + "-other")
+    kept = other.put("kept", {"h": torch.ones(10)})
+    store = open_store(cfg)
+    _trainer_killed_with_pending_releases(store)
+    assert purge_store(cfg) == 9 * SAMPLE
+    assert store.usage().num_samples == 0
+    store.close()
+    assert torch.equal(other.get(kept)["h"], torch.ones(10))
+    other.purge()
+    assert other.usage().resident_bytes == 0
+    other.close()
+
+
+def test_close_in_a_sigterm_handler_flushes_releases(mooncake_services, store_id):
+    # What a trainer's SIGTERM handler does: close() from inside the handler flushes the
+    # releases Mooncake refused (here only close can: the retrier is not due for 30 s).
+    store = open_store(mooncake_store_config(mooncake_services, store_id))
+    child = spawn(f"""
+        import signal, sys
+        s = open_store({store.uri + "&buffer_bytes=" + str(16 << 20) + "&release_retry_s=30"!r})
+        specs = s.put("x", {{"h": torch.randn(1 << 18)}})
+        s.get(specs)  # a 500 ms lease: the release is refused
+        s.release(specs)
+
+        def stop(signum, frame):
+            s.close()
+            s.close()  # idempotent
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, stop)
+        print(s.usage().pending_release_bytes, flush=True)
+        sys.stdin.read()
+    """)
+    assert child.stdout.readline().strip() == str(1 << 20), child.stderr.read()
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(15) == 0, child.stderr.read()
+    assert store.usage().num_samples == 0
+    store.close()
+
+
+def test_close_without_a_master_is_bounded_and_says_what_it_left(
+    private_mooncake, store_id, caplog
+):
+    cfg = _with_client(mooncake_store_config(private_mooncake, store_id), release_retry_s=30)
+    store = open_store(cfg)
+    specs = store.put("x", {"h": torch.randn(1 << 18)})
+    store.get(specs)
+    store.release(specs)
+    assert store.usage().pending_release_bytes == 1 << 20
+    private_mooncake.kill_master()
+    t0 = time.monotonic()
+    store.close()
+    store.close()
+    assert time.monotonic() - t0 < 3
+    assert "still refused at close" in caplog.text and str(1 << 20) in caplog.text

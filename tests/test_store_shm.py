@@ -1,7 +1,9 @@
-"""shm:// across real processes: shared samples and usage, short reads, killed writers, owner death."""
+"""shm:// across real processes: shared samples and usage, short reads, killed writers, owner
+death, a filesystem smaller than the budget, close() from a signal handler, purge."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from core.errors import FeatureMissing, IntegrityError
-from core.store import open_store
+from core.store import open_store, purge_store
 from core.store.shm import store_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,8 +96,16 @@ def test_truncated_object_is_a_short_read(uri, store_id):
     store.close()
 
 
-def test_writer_killed_mid_put_leaks_nothing_after_gc(uri):
+@pytest.mark.parametrize("reclaim", ["gc", "sweep"])
+def test_writer_killed_mid_put_leaks_nothing_after_gc(uri, reclaim):
+    # gc(live) or sweep(done) (the caller knows what is live, or what is finished): either
+    # way the dead writer's half-written put goes, and the complete sample when it is not
+    # live any more.
     here = open_store(uri, pool_bytes=0)
+    if reclaim == "gc":
+        keep, drop = (lambda: here.gc(live={"big"})), (lambda: here.gc(live=set(), min_age_s=0))
+    else:
+        keep, drop = (lambda: here.sweep(lambda _: False)), (lambda: here.sweep(lambda _: True))
     child = spawn(f"""
         s = open_store({uri!r}, pool_bytes=0)
         print("ready", flush=True)
@@ -116,10 +126,10 @@ def test_writer_killed_mid_put_leaks_nothing_after_gc(uri):
     child.send_signal(signal.SIGKILL)
     child.wait(10)
     assert here.usage().resident_bytes > 0  # the dead writer's reservation is still counted
-    here.gc(live={"big"})  # the complete sample (if any) is live; the half-written one is not
+    keep()  # the complete sample (if any) is live; the half-written one is not
     leftover = here.usage()
     assert leftover.resident_bytes in (0, 128 << 20) and leftover.num_samples in (0, 1)
-    here.gc(live=set(), min_age_s=0)
+    drop()
     assert here.usage().resident_bytes == 0 and here.usage().num_samples == 0
     samples = store_dir(uri.split("://")[1]) / "samples"
     assert not samples.exists() or not any(samples.iterdir())
@@ -285,3 +295,161 @@ def test_concurrent_puts_while_mappings_are_evicted(uri):
         t.join(60)
     assert not errors
     store.close()
+
+
+# ---- space, signals, purge (issue 12, defect 5 and the shm half of defect 2) -------------------
+
+
+class SmallFs:
+    """A real 4 MiB tmpfs at `path` for a child process: mounted here when this process may
+    mount (root), else inside a user + mount namespace of the child alone (`unshare -rm`).
+    Children run through `spawn` and report what they saw, so both ways test the same."""
+
+    def __init__(self, path: Path, prefix: list[str]):
+        self.path = path
+        self.prefix = prefix
+
+    def spawn(self, code: str) -> subprocess.Popen:
+        prelude = "import torch; torch.set_num_threads(1)\nfrom core.store import open_store\n"
+        return subprocess.Popen(
+            [*self.prefix, sys.executable, "-c", prelude + textwrap.dedent(code)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    path = tmp_path / "small"
+    path.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)]
+    mounted = subprocess.run(mount, capture_output=True, text=True)
+    if mounted.returncode == 0:
+        yield SmallFs(path, [])
+        subprocess.run(["umount", "-l", str(path)], check=False)
+        return
+    inner = f'mount -t tmpfs -o size=4m tmpfs {path} && exec "$@"'
+    prefix = ["unshare", "-rm", "sh", "-c", inner, "sh"]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no small filesystem here: mount: {mounted.stderr}; unshare: {probe.stderr}")
+    yield SmallFs(path, prefix)
+
+
+def test_a_put_the_filesystem_cannot_hold_is_store_no_space_never_sigbus(small_fs):
+    # Regression, issue 12 defect 5: a shm store on a filesystem smaller than its budget
+    # (Docker's 64 MiB /dev/shm against the 4 GiB default) killed the producer with SIGBUS
+    # (exit 135, empty log) at the first write through a mapping the filesystem could not
+    # back. Now: a warning at open naming the directory and the sizes, then a typed
+    # StoreNoSpace (a StoreFull: backpressure) naming the directory, the bytes needed and
+    # free, with nothing of the put left behind; released space is used again.
+    root = small_fs.path / "store"
+    child = small_fs.spawn(f"""
+        import json, logging, os
+        from core.errors import StoreNoSpace
+
+        said = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                said.append(record.getMessage())
+        logging.getLogger("core.store").addHandler(Keep())
+
+        def free():
+            v = os.statvfs({str(small_fs.path)!r})
+            return v.f_bavail * v.f_frsize
+
+        def debris():
+            return sorted(
+                os.path.relpath(os.path.join(d, n), {str(root)!r})
+                for d, dirs, files in os.walk({str(root)!r} + "/samples")
+                for n in dirs + files
+            )
+
+        s = open_store("shm://{root}?store_id=small", pool_bytes=0, budget_bytes=64 << 20)
+        out = {{"said": said, "free0": free()}}
+        try:  # 8 MiB, written through a mapping: the SIGBUS of old
+            s.put("big", {{"h": torch.ones(2 << 20)}})
+        except StoreNoSpace as e:
+            out["big"] = [e.directory, e.needed, e.free, str(e)]
+        out["after_big"] = [free(), debris(), s.usage().resident_bytes, s.usage().num_samples]
+        specs = []
+        while len(specs) < 10:  # 1 MiB samples until the filesystem is full
+            try:
+                specs.append(s.put(f"s{{len(specs)}}", {{"h": torch.ones(1 << 18)}}))
+            except StoreNoSpace as e:
+                out["full"] = [len(specs), e.needed, e.free]
+                break
+        out["debris"] = [p for p in debris() if ".tmp" in p]
+        for ref in specs:
+            s.release(ref)
+        # 2.5 MiB: grows a recycled 1 MiB file (its new blocks are reserved too), finds no
+        # room while the other cached files hold theirs, drops them and goes through
+        s.put("after", {{"h": torch.ones(655360)}})
+        out["after"] = s.usage().resident_bytes
+        s.close()
+        print(json.dumps(out), flush=True)
+    """)
+    stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 0, f"exit {child.returncode} (135: SIGBUS); stderr: {stderr}"
+    out = json.loads(stdout)
+    assert any(
+        str(root) in m and "64.0 MiB" in m and "4.0 MiB" in m and "budget_bytes" in m
+        for m in out["said"]
+    ), out["said"]
+    directory, needed, free, message = out["big"]
+    assert (directory, needed) == (str(root), 8 << 20)
+    assert free == out["free0"] and str(root) in message and str(8 << 20) in message
+    assert out["after_big"] == [out["free0"], [], 0, 0]  # nothing of it stays
+    n, needed, free = out["full"]
+    assert n >= 2 and needed == 1 << 20 and free < 1 << 20
+    assert out["debris"] == []
+    assert out["after"] == 655360 * 4
+
+
+def test_close_from_a_signal_handler_inside_a_locked_section(uri):
+    # A signal handler runs on the main thread wherever it is, e.g. inside a put's locked
+    # section. close() from there, of that handle or of another on the same store, must not
+    # wait for the lock its own thread holds (flock on a second descriptor would, forever).
+    child = spawn(f"""
+        import signal, sys
+        a = open_store({uri!r}, pool_bytes=0)
+        b = open_store({uri!r}, pool_bytes=0)
+        a.put("x", {{"h": torch.ones(10)}})
+
+        def stop(signum, frame):
+            b.close()
+            a.close()
+            a.close()
+            print("closed", flush=True)
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, stop)
+        with a._lock:  # as in the middle of a put
+            signal.raise_signal(signal.SIGTERM)
+    """)
+    try:
+        stdout, stderr = child.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        pytest.fail("close() in a signal handler deadlocked on its own thread's lock")
+    assert child.returncode == 0 and stdout.strip() == "closed", stderr
+    assert not Path(store_dir(uri.removeprefix("shm://"))).exists()  # the last one out
+
+
+def test_purge_store_removes_a_kept_store_of_a_gone_run(store_id):
+    # keep_on_close keeps a store after its last process (sweep_abandoned leaves it alone):
+    # purge_store is how a user (or specbus) removes it once its run is gone.
+    uri = f"shm://{store_id}"
+    child = spawn(f"""
+        s = open_store({uri!r}, pool_bytes=0, keep_on_close=True)
+        s.put("kept", {{"h": torch.ones(1 << 18)}})
+        s.release(s.put("cached", {{"h": torch.ones(1 << 18)}}))  # its file stays cached
+        s.close()
+    """)
+    assert child.wait(60) == 0, child.stderr.read()
+    assert (store_dir(store_id) / "samples" / "kept").exists()
+    assert purge_store(uri) == 2 << 20
+    assert not store_dir(store_id).exists()

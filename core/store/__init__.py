@@ -8,6 +8,7 @@
 
 A store's `uri` is canonical: `open_store(store.uri)` in another process reaches the same
 samples (that is what SampleRef.store_uri records). See core/store/base.py for the contract.
+`purge_store(uri)` removes every object of a store whose run is gone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from core.config import MooncakeConfig, StoreConfig
 from core.errors import ConfigError
 from core.store.base import FeatureStore, StoreUsage, check_store_id
 
-__all__ = ["FeatureStore", "StoreUsage", "open_store", "parse_uri"]
+__all__ = ["FeatureStore", "StoreUsage", "open_store", "parse_uri", "purge_store"]
 
 SCHEMES = ("mem", "shm", "mooncake")
 
@@ -78,3 +79,20 @@ def open_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> FeatureStore:
         raise ConfigError(f"store.uri {cfg.uri!r}: unknown mooncake option(s) {sorted(unknown)}")
     mc = MooncakeConfig.model_validate({**cfg.mooncake.model_dump(), **query})
     return MooncakeStore(cfg, store_id, mc)
+
+
+def purge_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> int:
+    """Remove every object of a store id whose run no longer exists: every generation of
+    every sample, puts in progress and (shm) cached files and the directory itself when no
+    live process has the store open; Mooncake objects are removed forced (no read lease
+    protects a reader of a run that is gone). Returns the bytes freed. Arguments as for
+    `open_store`. The caller asserts the run is gone: a reader still running would get
+    FeatureMissing (and recapture), a writer still running a failed put.
+
+    For mem:// this only reaches this process's samples (they live and die with it)."""
+    kw.setdefault("keep_on_close", False)  # shm: the last one out takes the directory too
+    store = open_store(cfg_or_uri, **kw)
+    try:
+        return store.purge()
+    finally:
+        store.close(timeout_s=0)

@@ -15,16 +15,23 @@ Guarantees every backend keeps (tests/test_store_*.py pin them down):
 - a put of generation N removes generations < N of that sample (a stale ref then raises
   `FeatureMissing`), and writing an existing key replaces its value.
 - `release` is idempotent; `gc` reclaims orphans and returns the bytes it freed.
+- `sweep(done)` removes every sample generation whose id `done` names (trained or dead) or
+  that a newer generation superseded, whoever put or released it, and retries what the
+  store refused before; `purge()` removes everything of the store id (a run that is gone).
+  Both are written once, in `StoreBase`, on three primitives of each backend.
+- `close()` is idempotent and bounded (safe from a signal-triggered shutdown path).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
 import threading
+import time
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -34,6 +41,8 @@ import torch
 from core.contracts import FeatureSpec, SampleRef
 from core.errors import ConfigError, IntegrityError, StoreError
 from core.store.chunked import SharedScreen
+
+log = logging.getLogger(__name__)
 
 # Ids become path components and key segments: no "/", no leading dot, bounded length.
 _ID = re.compile(r"^[A-Za-z0-9_:=+\-][A-Za-z0-9._:=+\-]{0,199}$")
@@ -118,7 +127,150 @@ class FeatureStore(Protocol):
         transfer memory), putting it costs no staging copy. Any tensor can be put anyway."""
         ...
 
-    def close(self) -> None: ...
+    def sweep(self, done: Callable[[str], bool], *, timeout_s: float | None = None) -> int:
+        """Remove every sample of this store that `done(sample_id)` says is finished (all its
+        generations) and every generation a newer one superseded; retry refused removes
+        (Mooncake read leases) for up to `timeout_s`. Returns the bytes freed. See StoreBase."""
+        ...
+
+    def purge(self) -> int:
+        """Remove every object of this store id, forced: for a run that is gone."""
+        ...
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush refused removes for up to `timeout_s`, then let go. Idempotent, bounded."""
+        ...
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One complete sample generation as its backend lists it for `sweep`/`purge`.
+    `objects` are the backend's names for its pieces where the id and generation do not
+    find them (Mooncake keys)."""
+
+    sample_id: str
+    gen: int
+    objects: tuple[str, ...] = ()
+
+
+# One lock for every handle's close flag: held only to test-and-set it (never across a
+# store call), and re-entrant, so a signal handler that calls close() while this thread is
+# inside close() returns at once instead of deadlocking.
+_CLOSE_LOCK = threading.RLock()
+
+
+class StoreBase:
+    """What every backend shares, written once: `sweep`, `purge` and the shape of `close`.
+
+    A backend provides:
+    - `_stored() -> list[Stored]`: every complete sample generation of this store id as the
+      store sees it (every process's, not only this handle's);
+    - `_drop(stored, force) -> int`: remove those; the bytes freed now. What the store
+      refuses for now (a Mooncake read lease) is queued and retried, never forgotten while
+      this handle lives; `force` (purge) overrides leases;
+    - `_settle(deadline) -> int`: retry queued removes at least once, then until none is
+      left or `deadline` (time.monotonic()); the bytes freed meanwhile. Never blocks past
+      the deadline by more than one bounded store call, and gives up at once when the
+      store's service is gone (nothing can be freed there, a restarted one holds nothing);
+    - `_purge_rest() -> int`: what `purge` removes besides complete samples (puts in
+      progress, cached files), bytes freed;
+    - `_reclaim_orphans() -> int`: what `sweep` removes besides complete samples: what is
+      certainly dead whatever the sample (shm: puts whose writer died), bytes freed;
+    - `_shutdown()`: let go of the handle's resources (runs once).
+    `settle_timeout_s` is how long `sweep` and `close` wait for refused removes by default.
+    """
+
+    store_id: str
+    uri: str
+    settle_timeout_s: float = 0.0
+    _closing: bool = False
+
+    def sweep(self, done: Callable[[str], bool], *, timeout_s: float | None = None) -> int:
+        """Remove what nobody will read again, whatever its generation and whoever wrote or
+        released it: every stored generation of a sample for which `done(sample_id)` is true
+        (trained, or dead-lettered) and every generation older than the newest stored one of
+        its sample (superseded). Then retry every remove the store refused, this sweep's and
+        earlier ones (Mooncake read leases: gently, forced once `force_release_after_s` has
+        passed since the first refusal, as `release` does), for up to `timeout_s` (default
+        `settle_timeout_s`; 0: one retry, the rest stays with the background retrier).
+
+        Also reclaims what is certainly dead whatever the sample (shm: puts whose writer was
+        killed, as `gc()` does), so a sweep at the end of a run leaves nothing behind.
+        Returns the bytes freed by this call. `done` is called once per stored sample id.
+        This is how releases survive a crash: a release that a killed process had queued is
+        re-derived from the trainer's record (the checkpoint's lineage) by whoever sweeps
+        next, so nothing needs to have been written down when it was refused."""
+        self._check_open()
+        stored = self._stored()
+        newest: dict[str, int] = {}
+        for s in stored:
+            newest[s.sample_id] = max(newest.get(s.sample_id, -1), s.gen)
+        verdict: dict[str, bool] = {}
+        doomed = []
+        for s in stored:
+            if s.sample_id not in verdict:
+                verdict[s.sample_id] = bool(done(s.sample_id))
+            if verdict[s.sample_id] or s.gen < newest[s.sample_id]:
+                doomed.append(s)
+        freed = self._drop(doomed, force=False) + self._reclaim_orphans()
+        return freed + self._settle(self._deadline(timeout_s))
+
+    def purge(self) -> int:
+        """Remove every object of this store id, leases overridden: the samples of every
+        generation, puts in progress and cached space. For a run that is gone (the caller
+        knows: nothing of the run runs any more); a reader still running would get
+        FeatureMissing, a writer still running a failed put. Returns the bytes freed."""
+        self._check_open()
+        return self._drop(self._stored(), force=True) + self._purge_rest()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush removes the store refused so far (for up to `timeout_s`, default
+        `settle_timeout_s`), then let go of the handle. Idempotent and safe from a
+        signal-triggered shutdown path: a second call (another thread, a signal handler
+        re-entering this one) returns at once; the flush never waits past the deadline by
+        more than one bounded store call, and not at all when the store's service is gone;
+        no error escapes. Removes still refused at the deadline are logged and left to the
+        next `sweep` (they are re-derivable from the trainer's record)."""
+        with _CLOSE_LOCK:
+            if self._closing:
+                return
+            self._closing = True
+        try:
+            self._settle(self._deadline(timeout_s))
+        except Exception as e:  # noqa: BLE001 - close must let go whatever the store says
+            log.warning("%s: flushing releases at close failed: %s", self.uri, e)
+        finally:  # also after a second Ctrl-C in the flush
+            try:
+                self._shutdown()
+            except Exception as e:  # noqa: BLE001 - a shutdown path must not die in close
+                log.warning("%s: closing the store handle failed: %s", self.uri, e)
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        wait = self.settle_timeout_s if timeout_s is None else max(timeout_s, 0.0)
+        return time.monotonic() + wait
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise StoreError(f"{self.uri}: store handle is closed")
+
+    # Backends override these (see the class docstring).
+    def _stored(self) -> list[Stored]:
+        raise NotImplementedError
+
+    def _drop(self, stored: list[Stored], force: bool) -> int:
+        raise NotImplementedError
+
+    def _settle(self, deadline: float) -> int:
+        return 0  # removes are never refused here
+
+    def _purge_rest(self) -> int:
+        return 0
+
+    def _reclaim_orphans(self) -> int:
+        return 0
+
+    def _shutdown(self) -> None:
+        pass
 
 
 # ---- keys and ids ------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from core.contracts import FeatureSpec
 from core.errors import FeatureMissing, IntegrityError, StoreFull
 from core.store.base import (
     RefLike,
+    StoreBase,
+    Stored,
     StoreUsage,
     check_crc,
     parse_key,
@@ -51,7 +53,7 @@ _REGISTRY: dict[str, _Shared] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-class MemStore:
+class MemStore(StoreBase):
     def __init__(self, cfg: StoreConfig, store_id: str):
         self.cfg = cfg
         self.store_id = store_id
@@ -144,5 +146,20 @@ class MemStore:
         with sh.lock:
             return StoreUsage(sh.resident, len(sh.samples), sh.peak, self.cfg.budget_bytes)
 
-    def close(self) -> None:
-        pass  # the samples belong to the process; they go when it goes
+    # ---- sweep / purge primitives (StoreBase); close keeps nothing to let go of: the
+    # samples belong to the process and go with it
+
+    def _stored(self) -> list[Stored]:
+        with self._shared.lock:
+            return [Stored(sid, gen) for sid, gen in self._shared.samples]
+
+    def _drop(self, stored: list[Stored], force: bool) -> int:
+        sh = self._shared
+        freed = 0
+        with sh.lock:
+            for s in stored:
+                sample = sh.samples.pop((s.sample_id, s.gen), None)
+                if sample is not None:
+                    freed += sample.nbytes
+            sh.resident -= freed
+        return freed

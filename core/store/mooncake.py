@@ -37,6 +37,8 @@ the key listing (gc). Budget and usage cover the whole Mooncake cluster (one per
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import math
 import os
 import re
@@ -46,6 +48,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -58,6 +61,8 @@ from core.store.base import (
     DTYPES,
     RefLike,
     Screener,
+    StoreBase,
+    Stored,
     StoreUsage,
     check_crc,
     parse_key,
@@ -69,6 +74,8 @@ from core.store.base import (
 )
 from core.store.chunked import SharedScreen, copy_into, screen_whole
 from core.store.pool import BufferPool
+
+log = logging.getLogger(__name__)
 
 # Mooncake error codes (mooncake-store/include/types.h)
 OK = 0
@@ -118,10 +125,13 @@ class _Pending:
     attempts: int = 0
 
 
-class MooncakeStore:
+class MooncakeStore(StoreBase):
     def __init__(self, cfg: StoreConfig, store_id: str, mc: MooncakeConfig):
         self.cfg = cfg
         self.mc = mc
+        # sweep() and close() wait this long for refused removes: every read lease has
+        # lapsed (or been overridden, as release does) by then
+        self.settle_timeout_s = mc.force_release_after_s + 1.0
         self.store_id = store_id
         self.uri = mooncake_uri(store_id, mc)
         self._admin = f"http://{admin_address(mc)}"
@@ -136,12 +146,14 @@ class MooncakeStore:
         self._screener = Screener()
         self._gc_seen: dict[tuple[str, int], float] = {}
         self._pending: dict[str, _Pending] = {}
-        self._cond = threading.Condition()
-        self._closed = False
+        self._retried_bytes = 0  # bytes freed by retried removes, ever (sweep counts its share)
+        self._cond = threading.Condition()  # over an RLock: re-entrant (close from a signal)
+        self._closed = False  # the retrier stops
         self._retrier = threading.Thread(
             target=self._retry_loop, name="mooncake-release", daemon=True
         )
         self._retrier.start()
+        _open_handles.add(self)
 
     def _register(self, ptr: int, nbytes: int) -> None:
         _register(self._client, ptr, nbytes)
@@ -427,18 +439,23 @@ class MooncakeStore:
         self._remove([s.key for s in specs.values()], {s.key: s.nbytes for s in specs.values()})
         self._metrics_at = -1e9  # the next budget check asks the master again
 
-    def _remove(self, keys: list[str], sizes: Mapping[str, int] | None = None) -> None:
-        """Remove now; what the store refuses (read lease, master away) is retried later."""
+    def _remove(self, keys: list[str], sizes: Mapping[str, int] | None = None) -> int:
+        """Remove now; what the store refuses (read lease, master away) is retried later.
+        Returns the bytes (as `sizes` says) of the keys removed now."""
         if not keys:
-            return
+            return 0
         codes = self._client.batch_remove(keys, False)
         now = time.monotonic()
+        freed = 0
         with self._cond:
             for key, code in zip(keys, codes, strict=True):
-                if code not in (OK, OBJECT_NOT_FOUND) and key not in self._pending:
+                if code == OK:
+                    freed += (sizes or {}).get(key, 0)
+                elif code != OBJECT_NOT_FOUND and key not in self._pending:
                     nbytes = (sizes or {}).get(key, 0)
                     self._pending[key] = _Pending(nbytes, now, now + self.mc.release_retry_s)
             self._cond.notify()
+        return freed
 
     def _discard(self, keys: list[str], sizes: Mapping[str, int]) -> None:
         """Remove what a failed put wrote (no half-written or rejected sample stays behind),
@@ -477,6 +494,8 @@ class MooncakeStore:
         return any(p.due <= now for p in self._pending.values())
 
     def _retry_due(self, now: float, everything: bool = False) -> None:
+        """Retry the removes that are due (all with `everything`): gently, forced for those
+        first refused `force_release_after_s` ago (every read lease has lapsed by then)."""
         with self._cond:
             due = {k: p for k, p in self._pending.items() if everything or p.due <= now}
         if not due:
@@ -494,6 +513,8 @@ class MooncakeStore:
                     continue
                 if code in (OK, OBJECT_NOT_FOUND):
                     del self._pending[key]
+                    if code == OK:
+                        self._retried_bytes += p.nbytes
                 else:
                     p.attempts += 1
                     p.due = now + min(self.mc.release_retry_s * 2**p.attempts, 5.0)
@@ -582,38 +603,90 @@ class MooncakeStore:
                     sizes[key] = int(entry["values"][0]["size_"])
         return sizes
 
-    # ---- close -------------------------------------------------------------------------------
+    # ---- sweep / purge / close primitives (StoreBase) ----------------------------------------
 
-    def close(self) -> None:
-        """Drain pending removes (forcing those past `force_release_after_s`), stop the
-        retrier, and close the client. Bounded by `force_release_after_s` plus a second."""
-        if self._closed:
-            return
-        deadline = time.monotonic() + self.mc.force_release_after_s + 1.0
+    def _stored(self) -> list[Stored]:
+        groups: dict[tuple[str, int], list[str]] = {}
+        for key in self._list_keys():
+            try:
+                p = parse_key(key, self.store_id)
+            except StoreError:
+                continue  # not a key specbus wrote
+            groups.setdefault((p.sample_id, p.gen), []).append(key)
+        return [Stored(sid, gen, tuple(keys)) for (sid, gen), keys in groups.items()]
+
+    def _drop(self, stored: list[Stored], force: bool) -> int:
+        """Gently (`_remove`: refused keys go to the retrier, forced later as for a release),
+        or forced at once (purge: the run is gone, no read lease protects anyone)."""
+        keys = [k for s in stored for k in s.objects]
+        sizes = self._object_sizes(keys)  # the admin endpoint takes no read lease
+        freed = 0
+        for i in range(0, len(keys), 1024):  # bounded RPCs
+            chunk = keys[i : i + 1024]
+            if not force:
+                freed += self._remove(chunk, sizes)
+                continue
+            with self._cond:
+                for key in chunk:
+                    self._pending.pop(key, None)
+            codes = self._client.batch_remove(chunk, True)
+            freed += sum(sizes.get(k, 0) for k, c in zip(chunk, codes, strict=True) if c == OK)
+        self._metrics_at = -1e9  # the next budget check asks the master again
+        return freed
+
+    def _purge_rest(self) -> int:
+        """Keys the listing did not show (a put finishing meanwhile) go by pattern, forced;
+        nothing of this store stays pending here."""
+        self._client.remove_by_regex(f"^{re.escape(self.store_id + '/')}", True)
+        with self._cond:
+            self._pending.clear()
+        self._gc_seen.clear()
+        return 0  # sizes unknown: the listed objects were counted by _drop
+
+    def _settle(self, deadline: float) -> int:
+        """Retry every pending remove now, then every `release_retry_s / 2` (at most 0.25 s)
+        until none is left or `deadline`. Gives up at once without a master (a TCP probe of
+        at most 1 s): nothing can be freed there, and a restarted master holds none of these
+        objects. Returns the bytes freed by retries meanwhile (the background retrier's too)."""
+        with self._cond:
+            before = self._retried_bytes
         while True:
             with self._cond:
-                pending = bool(self._pending)
-            if not pending or time.monotonic() >= deadline:
-                break
+                if not self._pending:
+                    break
             try:
                 _check_reachable(self.mc.master, 1.0)
-            except StoreUnavailable:
-                break  # no master, nothing to free (a restarted master holds none of it)
-            try:
                 self._retry_due(time.monotonic(), everything=True)
-            except Exception:  # noqa: BLE001 - master gone: nothing more can be freed from here
+            except Exception as e:  # noqa: BLE001 - master gone: nothing more can be freed
+                log.warning("%s: cannot retry pending removes: %s", self.uri, e)
                 break
-            time.sleep(self.mc.release_retry_s / 2)
+            left = deadline - time.monotonic()
+            with self._cond:
+                if not self._pending or left <= 0:
+                    break
+            time.sleep(min(self.mc.release_retry_s / 2, 0.25, left))
         with self._cond:
+            return self._retried_bytes - before
+
+    def _shutdown(self) -> None:
+        """Stop the retrier and let go of the client. Removes still refused are named in a
+        warning: the next sweep(done) re-derives them from the trainer's record."""
+        _open_handles.discard(self)
+        with self._cond:
+            left = list(self._pending.values())
             self._closed = True
             self._cond.notify_all()
+        if left:
+            log.warning(
+                "%s: %d released object(s) (%d B) still refused at close (read lease or master "
+                "away); the next sweep(done) of this store removes them",
+                self.uri,
+                len(left),
+                sum(p.nbytes for p in left),
+            )
         self._retrier.join(timeout=5)
         self._screener.close()
         _disconnect(self._conn)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(f"{self.uri}: store handle is closed")
 
 
 class _Connection:
@@ -679,6 +752,7 @@ class _Connection:
                 self.client.unregister_buffer(ptr)
 
 
+_open_handles: weakref.WeakSet[MooncakeStore] = weakref.WeakSet()
 _connections: dict[tuple, _Connection] = {}
 _connections_lock = threading.Lock()
 
@@ -734,3 +808,13 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             pass
     except (OSError, ValueError) as e:
         raise StoreUnavailable(f"Mooncake master {address!r} is not reachable: {e}") from e
+
+
+# Registered after _close_connections, so it runs before it (atexit is last in, first out):
+# a handle still open at a normal exit (or a SystemExit from a signal handler) flushes its
+# refused removes, bounded as close() is, while its client is still connected.
+@atexit.register
+def _close_open_handles() -> None:
+    for store in list(_open_handles):
+        with contextlib.suppress(Exception):  # best effort at interpreter exit
+            store.close()

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
+import logging
 import os
 import shutil
 import struct
@@ -59,12 +61,14 @@ import torch
 
 from core.config import StoreConfig
 from core.contracts import FeatureSpec
-from core.errors import FeatureMissing, IntegrityError, StoreError, StoreFull
+from core.errors import FeatureMissing, IntegrityError, StoreFull, StoreNoSpace
 from core.store import mapped, procs
 from core.store.base import (
     DTYPES,
     RefLike,
     Screener,
+    StoreBase,
+    Stored,
     StoreUsage,
     check_crc,
     parse_key,
@@ -77,7 +81,11 @@ from core.store.base import (
 from core.store.chunked import SharedScreen, copy_into, write_fd
 from core.store.pool import BufferPool
 
+log = logging.getLogger(__name__)
+
 SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+# Errors that mean the filesystem has no room (blocks, inodes or quota) for what a put writes.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _STATS = struct.Struct("<qqqq")
 # Samples with this many bytes of floating CPU tensors share their screen with the screen
 # worker; smaller ones are summed by the put's thread alone (a handoff costs more).
@@ -134,6 +142,11 @@ class _Locked:
 
     The last closer deletes the directory, lock file included; a waiter that then gets the
     lock of the deleted file notices (inode changed) and retries on a fresh one.
+
+    Re-entrant within a thread, and one per store directory per process (`_locked_for`):
+    flock belongs to an open file description, so a second flock on a fresh descriptor from
+    the thread (or process) that holds the first waits for itself forever. That is what a
+    signal handler calling close() in the middle of a put would do.
     """
 
     def __init__(self, root: Path):
@@ -141,9 +154,13 @@ class _Locked:
         self.path = str(root / ".lock")
         self.tlock = threading.RLock()
         self.fd = -1
+        self.depth = 0  # nesting of the thread holding `tlock`
 
     def __enter__(self) -> _Locked:
         self.tlock.acquire()
+        if self.depth:
+            self.depth += 1
+            return self
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -157,13 +174,16 @@ class _Locked:
                 same = False
             if same:
                 self.fd = fd
+                self.depth = 1
                 return self
             os.close(fd)
 
     def __exit__(self, *exc) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-        self.fd = -1
+        self.depth -= 1
+        if not self.depth:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
         self.tlock.release()
 
     def read(self) -> _Stats:
@@ -177,6 +197,19 @@ class _Locked:
             _STATS.pack(max(st.resident, 0), max(st.count, 0), st.peak, max(st.cached, 0)),
             0,
         )
+
+
+_lockers: weakref.WeakValueDictionary[str, _Locked] = weakref.WeakValueDictionary()
+_lockers_lock = threading.Lock()
+
+
+def _locked_for(root: Path) -> _Locked:
+    """The one `_Locked` of a store directory in this process (shared by its handles)."""
+    with _lockers_lock:
+        locked = _lockers.get(str(root))
+        if locked is None:
+            locked = _lockers[str(root)] = _Locked(root)
+        return locked
 
 
 @dataclass
@@ -215,36 +248,113 @@ def _read_exact(fd: int, out: torch.Tensor) -> int:
     return got
 
 
-class ShmStore:
+class ShmStore(StoreBase):
     def __init__(self, cfg: StoreConfig, store_id: str, root: Path | None = None):
         self.cfg = cfg
         self.store_id = store_id
         self.root = root or store_dir(store_id)
         self.uri = f"shm://{store_id}" if root is None else f"shm://{self.root}?store_id={store_id}"
-        self._lock = _Locked(self.root)
+        self._lock = _locked_for(self.root)
         self._samples = str(self.root / "samples")
         self._free = str(self.root / "free")
         self._maps = mapped.shared(str(self.root), cfg.recycle_bytes)
         self._handle = f"{procs.token()}.{uuid.uuid4().hex[:8]}"
         self._screener = Screener()
-        self._closed = False
         self._pid = os.getpid()
+        self._reaped = 0  # bytes of an abandoned store removed at open (counted by purge)
         with self._lock:
             self._reap_if_abandoned()
             (self.root / "procs").mkdir(exist_ok=True)
             (self.root / "procs" / self._handle).touch()
             if cfg.keep_on_close:
                 (self.root / ".keep").touch()  # sweep_abandoned leaves this store alone
+            st = self._lock.read()
         _open_handles.add(self)
         if root is None:
             sweep_abandoned(exclude=self.root)
+        self._check_space(st.resident + st.cached)
+
+    # ---- space ---------------------------------------------------------------------------
+
+    def _space(self) -> tuple[int, int]:
+        """(free, total) bytes of the filesystem under the store directory."""
+        v = os.statvfs(self.root)
+        return v.f_bavail * v.f_frsize, v.f_blocks * v.f_frsize
+
+    def _check_space(self, held: int) -> None:
+        """At open: warn when the budget is more than the filesystem can hold (its free space
+        plus what this store holds already). Puts still work until the filesystem is full;
+        then they fail with StoreNoSpace (a StoreFull: producers back off), never SIGBUS."""
+        free, total = self._space()
+        room = free + held
+        if self.cfg.budget_bytes <= room:
+            return
+        log.warning(
+            "shm store %s: store.budget_bytes is %s but the filesystem there (%s in all) has "
+            "room for %s; puts beyond that fail with StoreNoSpace. Set store.budget_bytes to "
+            "at most %d, enlarge the filesystem (Docker: --shm-size=2g; or mount -o "
+            "remount,size=2g %s) or put the store in a larger directory "
+            "(store.uri=shm:///path/to/dir?store_id=%s)",
+            self.root,
+            _size(self.cfg.budget_bytes),
+            _size(total),
+            _size(room),
+            room,
+            _mount_point(self.root),
+            self.store_id,
+        )
+
+    def _no_space(self, sample_id: str, nbytes: int, cause: OSError) -> StoreNoSpace:
+        """The typed error for a put the filesystem had no room for (after its cleanup)."""
+        try:
+            free, total = self._space()
+        except OSError:
+            free = total = -1
+        return StoreNoSpace(
+            f"{self.uri}: no space for sample {sample_id!r} ({nbytes} B) in {self.root}: the "
+            f"filesystem has {free} B free ({_size(total)} in all; the store's budget is "
+            f"{_size(self.cfg.budget_bytes)}): {cause.strerror}. Lower store.budget_bytes "
+            f"below what the filesystem holds, enlarge it (Docker: --shm-size) or use a "
+            f"larger directory (shm:///path?store_id={self.store_id})",
+            directory=str(self.root),
+            needed=nbytes,
+            free=free,
+        )
 
     # ---- writing -------------------------------------------------------------------------
 
     def put(
         self, sample_id: str, tensors: Mapping[str, torch.Tensor], gen: int = 0
     ) -> dict[str, FeatureSpec]:
+        """Every byte a put writes is reserved in the filesystem first (`posix_fallocate`,
+        or files recycled whole), so a full filesystem is a StoreNoSpace with nothing of the
+        put left behind, never a SIGBUS from a write through a mapping. Cached free files
+        hold space too: when the filesystem is full they are dropped and the put tried once
+        more."""
         self._check_open()
+        try:
+            return self._put(sample_id, tensors, gen)
+        except StoreNoSpace:
+            if not self._drop_cache():
+                raise
+        return self._put(sample_id, tensors, gen)
+
+    def _drop_cache(self) -> int:
+        """Delete every cached free file (and this process's mappings of them); bytes."""
+        trash = []
+        with self._lock:
+            st = self._lock.read()
+            dropped = st.cached
+            trash = self._trim_cache(st, 0)
+            self._lock.write(st)
+        for d in trash:
+            _rm(d)
+        self._maps.sweep()  # a mapping would keep a deleted file's pages
+        return dropped
+
+    def _put(
+        self, sample_id: str, tensors: Mapping[str, torch.Tensor], gen: int
+    ) -> dict[str, FeatureSpec]:
         kept, specs = prepare(
             self.store_id,
             sample_id,
@@ -279,11 +389,19 @@ class ShmStore:
                         f"the budget ({st.resident} of {self.cfg.budget_bytes} B in use)"
                     )
                 try:
-                    os.mkdir(tmp)
-                except FileNotFoundError:  # the sample's first generation
-                    os.makedirs(sdir, exist_ok=True)
-                    os.mkdir(tmp)
-                _write_text(os.path.join(tmp, ".nbytes"), str(nbytes))  # the reservation, for gc
+                    try:
+                        os.mkdir(tmp)
+                    except FileNotFoundError:  # the sample's first generation
+                        os.makedirs(sdir, exist_ok=True)
+                        os.mkdir(tmp)
+                    _write_text(os.path.join(tmp, ".nbytes"), str(nbytes))  # reservation, for gc
+                except OSError as e:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    with contextlib.suppress(OSError):
+                        os.rmdir(sdir)  # fails while other generations or puts remain
+                    if e.errno in _NO_SPACE:
+                        raise self._no_space(sample_id, nbytes, e) from e
+                    raise
                 recycled = self._take_free(tmp, kept, st)
                 st.resident += nbytes
                 st.count += 1
@@ -299,18 +417,25 @@ class ShmStore:
             for name, t in kept.items():
                 path = os.path.join(tmp, name)
                 screen_here = screen and name not in on_device
-                self._write(sample_id, name, t, path, name in recycled, screen_here, shared)
+                self._write(sample_id, name, t, path, recycled.get(name), screen_here, shared)
             if shared is not None:
                 shared.finish()
-        except BaseException:
+        except BaseException as e:
             if shared is not None:
                 shared.cancel()
             with self._lock:
                 shutil.rmtree(tmp, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.rmdir(sdir)  # fails while other generations or puts remain
                 st = self._lock.read()
                 st.resident -= nbytes
                 st.count -= 1
                 self._lock.write(st)
+            for d in trash:
+                _rm(d)
+            if isinstance(e, OSError) and e.errno in _NO_SPACE:
+                self._maps.sweep()  # deleted files this process maps still hold their pages
+                raise self._no_space(sample_id, nbytes, e) from e
             raise
         with self._lock:
             final = os.path.join(sdir, f"g{gen}")
@@ -327,7 +452,7 @@ class ShmStore:
             os.rename(tmp, final)
             self._lock.write(st)
         for d in trash:
-            shutil.rmtree(d, ignore_errors=True)
+            _rm(d)
         return specs
 
     def _write(
@@ -336,21 +461,31 @@ class ShmStore:
         name: str,
         t: torch.Tensor,
         path: str,
-        recycled: bool,
+        recycled: bool | None,
         screen: bool,
         shared: SharedScreen | None,
     ) -> None:
         """Write a tensor's file: into this process's mapping of it when it is large enough
         (a recycled file is usually mapped already: a plain memcpy, see mapped.py), else with
-        write(). Either way the NaN/Inf screen sums each chunk just copied (chunked.py)."""
+        write(). Either way the NaN/Inf screen sums each chunk just copied (chunked.py).
+
+        `recycled`: None for a new file, True for a recycled one whose blocks all exist
+        (it was written whole before), False for one grown by truncate (holes). Blocks are
+        reserved before anything is written: a store in the mapping of a file whose hole
+        the filesystem cannot fill is a SIGBUS that kills the process (measured: a 4 MiB
+        tmpfs, a 8 MiB put, exit 135); the reservation turns it into ENOSPC here."""
         nbytes = t.numel() * t.element_size()
-        if recycled:
+        if recycled is not None:
             fd = os.open(path, os.O_RDWR)
         else:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if not recycled and nbytes:
+            try:
+                _reserve(fd, nbytes)
+            except BaseException:
+                os.close(fd)
+                raise
         if self._maps.wants(nbytes):
-            if not recycled:
-                os.ftruncate(fd, nbytes)
             with self._maps.mapped(fd) as dst:  # takes fd
                 copy_into(sample_id, name, t, dst, screen=screen, shared=shared)
             return
@@ -359,16 +494,19 @@ class ShmStore:
         finally:
             os.close(fd)
 
-    def _take_free(self, tmp: str, tensors: Mapping[str, torch.Tensor], st: _Stats) -> set[str]:
-        """Under the lock: move free files into `tmp` as the tensors' files; their names."""
+    def _take_free(
+        self, tmp: str, tensors: Mapping[str, torch.Tensor], st: _Stats
+    ) -> dict[str, bool]:
+        """Under the lock: move free files into `tmp` as the tensors' files. Returns, by
+        tensor name, whether the file's blocks all exist already (False: grown, with holes)."""
         free_dir = self._free
         if not st.cached:
-            return set()
+            return {}
         try:
             names = os.listdir(free_dir)
         except FileNotFoundError:
-            return set()
-        taken = set()
+            return {}
+        taken = {}
         for name, t in sorted(
             tensors.items(), key=lambda kv: -kv[1].numel() * kv[1].element_size()
         ):
@@ -390,7 +528,7 @@ class ShmStore:
             if size != need:
                 os.truncate(dest, need)
             st.cached -= size
-            taken.add(name)
+            taken[name] = size >= need
         return taken
 
     def _retire(self, d: Path, st: _Stats) -> Path:
@@ -500,7 +638,7 @@ class ShmStore:
             self._lock.write(st)
             with contextlib.suppress(OSError):
                 sdir.rmdir()  # fails while other generations or a put in progress remain
-        shutil.rmtree(trash, ignore_errors=True)
+        _rm(trash)
 
     def adopt(self, ref: RefLike) -> None:
         for spec in specs_of(ref).values():
@@ -554,7 +692,7 @@ class ShmStore:
             if (self.root / "trash").exists():
                 trash += list((self.root / "trash").iterdir())
         for d in trash:
-            shutil.rmtree(d, ignore_errors=True)
+            _rm(d)
         self._maps.sweep()  # this process's mappings of files deleted, by now too
         return max(freed, old_resident - resident)
 
@@ -562,16 +700,98 @@ class ShmStore:
         return torch.empty(shape, dtype=dtype)  # a put copies (shm) or keeps (mem) any tensor
 
     def usage(self) -> StoreUsage:
+        """`capacity_bytes`: what the store could hold now, its own files (resident and
+        cached) plus the filesystem's free space; below `budget_bytes` the filesystem, not
+        the budget, is the limit (puts beyond it raise StoreNoSpace)."""
         with self._lock:
             st = self._lock.read()
+        try:
+            free, _ = self._space()
+        except OSError:  # the directory went (a purge, the last close elsewhere)
+            free = 0
         return StoreUsage(
-            st.resident, st.count, st.peak, self.cfg.budget_bytes, cached_bytes=st.cached
+            st.resident,
+            st.count,
+            st.peak,
+            self.cfg.budget_bytes,
+            capacity_bytes=st.resident + st.cached + free,
+            cached_bytes=st.cached,
         )
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    # ---- sweep / purge primitives (StoreBase) ----------------------------------------------
+
+    def _stored(self) -> list[Stored]:
+        out = []
+        try:
+            sids = os.listdir(self._samples)
+        except FileNotFoundError:
+            return out
+        for sid in sids:
+            try:
+                names = os.listdir(os.path.join(self._samples, sid))
+            except FileNotFoundError:  # released meanwhile
+                continue
+            out += [Stored(sid, _gen_of(n)) for n in names if n.startswith("g") and _gen_of(n) >= 0]
+        return out
+
+    def _drop(self, stored: list[Stored], force: bool) -> int:
+        """Removes are never refused here (a reader mid-read of a removed file gets
+        FeatureMissing, see get). A sweep recycles the files as a release does; a purge
+        (`force`) deletes them, the cache goes too (`_purge_rest`)."""
+        freed = 0
+        trash = []
+        with self._lock:
+            st = self._lock.read()
+            for s in stored:
+                sdir = Path(self._samples, s.sample_id)
+                d = sdir / f"g{s.gen}"
+                if not d.is_dir():
+                    continue  # released or superseded since it was listed
+                nbytes = _nbytes_of(d)
+                freed += nbytes
+                if force:
+                    st.resident -= nbytes
+                    st.count -= 1
+                    trash.append(self._to_trash(d))
+                else:
+                    trash.append(self._retire(d, st))
+                with contextlib.suppress(OSError):
+                    sdir.rmdir()
+            self._lock.write(st)
+        for d in trash:
+            _rm(d)
+        return freed
+
+    def _reclaim_orphans(self) -> int:
+        """Puts of dead writers (a producer killed mid-put) and trash, as gc() does."""
+        return self.gc()
+
+    def _purge_rest(self) -> int:
+        """Puts in progress (any writer's), the free-file cache and the trash go; the
+        counters are recounted from what is left (nothing, unless a put landed meanwhile)."""
+        freed, self._reaped = self._reaped, 0
+        trash = []
+        with self._lock:
+            samples = Path(self._samples)
+            for sdir in list(samples.iterdir()) if samples.exists() else []:
+                for d in list(sdir.iterdir()):
+                    if d.name.endswith(".tmp"):
+                        freed += _nbytes_of(d)
+                        trash.append(self._to_trash(d))
+                with contextlib.suppress(OSError):
+                    sdir.rmdir()
+            st = self._lock.read()
+            freed += st.cached
+            trash += self._trim_cache(st, 0)
+            self._lock.write(st)
+            if (self.root / "trash").exists():
+                trash += [d for d in (self.root / "trash").iterdir() if d not in trash]
+        for d in trash:
+            _rm(d)
+        self.gc()  # recount (and drop this process's mappings of deleted files)
+        return freed
+
+    def _shutdown(self) -> None:
         _open_handles.discard(self)
         self._screener.close()
         mapped.unshare(str(self.root), self._maps)
@@ -597,13 +817,45 @@ class ShmStore:
         """At open: a store every attached process left without closing (killed) is removed."""
         if self.cfg.keep_on_close or self._live_handles():
             return
+        st = self._lock.read()
+        self._reaped = max(st.resident, 0) + max(st.cached, 0)
         for sub in ("samples", "free", "trash"):
             shutil.rmtree(self.root / sub, ignore_errors=True)
         self._lock.write(_Stats())
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(f"{self.uri}: store handle is closed")
+
+def _rm(path: str | Path) -> None:
+    """Delete a trash entry: a sample directory, or a single file (a trimmed cache file,
+    which rmtree would refuse and leave holding its space)."""
+    try:
+        os.unlink(path)
+    except IsADirectoryError:
+        shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass  # gone already
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate a file's blocks (and set its size): ENOSPC now rather than SIGBUS later."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:  # not Linux: no reservation; tmpfs-like filesystems are Linux's
+        os.ftruncate(fd, nbytes)
+        return
+    fallocate(fd, 0, nbytes)
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _free_entries(free_dir: str) -> list[tuple[int, str]]:
