@@ -189,9 +189,13 @@ def test_a_second_up_on_a_store_dir_in_use_is_refused(tmp_path, monkeypatch, cap
     try:
         second = Proc(tmp_path, "up", "--port", "0", "run=lc", f"run_dir={tmp_path / 'run'}")
         try:
-            assert second.wait(timeout_s=60) == 1
-        finally:
+            rc = second.wait(timeout_s=60)
+        except subprocess.TimeoutExpired:
+            started = psutil.Process(second.pid).children(recursive=True)
             second.kill()
+            _reap(started)
+            raise AssertionError("a second `specbus up` serves the same store dir") from None
+        assert rc == 1
         out = "".join(second.lines)
         assert "is in use" in out and "not starting a second nats-server" in out, out
         assert f"pid {up.pid}" in out and f"server pid {server.pid}" in out and url in out, out
@@ -288,14 +292,15 @@ def test_a_broker_restart_keeps_the_mooncake_store_and_its_objects(tmp_path, sto
         f"store.mooncake.segment_bytes={64 << 20}",
     )
     up, url, server = start_up(tmp_path, "--port", "0", *store_args)
-    line = next(x for x in up.lines if "mooncake store ready" in x)
-    uri = re.search(r"store\.uri=(\S+)", line).group(1)
     # `specbus store` (the supervisor), mooncake_master and the store node.
     store_procs = [c for c in psutil.Process(up.pid).children(recursive=True) if c != server]
-    assert {"mooncake_master", "python"} <= {c.name() for c in store_procs}, store_procs
     seen = [server, *store_procs]
-    store = open_store(uri, mooncake=MooncakeConfig(buffer_bytes=16 << 20))
+    store = None
     try:
+        assert {"mooncake_master", "python"} <= {c.name() for c in store_procs}, store_procs
+        line = next(x for x in up.lines if "mooncake store ready" in x)
+        uri = re.search(r"store\.uri=(\S+)", line).group(1)
+        store = open_store(uri, mooncake=MooncakeConfig(buffer_bytes=16 << 20))
         specs = store.put("s0", {"h": torch.arange(1000)})
 
         # kill -9 of nats-server: `specbus up` restarts it; the store is not touched.
@@ -324,6 +329,7 @@ def test_a_broker_restart_keeps_the_mooncake_store_and_its_objects(tmp_path, sto
         assert up.wait() == 0
         assert not gone([server, *store_procs]), "children left after SIGTERM"
     finally:
-        store.close()
+        if store is not None:
+            store.close()
         up.kill()
         _reap(seen)
