@@ -301,8 +301,9 @@ def lock_holder(path: str | Path) -> dict[str, Any] | None:
 
 def describe_owner(owner: dict[str, Any]) -> str:
     parts = [f"{k.replace('_', ' ')} {owner[k]}" for k in ("pid", "server_pid") if owner.get(k)]
-    if owner.get("url"):
-        parts.append(f"at {owner['url']}")
+    for key in ("url", "uri"):
+        if owner.get(key):
+            parts.append(f"at {owner[key]}")
     return ", ".join(parts) if parts else "held by a process that recorded no pid"
 
 
