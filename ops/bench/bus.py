@@ -197,6 +197,69 @@ async def bus_setup(url: str, run: str) -> None:
     await bus.close()
 
 
+# ---------------------------------------------------------------- acks lost to a kill -9
+KILL_DELAYS_S = (0.0, 0.05, 0.1, 0.2, 0.5)
+
+
+async def _ack_floor_after_kill(server, run: str, delay_s: float, n: int = 40, acked: int = 24):
+    """Publish `n` refs, lease them all, ack the first `acked` with confirmation (the server
+    applied them), wait `delay_s`, kill -9 the server and restart it on the same store dir:
+    the trainers' (ack floor, delivered) it comes back with. Before: (acked, n)."""
+    from bus.connection import connect
+    from bus.lease import Leases
+    from bus.publisher import Publisher
+    from bus.subjects import Names
+    from bus.topology import declare
+
+    cfg = _bus_cfg().model_copy(update={"connect_timeout_s": 5.0})
+    bus = await connect(cfg, server.url, name="bench-kill")
+    await declare(bus, cfg, run)
+    await Publisher(bus).publish_many(Names(run).samples, sample_refs(n, run))
+    group = await Leases.join(bus, run, "trainers")
+    leases = await group.fetch(n, 5.0)
+    assert len(leases) == n, f"fetched {len(leases)} of {n}"
+    await group.ack_all(leases[:acked], confirm=True)
+    await asyncio.sleep(delay_s)
+    server.kill()
+    await bus.close()
+    server.start()
+    bus = await connect(cfg, server.url, name="bench-kill")
+    info = await bus.js.consumer_info(Names(run).samples_stream, "trainers")
+    await bus.close()
+    return info.ack_floor.stream_seq, info.delivered.stream_seq
+
+
+def kill_probe(syncs: list[str], trials: int, tmp: Path) -> dict[str, dict[float, int]]:
+    """For each sync setting and delay between confirmed acks and a kill -9 of the server,
+    how many of `trials` restarts kept the ack floor."""
+    import logging
+
+    from ops.services.nats import NatsServerConfig
+
+    logging.getLogger("specbus.bus").setLevel(logging.ERROR)  # the kills' reconnect noise
+    kept: dict[str, dict[float, int]] = {}
+    for sync in syncs:
+        server = NatsServerConfig(store_dir=tmp / f"kill-{sync}", sync=sync).build().start()
+        try:
+            for delay in KILL_DELAYS_S:
+                floors = [
+                    asyncio.run(
+                        _ack_floor_after_kill(server, f"kill{i}d{int(delay * 1000)}", delay)
+                    )
+                    for i in range(trials)
+                ]
+                kept.setdefault(sync, {})[delay] = sum(f == 24 for f, _ in floors)
+                print(
+                    f"kill -9 {delay * 1000:4.0f} ms after 24 confirmed acks, sync {sync:<8}: "
+                    f"ack floor kept {kept[sync][delay]}/{trials} "
+                    f"(ack floor, delivered after restart: {floors}; before: (24, 40))",
+                    flush=True,
+                )
+        finally:
+            server.stop()
+    return kept
+
+
 # ---------------------------------------------------------------- driver
 def _child(role: str, result, fn, *args) -> None:
     try:
@@ -290,7 +353,18 @@ def main(argv: list[str] | None = None) -> dict:
         default="default,always",
         help="JetStream sync_interval settings to compare, one server each (the first is the baseline)",
     )
+    parser.add_argument(
+        "--kill-probe",
+        type=int,
+        default=0,
+        metavar="TRIALS",
+        help="instead of throughput: kill -9 the server at several delays after confirmed acks, "
+        "TRIALS times each, per sync setting, and count the restarts that kept the ack floor",
+    )
     args = parser.parse_args(argv)
+    if args.kill_probe:
+        with tempfile.TemporaryDirectory() as tmp:
+            return kill_probe(args.sync.split(","), args.kill_probe, Path(tmp))
     os.environ["SPECBUS_BENCH_FETCH"] = str(args.fetch)  # read by the (spawned) consumers
     modes = args.modes.split(",")
     syncs = args.sync.split(",")
