@@ -42,8 +42,10 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from core.config import RunConfig
-from core.errors import SpecbusError
+from core.errors import ConfigError, SpecbusError
 from ops.cli import broker_dir
 from ops.services.common import (
     LOOPBACK,
@@ -108,10 +110,13 @@ class Up:
         except DirInUse as e:
             print(f"specbus up: {e}; not starting a second nats-server on it", file=sys.stderr)
             return 1
-        port = self._port()
-        self.server = NatsServerConfig(
-            store_dir=self.store_dir, host=args.host, port=port, sync=args.sync
-        ).build(lock=self.lock)
+        try:
+            server_cfg = NatsServerConfig(store_dir=self.store_dir, host=args.host, sync=args.sync)
+        except ValidationError as e:
+            raise ConfigError(
+                f"--sync {args.sync!r}: 'default', 'always' or an interval like '10s'"
+            ) from e
+        self.server = server_cfg.model_copy(update={"port": self._port()}).build(lock=self.lock)
         self.server.start()
         announce(self.server.url, self.store_dir)
         if args.store == "mooncake":
