@@ -82,6 +82,10 @@ def config_argv(args: argparse.Namespace) -> list[str]:
 
 # ---------------------------------------------------------------- specbus up
 class Up:
+    """One `specbus up`: `run()` serves until nats-server cannot be kept up (exit code), a
+    signal raises `Interrupted` out of it; `close()` then stops what it runs (see the module
+    docstring for what a deliberate stop and a failure each leave behind)."""
+
     def __init__(self, args: argparse.Namespace, cfg: RunConfig):
         from ops.services.nats import LOCK_FILE
 
