@@ -1,13 +1,14 @@
 """The `specbus` command line.
 
     specbus up                     embedded nats-server in the foreground (Ctrl-C stops it)
+    specbus store                  Mooncake master + store node in the foreground
     specbus status [run=NAME]      streams, consumers, lag, KV markers, dead-letter count
     specbus dead   [run=NAME]      dead letters with reasons
     specbus feed|produce|train|export|demo ...   the pipeline (ops/commands.py)
 
 Every subcommand takes the run config: `--config run.yaml`, dotted overrides as positional
 `key=value` words or `-o key=value` (`specbus status run=demo bus.ack_wait_s=30`), and
-`--url` for the broker (else `bus.url`, else the URL `specbus up` wrote under the run dir).
+`--url` for the broker (else `bus.url`, else the broker `specbus up` runs: see `resolve_url`).
 
 Subcommands live in a table of registrars (`REGISTRARS`): "module:function" strings, each
 function taking the subparsers object and adding its commands with `add_common` and
@@ -22,9 +23,7 @@ import asyncio
 import importlib
 import json
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,7 @@ from core.errors import SpecbusError
 log = logging.getLogger("specbus")
 
 REGISTRARS = ["ops.cli:add_bus_commands", "ops.commands:add_pipeline_commands"]
-URL_FILE = "url"  # <run_dir>/nats/url, written by `specbus up`
-DEFAULT_PORT = 4222
+URL_FILE = "url"  # <store_dir>/url: where the broker of a store dir listens (or last did)
 
 
 # ---------------------------------------------------------------- shared by every subcommand
@@ -66,95 +64,37 @@ def broker_dir(cfg: RunConfig) -> Path:
 
 
 def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
-    """--url, else `bus.url`, else the URL file of a `specbus up` for this run dir."""
+    """--url, else `bus.url`, else the broker running on this run dir's store, else the
+    broker `specbus up` announced on this machine (whatever its run) if it runs, else where
+    either of them last ran (a restarted broker comes back on the same port)."""
     if getattr(args, "url", None):
         return args.url
     if cfg.bus.url:
         return cfg.bus.url
-    url_file = broker_dir(cfg) / URL_FILE
-    return url_file.read_text().strip() if url_file.exists() else None
+    from ops.services.nats import announced, running_url
+
+    own = broker_dir(cfg)
+    found = announced()
+    url = running_url(own) or (found and running_url(found["store_dir"]))
+    if url:
+        return url
+    url_file = own / URL_FILE
+    if url_file.exists():
+        return url_file.read_text().strip()
+    return found["url"] if found else None
 
 
-# ---------------------------------------------------------------- specbus up
+# ---------------------------------------------------------------- specbus up / store
 def cmd_up(args: argparse.Namespace) -> int:
-    from ops.services.common import LOOPBACK, ServiceError
-    from ops.services.nats import NatsServer
+    from ops.up import run_up
 
-    cfg = config_of(args)
-    store = Path(args.store_dir) if args.store_dir else broker_dir(cfg)
-    if args.host != LOOPBACK:
-        log.warning(
-            "binding the broker to %s: anyone who can reach it can use it (configure auth, see ops/)",
-            args.host,
-        )
-    server = NatsServer(store, host=args.host, port=_port(args.host, args.port))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        server.start()
-    except ServiceError as e:
-        print(f"specbus up: {e}", file=sys.stderr)
-        return 1
-    url_file = store / URL_FILE
-    mooncake = None
-    try:
-        if args.store == "mooncake":
-            from ops.services.mooncake import start_mooncake
-
-            mooncake, store_cfg = start_mooncake(cfg.store, cfg.resolved_run_dir)
-            print(f"mooncake store ready: store.uri={store_cfg.uri}", flush=True)
-        url_file.write_text(server.url + "\n")
-        if not args.no_declare:
-            asyncio.run(_declare(cfg, server.url))
-        print(f"nats-server ready at {server.url} (pid {server.pid}, store {store})", flush=True)
-        if not args.no_declare:
-            print(f"run {cfg.run!r} declared: streams, consumers, KV bucket", flush=True)
-        print("Ctrl-C to stop", flush=True)
-        while not stop.wait(0.5):
-            if server.proc.poll() is not None:
-                print(
-                    f"nats-server exited with {server.proc.returncode}; see {server.log_path}",
-                    file=sys.stderr,
-                )
-                return 1
-        return 0
-    finally:
-        if mooncake is not None:
-            mooncake.stop()
-        server.stop()  # by PID: SIGTERM, then SIGKILL if it lingers
-        url_file.unlink(missing_ok=True)
+    return run_up(args, config_of(args))
 
 
-def _port(host: str, wanted: int) -> int:
-    """`wanted` if free (0: any free port); 4222 falls back to a free port when taken."""
-    import socket
+def cmd_store(args: argparse.Namespace) -> int:
+    from ops.up import run_store
 
-    from ops.services.common import free_port
-
-    if wanted == 0:
-        return free_port(host)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, wanted))
-            return wanted
-        except OSError:
-            if wanted != DEFAULT_PORT:
-                raise SpecbusError(f"--port {wanted} is in use on {host}") from None
-    port = free_port(host)
-    log.warning("port %d is in use on %s; using %d", DEFAULT_PORT, host, port)
-    return port
-
-
-async def _declare(cfg: RunConfig, url: str) -> None:
-    from bus.connection import connect
-    from bus.topology import declare
-
-    bus = await connect(cfg.bus, url, name="specbus-up")
-    try:
-        await declare(bus, cfg.bus, cfg.run)
-    finally:
-        await bus.close()
+    return run_store(args, config_of(args))
 
 
 # ---------------------------------------------------------------- specbus status
@@ -298,20 +238,42 @@ def add_bus_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--port",
         type=int,
-        default=DEFAULT_PORT,
-        help="port (0: any free port; 4222 falls back to a free one)",
+        default=None,
+        help="port (default: bus.url's, else the one this store dir used last, else 4222 or a "
+        "free one when taken; 0: a new free port)",
     )
     p.add_argument("--store-dir", default=None, help="JetStream store (default <run_dir>/nats)")
     p.add_argument(
         "--store",
         choices=["shm", "mooncake"],
         default="shm",
-        help="mooncake: also start mooncake_master + a store node on loopback (shm needs no server)",
+        help="mooncake: also run `specbus store` (mooncake_master + a store node on loopback), "
+        "which outlives the broker (shm needs no server)",
+    )
+    p.add_argument(
+        "--sync",
+        default="default",
+        metavar="default|always|INTERVAL",
+        help="JetStream sync_interval: default (fsync every 2 min), always (fsync each write: "
+        "survives power loss, slower; see docs/bus.md), or e.g. 10s",
+    )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="exit when nats-server dies instead of restarting it on the same port",
     )
     p.add_argument(
         "--no-declare", action="store_true", help="do not declare the run's streams/consumers/KV"
     )
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser(
+        "store",
+        help="run the Mooncake store (mooncake_master + a store node, loopback) in the foreground",
+    )
+    add_common(p)
+    p.add_argument("--stop", action="store_true", help="stop the store running for the run dir")
+    p.set_defaults(func=cmd_store)
 
     p = sub.add_parser("status", help="streams, consumers, lag and markers of a run")
     add_common(p)

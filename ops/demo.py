@@ -7,6 +7,11 @@ environment contract, gloo on CPU), shows rank 0's progress, and at the end meas
 acceptance length of the untrained and the trained draft with real speculative decoding
 (k = 3 draft tokens, greedy, checked lossless) on held-back prompts, and exports the trained
 draft for SGLang. Logs of every process go to `<run_dir>/logs/`.
+
+Interrupting it (Ctrl-C, SIGTERM) stops every child by PID (trainers and producers first,
+then the broker), removes the run's shared-memory store and exits with 128 + the signal. The
+children also get SIGTERM from the kernel if the demo itself is killed (even by kill -9), and
+run in their own sessions: a terminal's Ctrl-C reaches only the demo, which stops them.
 """
 
 from __future__ import annotations
@@ -22,8 +27,17 @@ import torch
 import yaml
 
 from core.config import RunConfig, build_config, dump_config
-from ops.services.common import free_port, stop_pid
+from ops.services.common import (
+    Interrupted,
+    dies_with_parent,
+    free_port,
+    interruptible,
+    shielded,
+    stop_pids,
+)
 from ops.services.nats import NatsServer
+
+STOP_TIMEOUT_S = 30.0  # a trainer stopping on SIGTERM saves a checkpoint first
 
 
 def demo_config(args: argparse.Namespace) -> RunConfig:
@@ -72,11 +86,14 @@ class Procs:
         log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                     **(env or {})}  # fmt: skip
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "ops.cli", *argv],
-            stdout=None if show else log, stderr=log, stdin=subprocess.DEVNULL, env=full_env,
-        )  # fmt: skip
-        log.close()
+        try:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "ops.cli", *argv],
+                stdout=None if show else log, stderr=log, stdin=subprocess.DEVNULL, env=full_env,
+                preexec_fn=dies_with_parent(), start_new_session=True,
+            )  # fmt: skip
+        finally:
+            log.close()
 
     def failed(self) -> tuple[str, int] | None:
         for name, p in self.procs.items():
@@ -85,11 +102,29 @@ class Procs:
         return None
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            stop_pid(p)
+        """SIGTERM all at once, SIGKILL what lingers after STOP_TIMEOUT_S, reap all."""
+        stop_pids(self.procs.values(), STOP_TIMEOUT_S)
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    with interruptible():
+        try:
+            return _run_demo(args)
+        except Interrupted as e:
+            print(f"specbus demo: stopped by signal {e.signum}", file=sys.stderr, flush=True)
+            return 128 + e.signum
+
+
+def _remove_abandoned_shm(cfg: RunConfig) -> None:
+    """The run's shm:// store once every process using it is gone (a killed child cannot
+    remove it on close): the store's own sweep, which spares stores any live process holds."""
+    if cfg.store.uri.startswith("shm://"):
+        from core.store.shm import sweep_abandoned
+
+        sweep_abandoned()
+
+
+def _run_demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     cfg = demo_config(args)
     run_dir = cfg.resolved_run_dir
@@ -105,15 +140,15 @@ def run_demo(args: argparse.Namespace) -> int:
 
     server = None
     url = cfg.bus.url
-    if url is None:
-        server = NatsServer(run_dir / "nats").start()
-        url = server.url
-        print(f"embedded nats-server on {url} (pid {server.pid})", flush=True)
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(dump_config(cfg))
-    common = ["--config", str(config_path), "--url", url]
     procs = Procs(logs)
     try:
+        if url is None:
+            server = NatsServer(run_dir / "nats").start()
+            url = server.url
+            print(f"embedded nats-server on {url} (pid {server.pid})", flush=True)
+        config_path = run_dir / "config.yaml"
+        config_path.write_text(dump_config(cfg))
+        common = ["--config", str(config_path), "--url", url]
         procs.start("feeder", ["feed", *common])
         for i in range(args.producers):
             procs.start(f"producer-{i}", ["produce", *common, "--id", f"producer-{i}"])
@@ -122,6 +157,8 @@ def run_demo(args: argparse.Namespace) -> int:
             env = {"RANK": str(rank), "WORLD_SIZE": str(args.trainers), "LOCAL_RANK": str(rank),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
             procs.start(f"trainer-{rank}", ["train", *common], env=env, show=rank == 0)
+        pids = ", ".join(f"{name} {p.pid}" for name, p in procs.procs.items())
+        print(f"started {pids}", flush=True)
         trainers = [procs.procs[f"trainer-{r}"] for r in range(args.trainers)]
         while any(p.poll() is None for p in trainers):
             bad = procs.failed()
@@ -141,9 +178,11 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"no training step was taken; see {logs}", file=sys.stderr)
             return 1
     finally:
-        procs.stop()
-        if server is not None:
-            server.stop()
+        with shielded():  # a second Ctrl-C must not leave children behind
+            procs.stop()
+            if server is not None:
+                server.stop()
+            _remove_abandoned_shm(cfg)
 
     from ops.evaluate import compare_drafts
     from ops.export import export_checkpoint

@@ -45,6 +45,7 @@ def test_up_then_status_and_dead_then_ctrl_c_stops_the_server(tmp_path, run_id, 
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=ROOT,
+        env={**os.environ, "SPECBUS_STATE_DIR": str(tmp_path / "state")},
     )
     try:
         lines = []
@@ -83,7 +84,8 @@ def test_up_then_status_and_dead_then_ctrl_c_stops_the_server(tmp_path, run_id, 
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=20) == 0
         assert not _alive(int(pid)), "nats-server still running after Ctrl-C"
-        assert not (tmp_path / "nats" / "url").exists()
+        # The URL stays as the store dir's pinned address: the next `up` serves there again.
+        assert (tmp_path / "nats" / "url").read_text().strip() == url
     finally:
         if up.poll() is None:
             up.kill()

@@ -18,14 +18,19 @@ starts; the clock runs from "go" until the consumer acked the last ref (and flus
 - bus-confirmed: as bus, but acking windows of 32 with `Leases.ack_all(confirm=True)`
   (every ack confirmed by the server: the optimizer-boundary path).
 
-Prints refs/s per mode (and CPU per ref of each process), and the ratios bus / raw and
-bus / raw-bytes.
+Each mode runs against one server per `--sync` setting (JetStream `sync_interval`; default:
+`default` = nats-server's asynchronous flush, fsync every 2 min, and `always` = fsync every
+write), interleaved within each repeat.
+
+Prints refs/s per mode and sync (and CPU per ref of each process), the ratios bus / raw and
+bus / raw-bytes (default sync), and per mode the ratio of each sync setting to the first.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -120,7 +125,9 @@ async def raw_consumer(
 
     clock = _Clock(ready, go)
     decode = SampleRef.from_bytes if records else None
-    fetches = await raw_consume(url, f"RAWBENCH_{run}", "c", n, decode, batch=_fetch_batch(), started=clock)
+    fetches = await raw_consume(
+        url, f"RAWBENCH_{run}", "c", n, decode, batch=_fetch_batch(), started=clock
+    )
     return clock.stop(fetches)
 
 
@@ -190,6 +197,69 @@ async def bus_setup(url: str, run: str) -> None:
     await bus.close()
 
 
+# ---------------------------------------------------------------- acks lost to a kill -9
+KILL_DELAYS_S = (0.0, 0.05, 0.1, 0.2, 0.5)
+
+
+async def _ack_floor_after_kill(server, run: str, delay_s: float, n: int = 40, acked: int = 24):
+    """Publish `n` refs, lease them all, ack the first `acked` with confirmation (the server
+    applied them), wait `delay_s`, kill -9 the server and restart it on the same store dir:
+    the trainers' (ack floor, delivered) it comes back with. Before: (acked, n)."""
+    from bus.connection import connect
+    from bus.lease import Leases
+    from bus.publisher import Publisher
+    from bus.subjects import Names
+    from bus.topology import declare
+
+    cfg = _bus_cfg().model_copy(update={"connect_timeout_s": 5.0})
+    bus = await connect(cfg, server.url, name="bench-kill")
+    await declare(bus, cfg, run)
+    await Publisher(bus).publish_many(Names(run).samples, sample_refs(n, run))
+    group = await Leases.join(bus, run, "trainers")
+    leases = await group.fetch(n, 5.0)
+    assert len(leases) == n, f"fetched {len(leases)} of {n}"
+    await group.ack_all(leases[:acked], confirm=True)
+    await asyncio.sleep(delay_s)
+    server.kill()
+    await bus.close()
+    server.start()
+    bus = await connect(cfg, server.url, name="bench-kill")
+    info = await bus.js.consumer_info(Names(run).samples_stream, "trainers")
+    await bus.close()
+    return info.ack_floor.stream_seq, info.delivered.stream_seq
+
+
+def kill_probe(syncs: list[str], trials: int, tmp: Path) -> dict[str, dict[float, int]]:
+    """For each sync setting and delay between confirmed acks and a kill -9 of the server,
+    how many of `trials` restarts kept the ack floor."""
+    import logging
+
+    from ops.services.nats import NatsServerConfig
+
+    logging.getLogger("specbus.bus").setLevel(logging.ERROR)  # the kills' reconnect noise
+    kept: dict[str, dict[float, int]] = {}
+    for sync in syncs:
+        server = NatsServerConfig(store_dir=tmp / f"kill-{sync}", sync=sync).build().start()
+        try:
+            for delay in KILL_DELAYS_S:
+                floors = [
+                    asyncio.run(
+                        _ack_floor_after_kill(server, f"kill{i}d{int(delay * 1000)}", delay)
+                    )
+                    for i in range(trials)
+                ]
+                kept.setdefault(sync, {})[delay] = sum(f == 24 for f, _ in floors)
+                print(
+                    f"kill -9 {delay * 1000:4.0f} ms after 24 confirmed acks, sync {sync:<8}: "
+                    f"ack floor kept {kept[sync][delay]}/{trials} "
+                    f"(ack floor, delivered after restart: {floors}; before: (24, 40))",
+                    flush=True,
+                )
+        finally:
+            server.stop()
+    return kept
+
+
 # ---------------------------------------------------------------- driver
 def _child(role: str, result, fn, *args) -> None:
     try:
@@ -256,48 +326,89 @@ def _cpu_of(pid: int) -> float:
         return 0.0
 
 
+def _median(rows: list[dict], mode: str, sync: str) -> float:
+    return statistics.median(
+        r["refs_per_s"] for r in rows if r["mode"] == mode and r["sync"] == sync
+    )
+
+
+def _per_repeat(rows: list[dict], a: tuple[str, str], b: tuple[str, str]) -> list[float]:
+    """refs/s of (mode, sync) `a` over `b`, repeat by repeat (the same repeat ran both)."""
+    pick = lambda m, s: [x for x in rows if x["mode"] == m and x["sync"] == s]  # noqa: E731
+    return [x["refs_per_s"] / y["refs_per_s"] for x, y in zip(pick(*a), pick(*b), strict=True)]
+
+
 def main(argv: list[str] | None = None) -> dict:
-    from ops.services.nats import NatsServer
+    from ops.services.nats import NatsServerConfig
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--refs", type=int, default=20000)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--modes", default="raw-bytes,raw,bus,bus-confirmed")
-    parser.add_argument("--fetch", type=int, default=FETCH, help="fetch batch of the raw and bus consumers")
+    parser.add_argument(
+        "--fetch", type=int, default=FETCH, help="fetch batch of the raw and bus consumers"
+    )
+    parser.add_argument(
+        "--sync",
+        default="default,always",
+        help="JetStream sync_interval settings to compare, one server each (the first is the baseline)",
+    )
+    parser.add_argument(
+        "--kill-probe",
+        type=int,
+        default=0,
+        metavar="TRIALS",
+        help="instead of throughput: kill -9 the server at several delays after confirmed acks, "
+        "TRIALS times each, per sync setting, and count the restarts that kept the ack floor",
+    )
     args = parser.parse_args(argv)
+    if args.kill_probe:
+        with tempfile.TemporaryDirectory() as tmp:
+            return kill_probe(args.sync.split(","), args.kill_probe, Path(tmp))
     os.environ["SPECBUS_BENCH_FETCH"] = str(args.fetch)  # read by the (spawned) consumers
     modes = args.modes.split(",")
+    syncs = args.sync.split(",")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, NatsServer(tmp) as server:
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        servers = {}
+        for sync in syncs:
+            server = NatsServerConfig(store_dir=tmp / f"nats-{sync}", sync=sync).build().start()
+            stack.callback(server.stop)
+            servers[sync] = server
         for rep in range(args.repeat):
             for mode in modes:
-                row = run_mode(server.url, server.pid, mode, args.refs, f"r{rep}")
-                rows.append(row)
-                print(
-                    f"{mode:>14}: {row['refs_per_s']:9.0f} refs/s end to end "
-                    f"(publisher {row['publish_refs_per_s']:.0f} refs/s, {row['refs_per_fetch']:.0f} refs/fetch; CPU us/ref: "
-                    + ", ".join(f"{k} {v:.0f}" for k, v in row["cpu_us_per_ref"].items())
-                    + ")",
-                    flush=True,
-                )
+                for sync, server in servers.items():  # interleaved: both see the same load
+                    row = run_mode(server.url, server.pid, mode, args.refs, f"r{rep}")
+                    row["sync"] = sync
+                    rows.append(row)
+                    print(
+                        f"{mode:>14} sync {sync:<8}: {row['refs_per_s']:9.0f} refs/s end to end "
+                        f"(publisher {row['publish_refs_per_s']:.0f} refs/s, {row['refs_per_fetch']:.0f} refs/fetch; CPU us/ref: "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in row["cpu_us_per_ref"].items())
+                        + ")",
+                        flush=True,
+                    )
     # Other work shares the CPUs: modes are interleaved per repeat and summarised by the median.
-    summary = {
-        mode: statistics.median(r["refs_per_s"] for r in rows if r["mode"] == mode)
-        for mode in modes
-    }
+    base_sync = syncs[0]
+    summary = {mode: _median(rows, mode, base_sync) for mode in modes}
     for base in ("raw", "raw-bytes"):
         if base in summary and "bus" in summary:
-            per_repeat = [
-                b["refs_per_s"] / r["refs_per_s"]
-                for b, r in zip(
-                    (x for x in rows if x["mode"] == "bus"),
-                    (x for x in rows if x["mode"] == base),
-                    strict=True,
-                )
-            ]
+            per_repeat = _per_repeat(rows, ("bus", base_sync), (base, base_sync))
             print(
                 f"bus/{base}: {summary['bus'] / summary[base]:.2f} (medians of {args.repeat}: bus {summary['bus']:.0f}, "
                 f"{base} {summary[base]:.0f} refs/s; per repeat "
+                + ", ".join(f"{x:.2f}" for x in per_repeat)
+                + ")"
+            )
+    for sync in syncs[1:]:
+        for mode in modes:
+            other = _median(rows, mode, sync)
+            per_repeat = _per_repeat(rows, (mode, sync), (mode, base_sync))
+            summary[f"{mode}@{sync}"] = other
+            print(
+                f"{mode} sync {sync}/{base_sync}: {other / summary[mode]:.2f} (medians of {args.repeat}: "
+                f"{other:.0f} vs {summary[mode]:.0f} refs/s; per repeat "
                 + ", ".join(f"{x:.2f}" for x in per_repeat)
                 + ")"
             )

@@ -26,10 +26,12 @@ import urllib.request
 from pathlib import Path
 
 from core.config import MooncakeConfig, StoreConfig
+from core.store import parse_uri
 from core.store.mooncake import mooncake_uri
 from ops.services.common import (
     LOOPBACK,
     ServiceError,
+    dies_with_parent,
     find_binary,
     free_port,
     kill_pid,
@@ -52,6 +54,10 @@ class MooncakeServices:
         client_ttl_s: int | None = None,  # a dead node's segment is unmounted after this
         put_start_timeout_s: int
         | None = None,  # a writer killed mid-put frees its space after this
+        master_port: int | None = None,  # None: free loopback ports
+        admin_port: int | None = None,
+        metadata_port: int | None = None,
+        inherit_fds: tuple[int, ...] = (),  # e.g. the owner's DirLock: held while any child lives
     ):
         if metadata.upper() not in ("P2P", "HTTP"):
             raise ValueError(f"metadata {metadata!r} must be 'P2P' or 'http'")
@@ -62,9 +68,10 @@ class MooncakeServices:
         self.lease_ttl_ms = lease_ttl_ms
         self.client_ttl_s = client_ttl_s
         self.put_start_timeout_s = put_start_timeout_s
-        self.master_port = free_port(host)
-        self.admin_port = free_port(host)
-        self.metadata_port = free_port(host) if self.http_metadata else None
+        self.master_port = master_port or free_port(host)
+        self.admin_port = admin_port or free_port(host)
+        self.metadata_port = (metadata_port or free_port(host)) if self.http_metadata else None
+        self.inherit_fds = tuple(inherit_fds)
         self.master: subprocess.Popen | None = None
         self.node: subprocess.Popen | None = None
         self.metadata_server: subprocess.Popen | None = None
@@ -216,8 +223,13 @@ class MooncakeServices:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                pass_fds=self.inherit_fds,
                 env={**os.environ, **(env or {})},
                 cwd=Path(__file__).resolve().parents[2],  # so `-m ops.services...` resolves
+                # No orphan when the owner dies (kill -9 included); Ctrl-C reaches the owner
+                # only, which stops them by PID.
+                preexec_fn=dies_with_parent(),
+                start_new_session=True,
             )
         finally:
             log.close()
@@ -240,19 +252,25 @@ class MooncakeServices:
         )
 
 
-def start_mooncake(
-    store: StoreConfig, run_dir: str | Path, **kw
-) -> tuple[MooncakeServices, StoreConfig]:
-    """For `specbus up --store mooncake`: start the services sized by the store config and
-    return them with the StoreConfig a client uses (its URI carries the addresses)."""
-    services = MooncakeServices(
-        Path(run_dir) / "mooncake", segment_bytes=store.mooncake.segment_bytes, **kw
-    ).start()
-    store_id = store.store_id or "default"
+def client_store_config(store: StoreConfig, services: MooncakeServices) -> StoreConfig:
+    """The StoreConfig a client of `services` uses: `store` with the services' addresses in
+    its `mooncake` section and URI (the URI alone then reaches the store)."""
+    store_id = store.store_id or parse_uri(store.uri)[1] or "default"
     mc = services.config(
         **store.mooncake.model_dump(
             exclude={"master", "metadata", "admin", "local_hostname", "segment_bytes"}
         )
     )
-    cfg = store.model_copy(update={"uri": mooncake_uri(store_id, mc), "mooncake": mc})
-    return services, cfg
+    return store.model_copy(update={"uri": mooncake_uri(store_id, mc), "mooncake": mc})
+
+
+def start_mooncake(
+    store: StoreConfig, run_dir: str | Path, **kw
+) -> tuple[MooncakeServices, StoreConfig]:
+    """Start the services sized by the store config under `<run_dir>/mooncake` and return them
+    with the StoreConfig a client uses (its URI carries the addresses). `specbus store` runs
+    them as a service of its own (`ops/up.py`)."""
+    services = MooncakeServices(
+        Path(run_dir) / "mooncake", segment_bytes=store.mooncake.segment_bytes, **kw
+    ).start()
+    return services, client_store_config(store, services)
