@@ -47,6 +47,9 @@ class BusConfig(Section):
     heartbeat_s: float = Field(10.0, gt=0)
     fetch_timeout_s: float = Field(1.0, gt=0)
     publish_window: int = Field(1024, ge=1)  # async publishes awaiting their PubAck at once
+    # A broker outage is ridden through (retries with backoff); this long after it began,
+    # every bus operation raises BrokerUnavailable instead (bus/outage.py).
+    outage_give_up_s: float = Field(900.0, gt=0)
 
 
 class MooncakeConfig(Section):
