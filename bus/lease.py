@@ -254,7 +254,11 @@ class Leases:
                 return out
             remaining = deadline - time.monotonic()
             msgs = await self._puller.fetch(want, max(remaining, 0.001))
-            await self._after_pull()
+            if await self._after_pull() and not msgs:
+                # JetStream said 503 and the consumer exists: not yet serving it. Wait out
+                # the timeout like an empty fetch, rather than spin on 503s.
+                await asyncio.sleep(max(deadline - time.monotonic(), 0))
+                return out
             bad: list[tuple[Lease, RecordError]] = []
             record_cls, held = self.record_cls, self._held
             for msg in msgs:
@@ -277,20 +281,22 @@ class Leases:
             if out or not bad or time.monotonic() >= deadline:
                 return out
 
-    async def _after_pull(self) -> None:
+    async def _after_pull(self) -> bool:
         """Tell the outage state what the last pull learnt (an answer, or none while the
         connection was down: `BrokerUnavailable` past the give-up). A 503 on a live connection
         is JetStream not loaded yet, or the consumer gone: asked (riding through the former),
-        the latter raises `BusError`."""
+        the latter raises `BusError`. Returns True after a 503."""
         puller, bus = self._puller, self.bus
-        if puller.unavailable and bus.connected:
+        if puller.unavailable:
             await _consumer_info(
                 bus, self.stream, self.group, f"fetching from {self.stream}/{self.group}"
             )
-        elif puller.answered:
+            return True
+        if puller.answered:
             bus.outage.recovered()
         elif not bus.connected:
             bus.outage.failed(f"fetching from {self.stream}/{self.group}", None)
+        return False
 
     # -- leases settled by another member's process (target-TP islands)
     def hand_over(self, leases: Iterable[Lease]) -> list[tuple[str, bytes, dict | None]]:

@@ -197,8 +197,22 @@ async def ride(bus: Bus, what: str, op: Callable[[], Awaitable[T]], *, buffered:
                     outage.recovered()
                 return result
         outage.failed(what, error)
-        await asyncio.sleep(delay)
+        await _pause(bus, delay)
         delay = min(delay * 2, MAX_BACKOFF_S)
+
+
+async def _pause(bus: Bus, delay_s: float) -> None:
+    """Back off for `delay_s`, but no longer than the connection stays down: a reconnect
+    ends the pause, so the broker's return is used at once, not up to a backoff later."""
+    if bus.connected:
+        await asyncio.sleep(delay_s)
+        return
+    deadline = time.monotonic() + delay_s
+    while not bus.connected and not bus.nc.is_closed:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        await asyncio.sleep(min(remaining, 0.02))
 
 
 async def send(

@@ -22,9 +22,10 @@ parked on the server while credit is exhausted, so every waiting request carries
 During a broker outage a fetch sends nothing (a request buffered by the client would reach
 the restarted broker late, and one per fetch would pile up): it waits for the connection
 until its timeout and returns what is buffered. "503 No Responders" (JetStream not loaded
-yet, or no such consumer) does not end a request either. Whether the server answered the
-last fetch (`answered`: a delivery or a status) and whether it said 503 (`unavailable`) is
-left to the caller (`Leases.fetch`, `replay`), which tells an outage from an empty stream.
+yet, or no such consumer) ends a fetch like a status, but it is no answer about the
+consumer: whether the server answered the last fetch (`answered`: a delivery or a status)
+and whether it said 503 (`unavailable`) is left to the caller (`Leases.fetch`, `replay`),
+which tells an outage from an empty stream and paces its retries.
 """
 
 from __future__ import annotations
@@ -92,14 +93,13 @@ class Puller:
             status = headers[_STATUS]
             if status == "100":  # idle heartbeat / flow control: not an end of request
                 return
-            if status == "503":  # no responders: the request is lost, not ended; see fetch
+            if status == "503":  # no responders: the request is lost; see fetch
                 self.unavailable = True
-                return
             rid = int(msg.subject.rsplit(".", 1)[1])
             if rid > self._ended:
                 self._ended = rid
             description = headers.get(_DESCRIPTION, "")
-            if status not in ("404", "408", "409") or "deleted" in description.lower():
+            if status not in ("404", "408", "409", "503") or "deleted" in description.lower():
                 self._error = f"{status} {description}".strip()
         else:
             self._buffer.append(msg)
