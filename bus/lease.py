@@ -189,6 +189,7 @@ class Leases:
         self.ack_wait_s = ack_wait_s
         self.publisher = Publisher(bus)  # dead letters
         self._puller = Puller(bus, self.stream, group)
+        self._fetching = f"fetching from {self.stream}/{group}"
         self._held: set[Lease] = set()
         self.dead_lettered = 0
         self.acks_forgotten = 0  # confirmed acks the broker can no longer apply (ack_all)
@@ -253,7 +254,8 @@ class Leases:
             if want <= 0:
                 return out
             remaining = deadline - time.monotonic()
-            msgs = await self._puller.fetch(want, max(remaining, 0.001))
+            with self.bus.outage.doing(self._fetching):
+                msgs = await self._puller.fetch(want, max(remaining, 0.001))
             if await self._after_pull() and not msgs:
                 # JetStream said 503 and the consumer exists: not yet serving it. Wait out
                 # the timeout like an empty fetch, rather than spin on 503s.
@@ -288,14 +290,12 @@ class Leases:
         the latter raises `BusError`. Returns True after a 503."""
         puller, bus = self._puller, self.bus
         if puller.unavailable:
-            await _consumer_info(
-                bus, self.stream, self.group, f"fetching from {self.stream}/{self.group}"
-            )
+            await _consumer_info(bus, self.stream, self.group, self._fetching)
             return True
         if puller.answered:
             bus.outage.recovered()
         elif not bus.connected:
-            bus.outage.failed(f"fetching from {self.stream}/{self.group}", None)
+            bus.outage.failed(self._fetching, None)
         return False
 
     # -- leases settled by another member's process (target-TP islands)

@@ -12,8 +12,9 @@ confirmed acks) or `send` (fire-and-forget publishes: acks, naks, heartbeats). G
   reach the restarted broker late, and repeated). `send` hands its message to the client
   even while disconnected: nats-py buffers it (2 MiB) and sends it after the reconnect.
 - One outage is logged as exactly two WARNING lines per connection however many operations
-  wait on it: when the first operation notices it (what it was doing, that it retries, until
-  when), and when an operation gets an answer again (how long the broker was gone).
+  wait on it: when it begins (the connection dropped while an operation was waiting for the
+  broker, or an operation found it gone: what it was doing, that it retries, until when),
+  and when an operation gets an answer again (how long the broker was gone).
 - It ends only by the broker answering, or by `bus.outage_give_up_s` passing after the
   outage began (the connection loss or the first failure, whichever came first): then every
   operation that hits it raises `BrokerUnavailable` (a `BusError`) naming the broker, what it
@@ -32,9 +33,10 @@ which consumers tolerate, delivery being at-least-once anyway); acks are idempot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 import nats.errors
@@ -96,15 +98,32 @@ class Outage:
         self.announced = False
         self.retries = 0
         self.outages = 0  # outages announced so far (one per begin line)
+        self._doing: dict[int, str] = {}  # operations waiting for the broker now
+        self._token = 0
 
     @property
     def active(self) -> bool:
         return self.since is not None
 
+    @contextlib.contextmanager
+    def doing(self, what: str) -> Iterator[None]:
+        """An operation waits for the broker meanwhile: a connection lost now is announced
+        at once, naming it (it may only notice when its request times out)."""
+        self._token += 1
+        token = self._token
+        self._doing[token] = what
+        try:
+            yield
+        finally:
+            del self._doing[token]
+
     def lost(self) -> None:
-        """The connection dropped: the outage (if any) counts from now."""
+        """The connection dropped: the outage (if any) counts from now, and is announced now
+        if an operation was waiting for the broker."""
         if self.since is None:
             self.since = self.clock()
+        if self._doing and not self.announced:
+            self._announce(next(iter(self._doing.values())), None, "connection lost")
 
     def reconnected(self) -> None:
         """The connection is back. An outage no operation noticed is over; an announced one
@@ -121,25 +140,28 @@ class Outage:
         self.retries += 1
         gone = now - self.since
         if not self.announced:
-            self.announced = True
-            self.outages += 1
-            until = time.strftime(
-                "%H:%M:%S", time.localtime(time.time() + max(self.give_up_s - gone, 0))
-            )
-            log.warning(
-                "broker %s unavailable while %s (%s); retrying with backoff until %s "
-                "(bus.outage_give_up_s=%g)",
-                self.url,
-                what,
-                _describe(error),
-                until,
-                self.give_up_s,
-            )
+            self._announce(what, error)
         if gone >= self.give_up_s:
             raise BrokerUnavailable(
                 f"broker {self.url} unavailable for {gone:.0f} s while {what} "
                 f"({_describe(error)}); gave up after bus.outage_give_up_s={self.give_up_s:g}"
             ) from error
+
+    def _announce(self, what: str, error: BaseException | None, why: str = "") -> None:
+        assert self.since is not None
+        self.announced = True
+        self.outages += 1
+        left = max(self.give_up_s - (self.clock() - self.since), 0)
+        until = time.strftime("%H:%M:%S", time.localtime(time.time() + left))
+        log.warning(
+            "broker %s unavailable while %s (%s); retrying with backoff until %s "
+            "(bus.outage_give_up_s=%g)",
+            self.url,
+            what,
+            why or _describe(error),
+            until,
+            self.give_up_s,
+        )
 
     def recovered(self) -> None:
         """An operation got an answer: an outage in progress is over (logged once if it was
@@ -187,7 +209,11 @@ async def ride(bus: Bus, what: str, op: Callable[[], Awaitable[T]], *, buffered:
         error: BaseException | None = None
         if buffered or bus.connected:
             try:
-                result = await op()
+                if buffered:
+                    result = await op()
+                else:
+                    with outage.doing(what):
+                        result = await op()
             except Exception as e:
                 if not is_transient(e):
                     raise

@@ -391,7 +391,7 @@ class ColocatedSource(GroupSettlement):
         # loader just gave back: let it expire, then nak what landed and what is still held.
         await asyncio.sleep(self.bus_cfg.fetch_timeout_s)
         await self.group.close(nak_held=True)
-        await self.bus.nc.flush()  # a publish still buffered when the bus closes is lost
+        await self.bus.flush()  # a publish still buffered when the bus closes is lost
 
     def close(self) -> None:
         """Island: the leader closes the island (its peers' workers stop after the jobs

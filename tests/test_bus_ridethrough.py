@@ -331,3 +331,22 @@ def test_outage_state_logs_once_and_gives_up_on_its_clock(caplog):
     outage.lost()
     outage.reconnected()
     assert not outage.active
+
+
+def test_a_connection_lost_under_a_waiting_call_is_announced_at_once(caplog):
+    """A call blocked in a request only notices the outage when the request times out (or
+    never, if the broker is back by then): the connection loss itself announces it."""
+    from bus.outage import Outage
+
+    outage = Outage("nats://x:1", give_up_s=900.0)
+    with caplog.at_level(logging.WARNING, logger="specbus.bus"):
+        outage.lost()  # no call waiting: nothing to say yet
+        outage.reconnected()
+        with outage.doing("confirming 2 acks on S/trainers"):
+            outage.lost()
+            outage.failed("confirming 2 acks on S/trainers", TimeoutError("nats: timeout"))
+        outage.recovered()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "unavailable while confirming 2 acks on S/trainers (connection lost)" in lines[0]
+    assert "back after" in lines[1]
