@@ -51,7 +51,9 @@ class FeatureMissing(StoreError, KeyError):
     """
 
     def __init__(self, key: str, detail: str = ""):
-        super().__init__(f"feature {key!r} is missing from the store" + (f": {detail}" if detail else ""))
+        super().__init__(
+            f"feature {key!r} is missing from the store" + (f": {detail}" if detail else "")
+        )
         self.key = key
 
     def __str__(self) -> str:  # KeyError would repr() the message
