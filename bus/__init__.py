@@ -3,6 +3,7 @@
 Modules, one concern each (see docs/bus.md for the semantics as built):
     subjects    names of a run's streams, subjects, consumer groups, KV bucket
     connection  connect(cfg) -> Bus: reconnect, quiet errors, auth
+    outage      ride / send: every broker call rides through an outage (one loop, one log line)
     topology    declare(bus, cfg, run) -> Topology (streams, consumers, RunKV), idempotent
     publisher   Publisher: dedup ids, trace headers, windowed async PubAcks, safe retries
     pull        Puller: the cheap pull protocol under leases and replay

@@ -3,9 +3,13 @@
 `await connect(cfg)` returns a `Bus`. Guarantees:
 - the first connection is tried for about `cfg.connect_timeout_s`, then `BusError`;
 - once connected, a lost broker is reconnected to forever (`cfg.max_reconnect_attempts=-1`),
-  a restarted broker is a normal event; pending publishes are buffered meanwhile;
-- client errors are logged as one line each (repeats of the same error at DEBUG), never
-  as a traceback per reconnect attempt;
+  a restarted broker is a normal event; pending publishes are buffered meanwhile (nats-py's
+  2 MiB reconnect buffer), and every bus operation rides through the outage (`bus.outage`:
+  retries with backoff, gives up with `BrokerUnavailable` after `cfg.outage_give_up_s`);
+- an outage is logged by `bus.outage` as two WARNING lines (gone, back); the connection's
+  own events (disconnected, reconnected, each failed reconnect attempt) are INFO/DEBUG;
+- other client errors are logged as one WARNING line each (repeats of the same error at
+  DEBUG), never as a traceback per reconnect attempt;
 - auth comes from the config: user/password, token, a creds file (JWT + nkey), TLS (CA, and a
   client cert/key for mutual TLS). Secrets are never logged.
 """
@@ -16,9 +20,11 @@ import logging
 import ssl
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from bus.outage import Outage, ride
 from core.config import BusConfig
 from core.errors import BusError
 
@@ -26,16 +32,19 @@ log = logging.getLogger("specbus.bus")
 
 
 class Bus:
-    """One broker connection: `nc` (core NATS), `js` (JetStream), and the bus config it used."""
+    """One broker connection: `nc` (core NATS), `js` (JetStream), the bus config it used, and
+    its `outage` state (`bus.outage`)."""
 
     def __init__(self, nc: NATS, cfg: BusConfig, url: str, quiet: _QuietErrors | None = None):
         self.nc = nc
         self._quiet = quiet
-        if quiet is not None:
-            quiet.bus = self
         self.js: JetStreamContext = nc.jetstream(timeout=cfg.connect_timeout_s)
         self.cfg = cfg
         self.url = url
+        self.outage = Outage(url, cfg.outage_give_up_s)
+        self.closing = False  # close() was called: a closed connection is no outage
+        if quiet is not None:
+            quiet.bus = self
 
     @property
     def connected(self) -> bool:
@@ -47,15 +56,16 @@ class Bus:
         return self._quiet.reconnects if self._quiet is not None else 0
 
     async def flush(self, timeout_s: float = 5.0) -> None:
-        """Wait until everything written (acks included) reached the server."""
-        await self.nc.flush(timeout=timeout_s)
+        """Wait until everything written (acks included) reached the server; rides through
+        an outage (what the client buffered meanwhile is sent on reconnect, then flushed)."""
+        await ride(self, "flushing to the broker", lambda: self.nc.flush(timeout=timeout_s))
 
     async def close(self) -> None:
-        """Flush what is buffered and close; idempotent."""
+        """Flush what is buffered and close; idempotent. During an outage, what the client
+        buffered is dropped (no broker to flush to)."""
+        self.closing = True
         if self.nc.is_closed:
             return
-        if self._quiet is not None:
-            self._quiet.closing = True
         try:
             await self.nc.drain()
         except Exception:  # a dead broker at shutdown: nothing left to flush to
@@ -69,30 +79,50 @@ class Bus:
 
 
 class _QuietErrors:
-    """Error/disconnect callbacks that log one line, and only once per distinct error."""
+    """Error/disconnect callbacks: one line per distinct error, and the outage's clock.
+
+    While the broker is away (disconnected, reconnecting) the connection's lines are INFO
+    (the first of each error) or DEBUG (repeats): `bus.outage` says WARNING once per outage,
+    naming the operation that noticed it."""
 
     def __init__(self, name: str):
         self.name = name
         self.last = ""
-        self.closing = False
         self.reconnects = 0
         self.bus: Bus | None = None
 
+    def _away(self, e: Exception) -> bool:
+        """Once connected: the broker is away (or the error says it just went: EOF, a
+        refused reconnect). The first connection's errors stay WARNING: no outage yet."""
+        bus = self.bus
+        if bus is None:
+            return False
+        if isinstance(e, (nats.errors.StaleConnectionError, OSError)):
+            return True
+        return bus.closing or bus.outage.active or not bus.connected
+
     async def error(self, e: Exception) -> None:
         line = f"{type(e).__name__}: {e}".strip()
-        level = logging.DEBUG if line == self.last else logging.WARNING
+        if line == self.last:
+            level = logging.DEBUG
+        else:
+            level = logging.INFO if self._away(e) else logging.WARNING
         self.last = line
         log.log(level, "nats[%s] %s", self.name, line)
 
     async def disconnected(self) -> None:
-        if self.closing:
+        bus = self.bus
+        if bus is None or bus.closing:
             return
-        log.warning("nats[%s] disconnected; reconnecting", self.name)
+        bus.outage.lost()
+        log.info("nats[%s] disconnected; reconnecting", self.name)
 
     async def reconnected(self) -> None:
         self.reconnects += 1
         self.last = ""
-        log.warning("nats[%s] reconnected", self.name)
+        if self.bus is not None:
+            self.bus.outage.reconnected()
+        log.info("nats[%s] reconnected", self.name)
 
 
 def _tls_context(cfg: BusConfig) -> ssl.SSLContext | None:

@@ -14,6 +14,9 @@ Two ways into the run's DEAD stream:
 `list_dead` reads DEAD back as `DeadLetter`s: for an advisory the original is read from its
 source stream by sequence (None once retention removed it); a termination advisory that
 follows an explicit dead letter of the same message is folded into it (one entry per message).
+
+Both ride through broker outages (`bus.outage`): the copy is published with its dedup id
+and the termination is buffered by the client while the connection is down.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from nats.aio.msg import Msg
 
 from bus import headers as H
 from bus.connection import Bus
+from bus.outage import send
 from bus.replay import Stored, get, replay
 from bus.subjects import ADVISORY_MAX_DELIVERIES, ADVISORY_TERMINATED, Names
 
@@ -76,7 +80,12 @@ async def dead_letter(
     if detail:
         hdrs[H.DEAD_DETAIL] = H.one_line(detail)
     ack = (await publisher.publish_payloads([(names.dead(kind), item.msg.data, hdrs)]))[0]
-    await publisher.bus.nc.publish(item.msg.reply, b"+TERM " + reason.encode())
+    await send(
+        publisher.bus,
+        item.msg.reply,
+        b"+TERM " + reason.encode(),
+        what=f"terminating {item.stream} seq {item.seq}",
+    )
     return ack
 
 

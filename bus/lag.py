@@ -15,6 +15,9 @@ Two methods, both honest about what they are:
 - "scan" (`scan=True`, reads every header in the window through `bus.replay`): the sum over
   the window. Exact for the not-yet-delivered part; an upper bound for the delivered part,
   since refs acked above the ack floor (out of order) are still counted.
+
+It rides through broker outages (`bus.outage`): a producer polling it waits for the broker
+instead of dying, until `bus.outage_give_up_s` (`BrokerUnavailable`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import orjson
 from nats.js.errors import NotFoundError
 
 from bus.connection import Bus
+from bus.outage import ride
 from bus.replay import Stored, get, replay
 from bus.subjects import TRAINERS, Group, Names
 from core.errors import BusError
@@ -58,10 +62,13 @@ def _nbytes(stored: Stored) -> int | None:
 async def lag(
     bus: Bus, run: str, group: Group = TRAINERS, *, scan: bool = False, sample: int = 16
 ) -> Lag:
-    """The lag of `group` in `run` (see module doc). Raises `BusError` if the group is not declared."""
+    """The lag of `group` in `run` (see module doc). Raises `BusError` if the group is not
+    declared, `BrokerUnavailable` after an outage of `bus.outage_give_up_s`."""
     stream = Names(run).stream_of(group)
     try:
-        info = await bus.js.consumer_info(stream, group)
+        info = await ride(
+            bus, f"reading the lag of {stream}/{group}", lambda: bus.js.consumer_info(stream, group)
+        )
     except NotFoundError as e:
         raise BusError(f"consumer {stream}/{group} not found: is the run declared?") from e
     pending, ack_pending = info.num_pending or 0, info.num_ack_pending or 0

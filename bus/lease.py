@@ -21,6 +21,12 @@ Guarantees (the broker's, surfaced here):
   `ack_all(confirm=True)` waits for the server to confirm every ack (double ack); a plain
   `ack()` is fire-and-forget (the server may lose it if it dies within ~0.1 s; the message is
   then redelivered, which consumers must tolerate anyway).
+- Every call rides through a broker outage (`bus.outage`): `join` and `ack_all` wait for the
+  broker, `fetch` returns `[]` after its timeout, fire-and-forget settlements and heartbeats
+  are buffered by the client and sent on reconnect; only `bus.outage_give_up_s` ends it
+  (`BrokerUnavailable`). Leases held across an outage keep their state here; one that
+  expired at the broker meanwhile is redelivered (maybe to another member), which
+  consumers tolerate like any redelivery.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ from collections.abc import Iterable
 
 import orjson
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 from opentelemetry.context import Context
 
 from bus import headers as H
 from bus.connection import Bus
 from bus.dead import dead_letter
+from bus.outage import NoAnswer, is_transient, ride, send
 from bus.publisher import Publisher
 from bus.pull import Puller
 from bus.subjects import PRODUCERS, TRAINERS, Group, Names
@@ -50,6 +58,7 @@ RECORD_OF_GROUP: dict[str, type[Record]] = {PRODUCERS: PromptTask, TRAINERS: Sam
 _ACK = b"+ACK"
 _NAK = b"-NAK"
 _WPI = b"+WPI"
+_MAX_SILENT_ROUNDS = 5  # confirm rounds a live broker may leave an ack unanswered (never seen)
 
 
 def parse_record(cls: type[Record], data: bytes) -> Record:
@@ -69,7 +78,9 @@ def parse_record(cls: type[Record], data: bytes) -> Record:
 class Lease:
     """One delivered, parsed record leased to this member, and how to settle it."""
 
-    __slots__ = ("record", "msg", "stream", "consumer", "seq", "deliveries", "_group", "settled")
+    __slots__ = (
+        "record", "msg", "stream", "consumer", "seq", "deliveries", "_group", "settled", "_wpi_buffered",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -89,6 +100,7 @@ class Lease:
         self.deliveries = deliveries  # 1 on first delivery
         self._group = group
         self.settled: str | None = None  # "ack" | "nak" | "term" once settled
+        self._wpi_buffered = -1  # `bus.reconnects` when an in_progress was last buffered
 
     @property
     def headers(self) -> dict[str, str]:
@@ -114,7 +126,7 @@ class Lease:
     async def ack(self) -> None:
         """Done with it (fire-and-forget; `Leases.ack_all(confirm=True)` to be sure)."""
         if self.mark_settled("ack"):
-            await self._group.bus.nc.publish(self.msg.reply, _ACK)
+            await send(self._group.bus, self.msg.reply, _ACK, what=f"acking seq {self.seq}")
 
     async def nak(self, delay_s: float | None = None) -> None:
         """Not done: redeliver (after `delay_s`, default `bus.nak_delay_s`; 0 for at once)."""
@@ -124,16 +136,25 @@ class Lease:
         payload = _NAK + (
             b" " + orjson.dumps({"delay": int(delay_s * 1e9)}) if delay_s > 0 else b""
         )
-        await self._group.bus.nc.publish(self.msg.reply, payload)
+        await send(self._group.bus, self.msg.reply, payload, what=f"nak'ing seq {self.seq}")
 
     async def term(self, reason: str, detail: str = "") -> None:
         """Poison: never redeliver; a copy goes to DEAD with `reason` (see `bus.dead`)."""
         await dead_letter(self._group.publisher, self._group.names, self, reason, detail)
 
     async def in_progress(self) -> None:
-        """Still working on it: restart the `ack_wait` clock (any number of times)."""
-        if self.settled is None:
-            await self._group.bus.nc.publish(self.msg.reply, _WPI)
+        """Still working on it: restart the `ack_wait` clock (any number of times).
+
+        While the connection is down, one per lease is buffered (sent on reconnect: it
+        restarts the clock of the restarted broker); more would only fill the buffer."""
+        if self.settled is not None:
+            return
+        bus = self._group.bus
+        if not bus.connected:
+            if self._wpi_buffered == bus.reconnects:
+                return
+            self._wpi_buffered = bus.reconnects
+        await send(bus, self.msg.reply, _WPI, what=f"keeping seq {self.seq} leased")
 
 
 def _ack_metadata(reply: str) -> tuple[str, str, int, int]:
@@ -168,8 +189,10 @@ class Leases:
         self.ack_wait_s = ack_wait_s
         self.publisher = Publisher(bus)  # dead letters
         self._puller = Puller(bus, self.stream, group)
+        self._fetching = f"fetching from {self.stream}/{group}"
         self._held: set[Lease] = set()
         self.dead_lettered = 0
+        self.acks_forgotten = 0  # confirmed acks the broker can no longer apply (ack_all)
 
     @classmethod
     async def join(
@@ -185,12 +208,7 @@ class Leases:
             record_cls = RECORD_OF_GROUP.get(group)
             if record_cls is None:
                 raise ConfigError(f"no record class for consumer group {group!r}")
-        try:
-            info = await bus.js.consumer_info(stream, group)
-        except Exception as e:
-            raise BusError(
-                f"consumer {stream}/{group} not found: declare the run's topology first ({e})"
-            ) from e
+        info = await _consumer_info(bus, stream, group, f"joining {stream}/{group}")
         self = cls(
             bus,
             names,
@@ -236,7 +254,13 @@ class Leases:
             if want <= 0:
                 return out
             remaining = deadline - time.monotonic()
-            msgs = await self._puller.fetch(want, max(remaining, 0.001))
+            with self.bus.outage.doing(self._fetching):
+                msgs = await self._puller.fetch(want, max(remaining, 0.001))
+            if await self._after_pull() and not msgs:
+                # JetStream said 503 and the consumer exists: not yet serving it. Wait out
+                # the timeout like an empty fetch, rather than spin on 503s.
+                await asyncio.sleep(max(deadline - time.monotonic(), 0))
+                return out
             bad: list[tuple[Lease, RecordError]] = []
             record_cls, held = self.record_cls, self._held
             for msg in msgs:
@@ -258,6 +282,21 @@ class Leases:
             # Only bad records came back: keep going while time is left.
             if out or not bad or time.monotonic() >= deadline:
                 return out
+
+    async def _after_pull(self) -> bool:
+        """Tell the outage state what the last pull learnt (an answer, or none while the
+        connection was down: `BrokerUnavailable` past the give-up). A 503 on a live connection
+        is JetStream not loaded yet, or the consumer gone: asked (riding through the former),
+        the latter raises `BusError`. Returns True after a 503."""
+        puller, bus = self._puller, self.bus
+        if puller.unavailable:
+            await _consumer_info(bus, self.stream, self.group, self._fetching)
+            return True
+        if puller.answered:
+            bus.outage.recovered()
+        elif not bus.connected:
+            bus.outage.failed(self._fetching, None)
+        return False
 
     # -- leases settled by another member's process (target-TP islands)
     def hand_over(self, leases: Iterable[Lease]) -> list[tuple[str, bytes, dict | None]]:
@@ -293,33 +332,30 @@ class Leases:
         """Ack a whole optimizer window; returns how many were acked by this call.
 
         With `confirm`, every ack is a request the server answers once the consumer applied
-        it (sent together, one round trip for the window). Raises `BusError` if any is not
-        confirmed within `timeout_s` (those may be redelivered: the caller's step is already
-        applied, so it must treat a redelivery of them as a duplicate).
+        it (sent together, one round trip for the window). When it returns, every ack is
+        applied, except the acks of deliveries the server no longer knows: its consumer state
+        went back in a crash (it is persisted asynchronously) to before them, and it never
+        answers such an ack; those messages come again as first deliveries, which the caller
+        must treat as duplicates (counted in `acks_forgotten`, logged).
+
+        Rides through an outage: acks not answered within `timeout_s` (default
+        `bus.connect_timeout_s`) are told apart by the consumer's state (applied: at or under
+        the ack floor; forgotten: above the last delivered sequence) and the rest are sent
+        again, until the broker answers or `bus.outage_give_up_s` passes
+        (`BrokerUnavailable`). Raises `BusError` if the consumer is gone (deleted or
+        repositioned: its leases are void), or if the broker answers everything but these
+        acks `_MAX_SILENT_ROUNDS` times in a row (nats-server always answers an ack it
+        applies or has applied; checked against server/consumer.go).
         """
         todo = [lease for lease in leases if lease.mark_settled("ack")]
         if not todo:
             return 0
-        nc = self.bus.nc
         if not confirm:
             for lease in todo:
-                await nc.publish(lease.msg.reply, _ACK)
+                await send(self.bus, lease.msg.reply, _ACK, what=f"acking seq {lease.seq}")
             return len(todo)
         timeout_s = self.cfg.connect_timeout_s if timeout_s is None else timeout_s
-        results = await asyncio.gather(
-            *(nc.request(lease.msg.reply, _ACK, timeout=timeout_s) for lease in todo),
-            return_exceptions=True,
-        )
-        failed = [
-            (lease.seq, r)
-            for lease, r in zip(todo, results, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        if failed:
-            seq, err = failed[0]
-            raise BusError(
-                f"{len(failed)} of {len(todo)} acks on {self.stream} not confirmed (first: seq {seq}: {type(err).__name__} {err})"
-            )
+        await _Confirm(self, todo, timeout_s).run()
         return len(todo)
 
     async def nak_all(self, leases: Iterable[Lease], delay_s: float | None = None) -> None:
@@ -340,10 +376,88 @@ class Leases:
         """Stop pulling. Deliveries never handed out are nak'd (redelivered at once); so are
         unsettled leases, unless `nak_held=False` (then they expire after `ack_wait`)."""
         for msg in await self._puller.stop():
-            await self.bus.nc.publish(msg.reply, _NAK)
+            await send(self.bus, msg.reply, _NAK, what=f"closing {self.stream}/{self.group}")
         if nak_held:
             for lease in list(self._held):
                 await lease.nak(0)
+
+
+async def _consumer_info(bus: Bus, stream: str, group: str, what: str):
+    """The durable consumer's info, riding through an outage; `BusError` if it does not exist."""
+    try:
+        return await ride(bus, what, lambda: bus.js.consumer_info(stream, group))
+    except NotFoundError as e:
+        raise BusError(
+            f"consumer {stream}/{group} not found while {what}: declare the run's topology "
+            f"first, or join again after a reposition ({e})"
+        ) from e
+
+
+class _Confirm:
+    """The confirmed acks of one window, retried until the broker answered for each of them
+    (see `Leases.ack_all`)."""
+
+    def __init__(self, group: Leases, todo: list[Lease], timeout_s: float):
+        self.group, self.bus, self.timeout_s = group, group.bus, timeout_s
+        self.left = todo
+        self.silent_rounds = 0
+        self.what = f"confirming {len(todo)} acks on {group.stream}/{group.group}"
+
+    async def run(self) -> None:
+        try:
+            await ride(self.bus, self.what, self._attempt)
+        except NotFoundError as e:
+            raise BusError(
+                f"{len(self.left)} acks on {self.group.stream}/{self.group.group} are void: "
+                f"the consumer is gone (deleted or repositioned) ({e})"
+            ) from e
+
+    async def _attempt(self) -> None:
+        nc, reconnects = self.bus.nc, self.bus.reconnects
+        results = await asyncio.gather(
+            *(nc.request(lease.msg.reply, _ACK, timeout=self.timeout_s) for lease in self.left),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for e in errors:
+            if not isinstance(e, Exception) or not is_transient(e):
+                raise e
+        self.left = [
+            lease
+            for lease, r in zip(self.left, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if not self.left:
+            return
+        # Unanswered: applied with the answer lost, never received (outage), or unanswerable
+        # (the server forgot the delivery). The consumer's state tells them apart; asking it
+        # also waits out an outage (a transient error here is retried by `ride`).
+        group = self.group
+        info = await self.bus.js.consumer_info(group.stream, group.group)
+        floor = info.ack_floor.stream_seq if info.ack_floor else 0
+        delivered = info.delivered.stream_seq if info.delivered else 0
+        forgotten = [lease for lease in self.left if lease.seq > delivered]
+        if forgotten:
+            group.acks_forgotten += len(forgotten)
+            log.warning(
+                "%d acks on %s/%s can never be confirmed: the broker's consumer state went back "
+                "to delivered seq %d (a crash lost it); seqs %s come again as first deliveries",
+                len(forgotten), group.stream, group.group, delivered,
+                [lease.seq for lease in forgotten][:8],
+            )  # fmt: skip
+        self.left = [lease for lease in self.left if floor < lease.seq <= delivered]
+        if not self.left:
+            return
+        first = errors[0] if errors else None
+        if self.bus.reconnects == reconnects and self.bus.connected:
+            self.silent_rounds += 1
+            if self.silent_rounds >= _MAX_SILENT_ROUNDS:
+                raise BusError(
+                    f"{len(self.left)} acks on {group.stream}/{group.group} not confirmed by a "
+                    f"broker that answers otherwise, {self.silent_rounds} times in a row "
+                    f"(first: seq {self.left[0].seq}: {first!r})"
+                ) from first
+        raise NoAnswer(f"{len(self.left)} acks not confirmed yet (first: seq {self.left[0].seq})")
 
 
 class Heartbeat:

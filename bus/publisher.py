@@ -7,9 +7,13 @@ No other header rides on every message: each one costs the consumer a few micros
 
 `publish_many` sends a window of messages without waiting (`bus.publish_window` PubAcks
 outstanding at most), then awaits their PubAcks; messages whose PubAck did not come within
-`ack_timeout_s` (broker restarting, connection lost) are sent again with the same id, up to
-`retries` times, so a batch is either fully stored exactly once or raises `BusError`.
-A `RecordError` (oversize record) is raised before anything of the batch is sent.
+`ack_timeout_s`, or was lost to a reconnect, are sent again with the same id. It rides
+through broker outages (`bus.outage`): nothing is sent while the connection is down, what
+is missing is re-sent with backoff until the broker answers, so a batch is stored exactly
+once (within the stream's duplicate window) or, after `bus.outage_give_up_s`, raises
+`BrokerUnavailable`. A publish the broker rejects (no stream on the subject, a stream
+limit) raises `BusError` at once. A `RecordError` (oversize record) is raised before
+anything of the batch is sent.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from dataclasses import dataclass
 
 import orjson
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from bus import headers as H
 from bus.connection import Bus
+from bus.outage import NoAnswer, ride
 from core.contracts import MAX_RECORD_BYTES, Record
 from core.errors import BusError, RecordError
 
@@ -41,6 +47,11 @@ class Ack:
 
 class _Rejected(Exception):
     """The broker answered a publish with an error (not retryable)."""
+
+
+class _NoResponders(Exception):
+    """A publish was answered "503 no responders": no stream listens on its subject, or
+    JetStream is not serving it yet (a restart, a leader election)."""
 
 
 def encode(record: Record) -> bytes:
@@ -74,18 +85,10 @@ def msg_id_of(record: Record, msg_id: str | None = None) -> str:
 class Publisher:
     """Publishes records (or raw payloads) and awaits their PubAcks. One per connection is enough."""
 
-    def __init__(
-        self,
-        bus: Bus,
-        *,
-        window: int | None = None,
-        ack_timeout_s: float | None = None,
-        retries: int = 3,
-    ):
+    def __init__(self, bus: Bus, *, window: int | None = None, ack_timeout_s: float | None = None):
         self.bus = bus
         self.window = window or bus.cfg.publish_window
         self.ack_timeout_s = ack_timeout_s or max(bus.cfg.connect_timeout_s, 2.0)
-        self.retries = retries
         self._prefix = ""
         self._sub = None
         self._token = 0
@@ -102,7 +105,7 @@ class Publisher:
         if fut is None or fut.done():
             return  # a late PubAck of a message already re-sent
         if msg.headers and msg.headers.get("Status") == "503":
-            fut.set_exception(_Rejected("no stream listens on the subject (503 no responders)"))
+            fut.set_exception(_NoResponders())
             return
         try:
             resp = orjson.loads(msg.data)
@@ -154,36 +157,42 @@ class Publisher:
         acks: list[Ack | None] = [None] * len(items)
         for start in range(0, len(items), self.window):
             todo = list(range(start, min(start + self.window, len(items))))
-            for attempt in range(self.retries + 1):
+
+            async def attempt(todo: list[int] = todo) -> None:
                 reconnects = self.bus.reconnects
                 futs = await self._send_window([items[i] for i in todo])
                 await self._await_acks(futs, reconnects)
-                missing = []
+                missing, unserved = [], set()
                 for i, fut in zip(todo, futs, strict=True):
                     if fut.cancelled() or not fut.done():
                         fut.cancel()
                         missing.append(i)
+                    elif isinstance(fut.exception(), _NoResponders):
+                        missing.append(i)
+                        unserved.add(items[i][0])
                     elif isinstance(fut.exception(), _Rejected):
                         raise BusError(f"publish to {items[i][0]} rejected: {fut.exception()}")
                     else:
                         acks[i] = fut.result()
                 self._pending = {t: f for t, f in self._pending.items() if not f.done()}
-                if not missing:
-                    break
-                log.warning(
-                    "%d PubAcks missing (attempt %d); re-sending with the same ids",
-                    len(missing),
-                    attempt + 1,
-                )
-                await asyncio.sleep(
-                    self.bus.cfg.reconnect_wait_s if self.bus.reconnects == reconnects else 0
-                )
-                todo = missing
-            else:
-                raise BusError(
-                    f"{len(todo)} publishes to {items[todo[0]][0]} not acknowledged after {self.retries + 1} attempts"
-                )
+                for subject in unserved:
+                    await self._stream_of(subject)  # BusError if no stream listens on it
+                if missing:
+                    todo[:] = missing  # the next attempt re-sends these, with the same ids
+                    raise NoAnswer(f"{len(missing)} of {len(futs)} PubAcks missing")
+
+            await ride(self.bus, f"publishing {len(todo)} messages to {items[start][0]}", attempt)
         return acks  # type: ignore[return-value]
+
+    async def _stream_of(self, subject: str) -> str:
+        """The stream listening on `subject`; `BusError` if none (JetStream answers this
+        while a publish to it is still refused: the refusal is then transient)."""
+        try:
+            return await self.bus.js.find_stream_name_by_subject(subject)
+        except NotFoundError as e:
+            raise BusError(
+                f"publish to {subject} rejected: no stream listens on the subject (503 no responders)"
+            ) from e
 
     async def publish_many(
         self, subject: str, records: Iterable[Record], *, headers: Mapping[str, str] | None = None

@@ -18,6 +18,14 @@ against 2.15) answers it as follows:
 So a fetch returns as soon as something is available and never outlives its timeout; a
 request never outlives its `expires` (a `no_wait` request *without* `expires` would stay
 parked on the server while credit is exhausted, so every waiting request carries one).
+
+During a broker outage a fetch sends nothing (a request buffered by the client would reach
+the restarted broker late, and one per fetch would pile up): it waits for the connection
+until its timeout and returns what is buffered. "503 No Responders" (JetStream not loaded
+yet, or no such consumer) ends a fetch like a status, but it is no answer about the
+consumer: whether the server answered the last fetch (`answered`: a delivery or a status)
+and whether it said 503 (`unavailable`) is left to the caller (`Leases.fetch`, `replay`),
+which tells an outage from an empty stream and paces its retries.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import orjson
 from nats.aio.msg import Msg
 
 from bus.connection import Bus
+from bus.outage import is_transient
 from core.errors import BusError
 
 _STATUS = "Status"
@@ -54,6 +63,8 @@ class Puller:
         self._ended: int = 0  # id of the newest request the server ended with a status
         self._error: str | None = None
         self._wakeup: asyncio.Future | None = None
+        self.answered = False  # the server answered the last fetch (a delivery or a status)
+        self.unavailable = False  # ... with "503 No Responders"
 
     @property
     def buffered(self) -> int:
@@ -77,15 +88,18 @@ class Puller:
 
     async def _on_msg(self, msg: Msg) -> None:
         headers = msg.headers
+        self.answered = True
         if not msg.reply and headers and _STATUS in headers:
             status = headers[_STATUS]
             if status == "100":  # idle heartbeat / flow control: not an end of request
                 return
+            if status == "503":  # no responders: the request is lost; see fetch
+                self.unavailable = True
             rid = int(msg.subject.rsplit(".", 1)[1])
             if rid > self._ended:
                 self._ended = rid
             description = headers.get(_DESCRIPTION, "")
-            if status not in ("404", "408", "409") or "deleted" in description.lower():
+            if status not in ("404", "408", "409", "503") or "deleted" in description.lower():
                 self._error = f"{status} {description}".strip()
         else:
             self._buffer.append(msg)
@@ -128,20 +142,39 @@ class Puller:
         while buf and len(out) < n:
             out.append(buf.popleft())
 
+    async def _connected(self, deadline: float) -> bool:
+        """Wait for the connection until `deadline`; False if it is still down."""
+        while not self.bus.connected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.bus.nc.is_closed:
+                return False
+            await asyncio.sleep(min(remaining, 0.05))
+        return True
+
     async def fetch(self, n: int, timeout_s: float, *, wait: bool = True) -> list[Msg]:
         """Up to `n` deliveries, as soon as any is available, else after `timeout_s` (maybe none).
 
         `wait=False` sends a plain `no_wait` request: only what is available now (use it only
         on consumers without ack credit limits, e.g. replay's ack-less ones). Raises `BusError`
-        if the server answers with an error (consumer deleted, no such consumer...).
+        if the server answers with an error (consumer deleted, ...). While the broker is away
+        it returns what is buffered after `timeout_s`, with `answered` False (module doc).
         """
         await self.start()
+        self.answered = self.unavailable = False
         out: list[Msg] = []
         self._take(n, out)
         if len(out) == n:
             return out
         deadline = time.monotonic() + timeout_s
-        rid = await self._request(n - len(out), timeout_s - _EXPIRES_MARGIN_S if wait else None)
+        if not await self._connected(deadline):
+            return out
+        remaining = deadline - time.monotonic()
+        try:
+            rid = await self._request(n - len(out), remaining - _EXPIRES_MARGIN_S if wait else None)
+        except Exception as e:  # lost the connection just now (full reconnect buffer)
+            if not is_transient(e):
+                raise
+            return out
         await self._wait(rid, n - len(out), deadline)
         self._take(n, out)
         if self._error:

@@ -2,7 +2,8 @@
 
 `run_status(bus, run)` returns a JSON-able dict; missing pieces (a run never declared) are
 None rather than errors, so status works on a fresh broker too. `dead_letters` counts
-`list_dead` entries (one per dead message), not raw DEAD stream messages.
+`list_dead` entries (one per dead message), not raw DEAD stream messages. Every read rides
+through a broker outage (`bus.outage`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from nats.js.errors import NotFoundError
 from bus.connection import Bus
 from bus.dead import list_dead
 from bus.lag import lag
+from bus.outage import ride
 from bus.subjects import PRODUCERS, TRAINERS, Names
 from bus.topology import open_kv
 
 
 async def _stream(bus: Bus, name: str) -> dict[str, Any] | None:
     try:
-        info = await bus.js.stream_info(name)
+        info = await ride(bus, f"reading stream {name}", lambda: bus.js.stream_info(name))
     except NotFoundError:
         return None
     s = info.state
@@ -37,7 +39,9 @@ async def _stream(bus: Bus, name: str) -> dict[str, Any] | None:
 
 async def _consumer(bus: Bus, stream: str, group: str) -> dict[str, Any] | None:
     try:
-        info = await bus.js.consumer_info(stream, group)
+        info = await ride(
+            bus, f"reading consumer {stream}/{group}", lambda: bus.js.consumer_info(stream, group)
+        )
     except NotFoundError:
         return None
     c = info.config

@@ -17,6 +17,11 @@ replicas, allow_direct; consumer: ack_wait, max_deliver, max_ack_pending); what 
 (storage, retention, ack policy) raises `BusError` naming the stream and field. A consumer's
 start position is never touched by `declare` (`bus.replay.reposition` owns it), so
 re-declaring after a resume keeps the resumed position.
+
+`declare`, `open_kv` and every `RunKV` read and write ride through broker outages
+(`bus.outage`): they wait for the broker and carry on, until `bus.outage_give_up_s`
+(`BrokerUnavailable`). A create whose answer was lost is found done on the retry (the
+"already exists" path compares it with the config, as for a concurrent creator).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotF
 from nats.js.kv import KeyValue
 
 from bus.connection import Bus
+from bus.outage import ride
 from bus.subjects import PRODUCERS, TRAINERS, Names
 from core.config import BusConfig
 from core.errors import BusError
@@ -117,16 +123,18 @@ def _reconcile(what: str, have: Any, want: Any, fixed, mutable) -> dict[str, tup
 
 
 async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
+    what = f"declaring stream {want.name}"
+    stream_info = lambda: bus.js.stream_info(want.name)  # noqa: E731
     try:
-        info = await bus.js.stream_info(want.name)
+        info = await ride(bus, what, stream_info)
     except NotFoundError:
         try:
-            await bus.js.add_stream(want)
+            await ride(bus, what, lambda: bus.js.add_stream(want))
             log.info("declared stream %s", want.name)
             return
         except APIError as e:  # another process won the race: compare with what it created
             try:
-                info = await bus.js.stream_info(want.name)
+                info = await ride(bus, what, stream_info)
             except NotFoundError:
                 raise BusError(f"cannot create stream {want.name}: {e}") from e
     have = info.config
@@ -134,7 +142,7 @@ async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
     if not changes:
         return
     try:
-        await bus.js.update_stream(have)
+        await ride(bus, what, lambda: bus.js.update_stream(have))
     except APIError as e:
         raise BusError(f"cannot update stream {want.name} ({changes}): {e}") from e
     log.warning(
@@ -145,11 +153,12 @@ async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
 
 
 async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
+    what = f"declaring consumer {stream}/{want.durable_name}"
     try:
-        info = await bus.js.consumer_info(stream, want.durable_name)
+        info = await ride(bus, what, lambda: bus.js.consumer_info(stream, want.durable_name))
     except NotFoundError:
         try:
-            await bus.js.add_consumer(stream, want)
+            await ride(bus, what, lambda: bus.js.add_consumer(stream, want))
             log.info("declared consumer %s on %s", want.durable_name, stream)
         except APIError as e:
             raise BusError(f"cannot create consumer {want.durable_name} on {stream}: {e}") from e
@@ -160,8 +169,8 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
     )
     if not changes:
         return
-    try:
-        await bus.js.add_consumer(stream, have)  # create-or-update; keeps the start position
+    try:  # create-or-update; keeps the start position
+        await ride(bus, what, lambda: bus.js.add_consumer(stream, have))
     except APIError as e:
         raise BusError(
             f"cannot update consumer {stream}/{want.durable_name} ({changes}): {e}"
@@ -178,23 +187,32 @@ class RunKV:
     """The run's KV bucket (JSON values): manifest, feed-complete marker (task count),
     train-complete marker, latest checkpoint pointer.
 
-    `get_*` return None when the key was never written. Every put overwrites (history 5).
+    `get_*` return None when the key was never written. Every put overwrites (history 5), so
+    a put retried after a lost answer writes the same value again. Reads and writes ride
+    through broker outages; `BrokerUnavailable` after `bus.outage_give_up_s`, `BusError` for
+    any other failure.
     """
 
-    def __init__(self, kv: KeyValue):
+    def __init__(self, kv: KeyValue, bus: Bus):
         self.kv = kv
+        self.bus = bus
 
     async def _put(self, key: str, value: Any) -> int:
+        data = orjson.dumps(value)
         try:
-            return await self.kv.put(key, orjson.dumps(value))
+            return await ride(self.bus, f"writing KV key {key!r}", lambda: self.kv.put(key, data))
+        except BusError:
+            raise
         except Exception as e:
             raise BusError(f"cannot write KV key {key!r}: {e}") from e
 
     async def _get(self, key: str) -> Any:
         try:
-            entry = await self.kv.get(key)
+            entry = await ride(self.bus, f"reading KV key {key!r}", lambda: self.kv.get(key))
         except KeyNotFoundError:
             return None
+        except BusError:
+            raise
         except Exception as e:
             raise BusError(f"cannot read KV key {key!r}: {e}") from e
         return orjson.loads(entry.value) if entry.value else None
@@ -223,7 +241,13 @@ class RunKV:
         if await self.train_complete() is None:
             return
         try:
-            await self.kv.delete(KEY_TRAIN_COMPLETE)
+            await ride(
+                self.bus,
+                f"deleting KV key {KEY_TRAIN_COMPLETE!r}",
+                lambda: self.kv.delete(KEY_TRAIN_COMPLETE),
+            )
+        except BusError:
+            raise
         except Exception as e:
             raise BusError(f"cannot delete KV key {KEY_TRAIN_COMPLETE!r}: {e}") from e
 
@@ -242,8 +266,10 @@ async def open_kv(
 ) -> RunKV | None:
     """The run's KV bucket; None if it does not exist and `create` is False."""
     names = Names(run)
+    what = f"opening KV bucket {names.kv_bucket}"
+    open_bucket = lambda: bus.js.key_value(names.kv_bucket)  # noqa: E731
     try:
-        return RunKV(await bus.js.key_value(names.kv_bucket))
+        return RunKV(await ride(bus, what, open_bucket), bus)
     except (BucketNotFoundError, NotFoundError):
         if not create:
             return None
@@ -257,11 +283,11 @@ async def open_kv(
         description=f"specbus run {run}",
     )
     try:
-        return RunKV(await bus.js.create_key_value(kv_cfg))
+        return RunKV(await ride(bus, what, lambda: bus.js.create_key_value(kv_cfg)), bus)
     except APIError as e:
-        try:  # created concurrently by another process
-            return RunKV(await bus.js.key_value(names.kv_bucket))
-        except Exception:
+        try:  # created concurrently by another process (or by this one, the answer lost)
+            return RunKV(await ride(bus, what, open_bucket), bus)
+        except NotFoundError:
             raise BusError(f"cannot create KV bucket {names.kv_bucket}: {e}") from e
 
 

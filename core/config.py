@@ -47,6 +47,9 @@ class BusConfig(Section):
     heartbeat_s: float = Field(10.0, gt=0)
     fetch_timeout_s: float = Field(1.0, gt=0)
     publish_window: int = Field(1024, ge=1)  # async publishes awaiting their PubAck at once
+    # A broker outage is ridden through (retries with backoff); this long after it began,
+    # every bus operation raises BrokerUnavailable instead (bus/outage.py).
+    outage_give_up_s: float = Field(900.0, gt=0)
 
 
 class MooncakeConfig(Section):
@@ -84,14 +87,20 @@ class StoreConfig(Section):
 class TargetConfig(Section):
     engine: Literal["hf", "sglang", "sglang_server"] = "hf"
     model: str = "smollm2-135m-instruct"  # the embedded default, or a local HF directory
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = (
+        "auto"  # auto: bf16 on GPU, fp32 on CPU
+    )
     device: str = "auto"
     aux_layers: list[int] | None = None  # None: the strategy's default for the target depth
     context_length: int | None = None  # None: the model config's max_position_embeddings
     capture_batch: int = Field(4, ge=1)
     tp_size: int = Field(1, ge=1)
-    max_total_tokens: int | None = Field(None, ge=1)  # engine's token capacity per forward, if bounded
-    cache_dir: Path | None = None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache/specbus
+    max_total_tokens: int | None = Field(
+        None, ge=1
+    )  # engine's token capacity per forward, if bounded
+    cache_dir: Path | None = (
+        None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache/specbus
+    )
 
 
 class DraftConfig(Section):
@@ -193,7 +202,9 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         if not RUN_NAME.match(self.run):
-            raise ValueError(f"run name {self.run!r} must match {RUN_NAME.pattern} (it becomes a subject token)")
+            raise ValueError(
+                f"run name {self.run!r} must match {RUN_NAME.pattern} (it becomes a subject token)"
+            )
         return self
 
     @property
@@ -216,7 +227,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     """`"training.lr=2e-4"` -> `("training.lr", 0.0002)`; the value is parsed as YAML."""
     key, sep, raw = text.partition("=")
     key = key.strip()
-    if not sep or not key or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", key):
+    if (
+        not sep
+        or not key
+        or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", key)
+    ):
         raise ConfigError(f"override {text!r} must look like section.key=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
@@ -225,7 +240,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def build_config(tree: dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def build_config(
+    tree: dict[str, Any] | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
     """Validate a config tree plus dotted overrides. Raises `ConfigError` naming key and value."""
     tree = dict(tree or {})
     for text in overrides:
@@ -237,12 +254,16 @@ def build_config(tree: dict[str, Any] | None = None, overrides: list[str] | tupl
         for err in e.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "<config>"
             value = err.get("input")
-            shown = "" if err["type"] == "missing" or isinstance(value, dict) else f" (got {value!r})"
+            shown = (
+                "" if err["type"] == "missing" or isinstance(value, dict) else f" (got {value!r})"
+            )
             lines.append(f"{loc}: {err['msg']}{shown}")
         raise ConfigError("invalid run config:\n  " + "\n  ".join(lines)) from e
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
     """Load a YAML run config (or the defaults when `path` is None) and apply overrides."""
     tree: dict[str, Any] = {}
     if path is not None:
@@ -254,7 +275,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"config file {str(path)!r} must hold a mapping, got {type(loaded).__name__}"
+            )
         tree = loaded or {}
     return build_config(tree, overrides)
 

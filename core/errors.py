@@ -31,6 +31,15 @@ class BusError(SpecbusError):
     """The broker refused or failed an operation (keeps the nats error as the cause)."""
 
 
+class BrokerUnavailable(BusError):
+    """The broker did not answer for `bus.outage_give_up_s`: the ride-through gave up.
+
+    Raised by any bus operation once an outage has lasted that long (`bus/outage.py`); the
+    message names the broker, the operation and how long it was gone, the cause is the last
+    transport error (None when the connection was simply down). Shorter outages never raise.
+    """
+
+
 class StoreError(SpecbusError):
     """A feature store operation failed."""
 

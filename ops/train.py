@@ -77,7 +77,10 @@ def init_distributed(cfg: RunConfig, rank: int, world: int, local_rank: int) -> 
             if cfg.training.backend != "auto"
             else ("nccl" if use_cuda else "gloo")
         )
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=10))
+        # A rank blocked on the bus through an outage (its confirmed acks) keeps the others
+        # waiting in a collective: they must outlast the bus's give-up, not die first.
+        timeout = timedelta(seconds=max(600.0, cfg.bus.outage_give_up_s + 120.0))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         init_control_group()  # before any other group: gloo for lockstep and lineage
     return device
 
