@@ -191,10 +191,13 @@ class BusSource(GroupSettlement):
                 return Upstream(False, waiting_for="the feeder (feed not complete)")
         upstream = await lag(self.bus, self.run, PRODUCERS)
         if upstream.messages:
+            idle = (
+                "; no producer is capturing: are they running?" if not upstream.ack_pending else ""
+            )
             return Upstream(
                 False,
                 waiting_for=f"producers: {upstream.pending} tasks pending, "
-                f"{upstream.ack_pending} in capture",
+                f"{upstream.ack_pending} in capture{idle}",
             )
         mine = await lag(self.bus, self.run, TRAINERS)
         if mine.pending:

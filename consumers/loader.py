@@ -32,7 +32,7 @@ from consumers.ledger import Key, Ledger, plan_round
 from consumers.lockstep import Decision, Status, agree, gather_objects, rank
 from consumers.loop_thread import LoopThread
 from consumers.source import Item, Source, Upstream
-from core.errors import BusError
+from core.errors import BrokerUnavailable, BusError
 
 log = logging.getLogger("specbus.loader")
 
@@ -145,6 +145,9 @@ class Loader:
                 continue
             try:
                 await self.source.keepalive(items)
+            except BrokerUnavailable as e:  # given up on the broker: the training thread ends
+                self._error = e
+                return
             except Exception as e:  # noqa: BLE001 - retried next beat; a lapse is tolerated
                 if failing_since is None:
                     failing_since = time.monotonic()

@@ -160,6 +160,23 @@ def _best_effort_lag(loop: LoopThread, bus, run: str, timeout_s: float = 2.0):
         return _Unknown()
 
 
+def sweep_trained(cfg: RunConfig, ledger: Ledger, timeout_s: float | None = None) -> None:
+    """Remove from the run's store every sample the ledger holds as trained, whatever its
+    generation (releases a killed process had queued, refused for a read lease, die with it;
+    they are re-derived here). Best effort: a store that cannot be reached is logged."""
+    try:
+        store = open_store(cfg.store)
+        try:
+            freed = store.sweep(ledger.trained_sample, timeout_s=timeout_s)
+        finally:
+            store.close()
+    except Exception as e:  # noqa: BLE001 - the next sweep (resume, end of run) retries
+        log.warning("could not sweep trained samples from %s: %s", cfg.store.uri, e)
+        return
+    if freed:
+        log.info("swept %d bytes of trained samples from %s", freed, cfg.store.uri)
+
+
 def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> TrainResult | None:
     rank, world, local_rank = dist_env()
     if cfg.telemetry.otel:
@@ -220,6 +237,8 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
             if rank == 0:  # everything above the floor comes again; the ledger skips what is in
                 loop.call(reposition(bus, cfg.run, group_name, ledger.cursor.floor + 1))
                 loop.call(topo.kv.clear_train_complete())  # producers capture again
+                if not colocated:  # releases a killed rank had queued: re-derived, before prefetch
+                    sweep_trained(cfg, ledger, timeout_s=0)
         elif checkpoints.resolve("latest") is not None:
             raise CheckpointError(
                 f"{Path(ckpt_dir)} already holds checkpoints of run {cfg.run!r}: pass --resume to continue it, "
@@ -289,6 +308,8 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
             profile_dir=cfg.resolved_run_dir / "profile",
         )
         result = trainer.fit()
+        if rank == 0 and not colocated:  # nothing trained stays in the store
+            sweep_trained(cfg, ledger)
         if result.stopped:
             log.warning(
                 "rank %d stopped at step %d (checkpoint %s): resume with --resume",

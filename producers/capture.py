@@ -174,9 +174,12 @@ class CaptureWorker:
 
     async def _over_budget(self) -> bool:
         """Backpressure: store residency (exact, every batch) or refs not yet consumed (bytes,
-        as of the last broker poll) at 90 % of the budget."""
-        budget = self.cfg.store.budget_bytes
+        as of the last broker poll) at 90 % of the budget, or of what the store can hold when
+        that is less (a /dev/shm smaller than the budget)."""
         usage = await asyncio.to_thread(self.store.usage)
+        budget = self.cfg.store.budget_bytes
+        if usage.capacity_bytes:
+            budget = min(budget, usage.capacity_bytes)
         return usage.resident_bytes >= budget * 0.9 or self._lag_bytes >= budget * 0.9
 
     async def _idle(self) -> bool:

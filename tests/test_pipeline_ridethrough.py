@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 from nats.js.errors import NotFoundError
 
 from bus.connection import connect
@@ -107,10 +106,7 @@ def test_every_process_rides_through_an_8s_broker_outage(
     lineage = cluster.checkpoint_state()["lineage"]
     assert set(lineage) == {f"t{i}-e{e}" for i in range(N) for e in range(EPOCHS)}
     # ... exactly once. The broker persists consumer state asynchronously: a kill right after
-    # an ack can bring acked refs back as first deliveries, and filtering them is the
-    # trainer's job (issue 12, defect 1), not the ride-through's. Until the trainer does,
-    # that alone is an expected failure; anything else above is a hard one.
+    # an ack can bring acked refs back as first deliveries; the trainers' ledger filters them.
     twice = sorted({s for s in lineage if lineage.count(s) > 1})
-    if twice:
-        pytest.xfail(f"trained twice after the broker lost acks (issue 12 defect 1): {twice}")
+    assert not twice, f"trained twice after the broker lost acks: {twice}"
     assert done["steps"] == total // WINDOW, done
