@@ -154,8 +154,11 @@ class Attention(nn.Module):
         kv_ctx: tuple[torch.Tensor, torch.Tensor],
         positions_BQ: torch.Tensor,
         allow_BQS: torch.Tensor | None,
+        attention: str = "sdpa",
     ) -> torch.Tensor:
-        """`allow_BQS` (S = L + Q) is the boolean mask over [context | block keys]; None: all."""
+        """`allow_BQS` (S = L + Q) is the boolean mask over [context | block keys]; None: all.
+        `attention`: "sdpa" (any backend; memory-efficient on CUDA) or "eager" (explicit scores,
+        the reference's arithmetic)."""
         b, q_len, _ = x_BQH.shape
         q = self.q_norm(self.q_proj(x_BQH).view(b, q_len, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x_BQH).view(b, q_len, self.num_kv_heads, self.head_dim))
@@ -165,14 +168,18 @@ class Attention(nn.Module):
         rep = self.num_heads // self.num_kv_heads
         keys = _repeat_kv(torch.cat([kv_ctx[0], k], dim=2), rep)
         values = _repeat_kv(torch.cat([kv_ctx[1], v], dim=2), rep)
-        empty_BQ1 = None
-        mask = None
-        if allow_BQS is not None:
+        empty_BQ1 = None if allow_BQS is None else ~allow_BQS.any(-1, keepdim=True)
+        if attention == "eager":  # the reference's eager arithmetic (CPU, parity)
+            scores = torch.matmul(q, keys.transpose(2, 3)) * self.head_dim**-0.5
+            if allow_BQS is not None:
+                scores = scores.masked_fill(~allow_BQS[:, None], torch.finfo(scores.dtype).min)
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(probs, values)
+        else:
             # A row with no allowed key (a padding block) attends everywhere, then is zeroed:
             # no NaN on any SDPA backend, and the reference's eager result (0) exactly.
-            empty_BQ1 = ~allow_BQS.any(-1, keepdim=True)
-            mask = (allow_BQS | empty_BQ1)[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            mask = None if allow_BQS is None else (allow_BQS | empty_BQ1)[:, None]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         out = self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
         if empty_BQ1 is not None:
             out = out.masked_fill(empty_BQ1, 0.0)
@@ -187,8 +194,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x_BQH, kv_ctx, positions_BQ, allow_BQS) -> torch.Tensor:
-        h = x_BQH + self.self_attn(self.input_layernorm(x_BQH), kv_ctx, positions_BQ, allow_BQS)
+    def forward(self, x_BQH, kv_ctx, positions_BQ, allow_BQS, attention="sdpa") -> torch.Tensor:
+        h = x_BQH + self.self_attn(
+            self.input_layernorm(x_BQH), kv_ctx, positions_BQ, allow_BQS, attention
+        )
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -340,6 +349,7 @@ class DFlashDraft(nn.Module):
         aux_BLA: torch.Tensor,
         positions_BS: torch.Tensor,
         allow_BQS: torch.Tensor,
+        attention: str = "sdpa",
     ) -> torch.Tensor:
         """Training pass over all blocks at once; returns the post-norm hidden `[B, Q, H]`.
 
@@ -352,7 +362,7 @@ class DFlashDraft(nn.Module):
         h = noise_BQH.to(ctx.dtype)
         for layer in self.layers:
             kv = layer.self_attn.context_kv(ctx, ctx_pos)
-            h = layer(h, kv, q_pos, allow_BQS)
+            h = layer(h, kv, q_pos, allow_BQS, attention)
         return self.norm(h)
 
     # -- decoding ------------------------------------------------------------------------

@@ -126,6 +126,7 @@ def draft_blocks(
     embed_VH: torch.Tensor,
     mask_token_id: int,
     block_size: int,
+    attention: str = "sdpa",
 ) -> torch.Tensor:
     """The draft's post-norm hidden of every block `[B, N, K, H]` (one call of `model`)."""
     b, seq = input_ids_BL.shape
@@ -144,7 +145,7 @@ def draft_blocks(
         dim=1,
     )
     allow = block_mask(anchors_BN, keep_BN, seq, block_size)
-    hidden = model(noise_BQH, hidden_states_BLA, positions, allow)
+    hidden = model(noise_BQH, hidden_states_BLA, positions, allow, attention)
     return hidden.view(b, n, block_size, -1)
 
 
@@ -215,6 +216,7 @@ def dflash_loss(
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
     chunk_blocks: int = 128,
+    attention: str = "sdpa",
     den_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     world_size: int = 1,
 ) -> tuple[torch.Tensor, Metrics]:
@@ -224,7 +226,7 @@ def dflash_loss(
     hidden = draft_blocks(
         model, input_ids_BL=input_ids_BL, hidden_states_BLA=hidden_states_BLA,
         anchors_BN=anchors_BN, keep_BN=keep_BN, embed_VH=embed_VH,
-        mask_token_id=mask_token_id, block_size=block_size,
+        mask_token_id=mask_token_id, block_size=block_size, attention=attention,
     )  # fmt: skip
     offsets = torch.arange(block_size, device=input_ids_BL.device)
     target, in_range, _ = gather_blocks(input_ids_BL, anchors_BN, offsets)
@@ -295,6 +297,7 @@ def domino_loss(
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
     chunk_blocks: int = 128,
+    attention: str = "sdpa",
 ) -> tuple[torch.Tensor, Metrics]:
     """The Domino objective (module docstring); `lambda_base` from `domino_lambda`."""
     draft = unwrap(model)
@@ -302,7 +305,7 @@ def domino_loss(
     hidden = draft_blocks(
         model, input_ids_BL=input_ids_BL, hidden_states_BLA=hidden_states_BLA,
         anchors_BN=anchors_BN, keep_BN=keep_BN, embed_VH=embed_VH,
-        mask_token_id=mask_token_id, block_size=block_size,
+        mask_token_id=mask_token_id, block_size=block_size, attention=attention,
     )  # fmt: skip
     offsets = torch.arange(block_size, device=input_ids_BL.device)
     target, in_range, _ = gather_blocks(input_ids_BL, anchors_BN, offsets)
@@ -376,6 +379,7 @@ def dspark_loss(
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
     chunk_blocks: int = 128,
+    attention: str = "sdpa",
     den_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     world_size: int = 1,
 ) -> tuple[torch.Tensor, Metrics]:
@@ -386,7 +390,7 @@ def dspark_loss(
     hidden = draft_blocks(
         model, input_ids_BL=input_ids_BL, hidden_states_BLA=hidden_states_BLA,
         anchors_BN=anchors_BN, keep_BN=keep_BN, embed_VH=embed_VH,
-        mask_token_id=mask_token_id, block_size=block_size,
+        mask_token_id=mask_token_id, block_size=block_size, attention=attention,
     )  # fmt: skip
     b, seq = input_ids_BL.shape
     device = input_ids_BL.device
@@ -711,7 +715,15 @@ class DFlashFamilyStrategy:
             gamma=self.cfg.loss_gamma, anchors=anchors,
             generator=None if anchors is not None else self.generator(step),
             chunk_blocks=self.cfg.chunk_blocks,
+            attention=self.resolve_attention(t["input_ids"].device),
         )  # fmt: skip
+
+    def resolve_attention(self, device: torch.device) -> str:
+        """"auto": SDPA on CUDA (the memory-efficient kernel with the block mask), the
+        reference's eager arithmetic on CPU; "sdpa": SDPA everywhere."""
+        if self.cfg.attention == "auto":
+            return "sdpa" if torch.device(device).type == "cuda" else "eager"
+        return "sdpa"
 
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None
