@@ -301,7 +301,9 @@ class DFlashDraft(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         if cfg.projector == "domino":
-            self.prefix_gru = nn.GRU(h, cfg.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
+            self.prefix_gru = nn.GRU(
+                h, cfg.gru_hidden_dim, num_layers=1, batch_first=True, bias=False
+            )
             self.embed_proj = nn.Sequential(
                 nn.Linear(h + cfg.gru_hidden_dim, cfg.emb_dim, bias=False),
                 nn.SiLU(),
@@ -397,10 +399,14 @@ class DFlashDraft(nn.Module):
         b, n, k = base_BNKV.shape[:3]
         gru_in = prev_emb_BNKH[:, :, : k - 1].reshape(b * n, k - 1, -1)
         gru_out = self.prefix_gru(gru_in.to(self.fc.weight.dtype))[0].reshape(b, n, k - 1, -1)
-        residual = self.embed_proj(torch.cat([hidden_BNKH[:, :, 1:], gru_out.to(hidden_BNKH.dtype)], -1))
+        residual = self.embed_proj(
+            torch.cat([hidden_BNKH[:, :, 1:], gru_out.to(hidden_BNKH.dtype)], -1)
+        )
         return torch.cat([base_BNKV[:, :, :1], base_BNKV[:, :, 1:] + residual], dim=2)
 
-    def confidence_logits(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
+    def confidence_logits(
+        self, hidden: torch.Tensor, prev_ids: torch.Tensor
+    ) -> torch.Tensor | None:
         if getattr(self, "confidence_head", None) is None:
             return None
         features = hidden

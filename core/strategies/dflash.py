@@ -157,13 +157,19 @@ def chunked_sum(fn: Callable[..., tuple[torch.Tensor, ...]], *tensors, chunk: in
     totals = None
     for start in range(0, n, step):
         args = tuple(t[:, start : start + step] if t is not None else None for t in tensors)
-        if chunk and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
+        if (
+            chunk
+            and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in args)
+        ):
             from torch.utils.checkpoint import checkpoint
 
             terms = checkpoint(fn, *args, use_reentrant=False)
         else:
             terms = fn(*args)
-        totals = terms if totals is None else tuple(a + b for a, b in zip(totals, terms, strict=True))
+        totals = (
+            terms if totals is None else tuple(a + b for a, b in zip(totals, terms, strict=True))
+        )
     return totals
 
 
@@ -193,7 +199,9 @@ def _logits(hidden: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
 
 def _ce(logits_BNKV: torch.Tensor, target_BNK: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
-        logits_BNKV.reshape(-1, logits_BNKV.shape[-1]).float(), target_BNK.reshape(-1), reduction="none"
+        logits_BNKV.reshape(-1, logits_BNKV.shape[-1]).float(),
+        target_BNK.reshape(-1),
+        reduction="none",
     ).view_as(target_BNK)
 
 
@@ -415,7 +423,9 @@ def dspark_loss(
 
     def terms(h, prv, tgt, w, ev, th):
         base = _logits(h, lm_head_VH)
-        logits = draft.markov_head.block_logits(base, prv, h) if draft.markov_head is not None else base
+        logits = (
+            draft.markov_head.block_logits(base, prv, h) if draft.markov_head is not None else base
+        )
         ce = _ce(logits, tgt)
         zero = ce.new_zeros(())
         l1_num = conf_num = conf_err = agree = t_top1 = d_top1 = tau_num = tau_den = zero
@@ -435,9 +445,11 @@ def dspark_loss(
         if conf is not None and confidence_alpha > 0:
             if accept is None:
                 raise ConfigError("DSpark's confidence loss needs the target's final hidden state")
-            bce = F.binary_cross_entropy_with_logits(conf.float(), accept.detach(), reduction="none")
+            bce = F.binary_cross_entropy_with_logits(
+                conf.float(), accept.detach(), reduction="none"
+            )
             conf_num = (bce * w).sum()
-            conf_err = ((conf.float().sigmoid() - accept) .abs() * w).sum()
+            conf_err = ((conf.float().sigmoid() - accept).abs() * w).sum()
         with torch.no_grad():
             pred = logits.argmax(-1)
             hit = ((pred == tgt) & ev).float()
@@ -550,7 +562,9 @@ class DFlashFamilyStrategy:
                 f"target's embedding and lm_head, so its width is the target's ({target.hidden_size})"
             )
         if cfg.attention == "flex":
-            raise ConfigError(f"strategy.attention=flex is not built for {self.name} (use auto or sdpa)")
+            raise ConfigError(
+                f"strategy.attention=flex is not built for {self.name} (use auto or sdpa)"
+            )
         self.aux_layers = (
             list(aux_layers)
             if aux_layers is not None
@@ -719,7 +733,7 @@ class DFlashFamilyStrategy:
         )  # fmt: skip
 
     def resolve_attention(self, device: torch.device) -> str:
-        """"auto": SDPA on CUDA (the memory-efficient kernel with the block mask), the
+        """ "auto": SDPA on CUDA (the memory-efficient kernel with the block mask), the
         reference's eager arithmetic on CPU; "sdpa": SDPA everywhere."""
         if self.cfg.attention == "auto":
             return "sdpa" if torch.device(device).type == "cuda" else "eager"
@@ -766,7 +780,9 @@ class DominoStrategy(DFlashFamilyStrategy):
         return domino_lambda(step, d.lambda_start, d.lambda_decay_ratio)
 
     def forward_loss(self, model, batch, step=None):
-        return domino_loss(model, **self.loss_kwargs(batch, step), lambda_base=self.lambda_base(step))
+        return domino_loss(
+            model, **self.loss_kwargs(batch, step), lambda_base=self.lambda_base(step)
+        )
 
 
 class DSparkStrategy(DFlashFamilyStrategy):

@@ -142,7 +142,9 @@ def run(projector: str, steps: int = 3, attention: str = "eager") -> Report:
     ref_state = {k: v for k, v in ref_draft.state_dict().items() if "rotary_emb" not in k}
     missing, unexpected = ours.load_state_dict(ref_state, strict=False)
     if missing or unexpected:
-        raise SystemExit(f"{projector}: weight names differ: missing {missing}, unexpected {unexpected}")
+        raise SystemExit(
+            f"{projector}: weight names differ: missing {missing}, unexpected {unexpected}"
+        )
     embed = torch.nn.Embedding(V, H)
     head = torch.nn.Linear(H, V, bias=False)
     for p in (*embed.parameters(), *head.parameters()):
@@ -185,7 +187,13 @@ def run(projector: str, steps: int = 3, attention: str = "eager") -> Report:
             )
             loss, m = domino_loss(ours, **kwargs, lambda_base=lam)
             report.check("accuracy", m["accuracy"], ref_acc)
-            for key in ("final_loss", "base_loss", "base_accuracy", "accept_len", "base_accept_len"):
+            for key in (
+                "final_loss",
+                "base_loss",
+                "base_accuracy",
+                "accept_len",
+                "base_accept_len",
+            ):
                 report.check(key, m[key], ref_m[key])
         else:
             ref_loss, ref_acc, ref_m = wrapper(
@@ -212,7 +220,9 @@ def run(projector: str, steps: int = 3, attention: str = "eager") -> Report:
         ref_params = dict(ref_draft.named_parameters())
         for name, p in ours.named_parameters():
             ref_grad = ref_params[name].grad
-            report.check("gradients", p.grad, ref_grad if ref_grad is not None else torch.zeros_like(p))
+            report.check(
+                "gradients", p.grad, ref_grad if ref_grad is not None else torch.zeros_like(p)
+            )
         ref_opt.step()
         our_opt.step()
     ref_params = dict(ref_draft.named_parameters())
@@ -222,11 +232,15 @@ def run(projector: str, steps: int = 3, attention: str = "eager") -> Report:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--strategies", default="dflash,domino,dspark")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument(
-        "--attention", choices=("eager", "sdpa"), default="eager",
+        "--attention",
+        choices=("eager", "sdpa"),
+        default="eager",
         help="specbus's attention path (the reference runs eager)",
     )
     ap.add_argument("--json", default=None, help="write the worst errors here")
@@ -238,7 +252,9 @@ def main() -> int:
     for name in args.strategies.split(","):
         r = run(name, args.steps, args.attention)
         out[name] = {"worst_relative_error": r.worst, "failures": r.failures}
-        print(f"== {name} ({args.attention}): {'PASS' if not r.failures else 'FAIL'} (rtol {RTOL}, atol {ATOL})")
+        print(
+            f"== {name} ({args.attention}): {'PASS' if not r.failures else 'FAIL'} (rtol {RTOL}, atol {ATOL})"
+        )
         for q, e in r.worst.items():
             print(f"   {q:38s} worst relative error {e:.2e}")
         for f in r.failures:
