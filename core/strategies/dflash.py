@@ -531,7 +531,7 @@ class DFlashFamilyStrategy:
     chunk_blocks, attention, draft.{num_layers, intermediate_size, num_attention_heads,
     num_key_value_heads}} and its own section (domino / dspark). Any other key set explicitly
     (ttt_length, step_weight, draft.draft_vocab_size, draft.hidden_size other than the target's,
-    the other method's section) is refused by name.
+    the other method's section), when it differs from its default, is refused by name.
     """
 
     projector = "dflash"
@@ -579,12 +579,22 @@ class DFlashFamilyStrategy:
         self._micro = (-1, 0)  # (step, micro-batch index) for the anchor generator
 
     def _refuse_unused(self, cfg: StrategyConfig) -> None:
+        """Refuse keys this strategy does not read when they differ from their defaults (a
+        dumped and reloaded config sets every key, so "set" cannot mean "given")."""
+        default = StrategyConfig()
         keys = self.KEYS | set(self.SECTIONS)
-        unused = sorted(f"strategy.{k}" for k in cfg.model_fields_set - keys)
-        unused += sorted(
-            f"strategy.draft.{k}" for k in cfg.draft.model_fields_set - self.DRAFT_KEYS
-        )
-        if "architecture" in cfg.draft.model_fields_set and cfg.draft.architecture != "dflash":
+        unused = [
+            f"strategy.{k}"
+            for k in StrategyConfig.model_fields
+            if k not in keys and getattr(cfg, k) != getattr(default, k)
+        ]
+        unused += [
+            f"strategy.draft.{k}"
+            for k in type(cfg.draft).model_fields
+            if k not in self.DRAFT_KEYS | {"architecture"}
+            and getattr(cfg.draft, k) != getattr(default.draft, k)
+        ]
+        if cfg.draft.architecture not in (default.draft.architecture, "dflash"):
             unused.append(f"strategy.draft.architecture={cfg.draft.architecture}")
         if unused:
             raise ConfigError(f"strategy {self.name!r} does not use {', '.join(unused)}: remove it")
