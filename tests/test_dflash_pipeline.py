@@ -35,10 +35,15 @@ def test_each_strategy_trains_colocated_and_exports(tmp_path, tiny_target, nats_
     assert all(row["loss"] > 0 for row in rows) and "accept_len" in rows[0]
     if name == "domino":  # the schedule reached the loss: lambda decays from 1
         assert rows[0]["lambda_base"] == 1.0 and rows[-1]["lambda_base"] < 1.0
+    from ops.evaluate import compare_drafts
     from ops.export import export_checkpoint
 
     out = export_checkpoint(cfg, "latest", tmp_path / "export")
     assert (out / "model.safetensors").exists()
+    held = cfg.model_copy(update={"data": cfg.data.model_copy(update={"holdout": 2})})
+    report = compare_drafts(held, num_prompts=2, max_new_tokens=8)  # block decoding, lossless
+    assert report.trained.lossless and report.trained.rounds > 0
+    assert report.num_draft_tokens == (4 if name == "dspark" else 3)
 
 
 def test_equivalence_gate_dflash_colocated_equals_disaggregated(tmp_path, tiny_target, nats_server):
