@@ -119,7 +119,7 @@ def test_dflash_loss_is_the_decayed_weighted_cross_entropy_over_the_weight_sum()
             w = math.exp(-(j - 1) / gamma)
             num += w * float(F.cross_entropy(logits[n * k + j][None], ids[0, t][None]))
             den += w
-    assert float(loss) == pytest.approx(num / den, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(num / den, rel=1e-6)
     assert float(m["loss_denom"]) == pytest.approx(den)
     assert set(m) >= {"acc_0", "acc_1", "correct_0", "denom_1", "ploss_0", "accept_len"}
 
