@@ -113,16 +113,43 @@ class DraftConfig(Section):
     draft_vocab_size: int = Field(32000, ge=1)
 
 
+class DominoConfig(Section):
+    """Domino's correction head and its schedule-dependent loss weight."""
+
+    lambda_start: float = Field(1.0, ge=0, le=1)  # base-loss weight at step 0
+    lambda_decay_ratio: float = Field(0.5, gt=0, le=1)  # reaches 0 after this fraction of steps
+    emb_dim: int = Field(256, ge=1)  # embed_proj width
+    gru_hidden_dim: int = Field(256, ge=1)
+
+
+class DSparkConfig(Section):
+    """DSpark's Markov and confidence heads and its loss mix (CE + L1 + confidence)."""
+
+    ce_alpha: float = Field(0.1, ge=0)
+    l1_alpha: float = Field(0.9, ge=0)
+    confidence_alpha: float = Field(1.0, ge=0)
+    markov_rank: int = Field(128, ge=0)  # 0: no Markov head (SGLang's DSPARK needs one)
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    confidence_head: bool = True
+    confidence_with_markov: bool = False
+
+
 class StrategyConfig(Section):
-    name: Literal["eagle3", "dflash", "domino"] = "eagle3"
+    # A registered strategy (core.strategies): eagle3, dflash, domino, dspark; checked when built.
+    name: str = Field("eagle3", pattern=r"^[a-z0-9_]+$")
     ttt_length: int = Field(7, ge=1)
     step_weight: float = Field(0.8, gt=0)
     attention: Literal["auto", "sdpa", "flex"] = "auto"
     draft: DraftConfig = DraftConfig()
+    # DFlash family (dflash, domino, dspark)
     block_size: int = Field(16, ge=2)
     num_anchors: int = Field(512, ge=1)
     loss_gamma: float = Field(7.0, gt=0)
-    mask_token_id: int | None = None
+    mask_token_id: int | None = Field(None, ge=0)  # None: the target's pad, else eos token
+    anchor_seed: int = 0  # anchors are drawn from a generator seeded by (this, step, rank)
+    chunk_blocks: int = Field(128, ge=0)  # blocks per logits chunk (0: all at once)
+    domino: DominoConfig = DominoConfig()
+    dspark: DSparkConfig = DSparkConfig()
 
 
 class DataConfig(Section):

@@ -44,6 +44,8 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
     """Demo defaults < the config file < command-line overrides."""
     tree = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
     tree = tree or {}
+    if getattr(args, "strategy", None):
+        tree.setdefault("strategy", {})["name"] = args.strategy
     user = build_config(tree, list(args.overrides))
     run = user.run if user.run != "default" else f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     defaults = {
@@ -53,7 +55,6 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
         "data.holdout": 50,
         "store.uri": f"shm://{run}",
         "store.budget_bytes": 1 << 30,
-        "strategy.draft.draft_vocab_size": 8192,
         "target.capture_batch": 2,
         "training.lr": 5e-4,
         "training.warmup_ratio": 0.02,
@@ -62,6 +63,11 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
         "training.total_steps": 400,
         "training.max_minutes": args.minutes,
     }
+    if user.strategy.name == "eagle3":
+        defaults["strategy.draft.draft_vocab_size"] = 8192
+    else:  # DFlash family on a CPU: smaller blocks and fewer anchors per sample
+        defaults["strategy.block_size"] = 8
+        defaults["strategy.num_anchors"] = 64
     if args.target:
         defaults["target.model"] = args.target
     for dotted, value in defaults.items():

@@ -17,6 +17,11 @@ from ops.export import load_trained_draft
 from producers.engines.registry import build_engine
 
 
+def block_drafts(config) -> int:
+    """Tokens a DFlash-family draft proposes per block (DSpark drafts from the anchor too)."""
+    return config.block_size if config.projector == "dspark" else config.block_size - 1
+
+
 @dataclass
 class Comparison:
     untrained: AcceptanceReport
@@ -64,10 +69,20 @@ def compare_drafts(
         from core.data.vocab import VocabMapping
 
         torch.manual_seed(cfg.training.seed)  # the trainers' initialisation
-        untrained = strategy.build_model(
-            engine.info, heads, VocabMapping(d2t=trained.d2t.clone(), t2d=trained.t2d.clone())
+        block = getattr(trained, "config", None) is not None and hasattr(
+            trained.config, "projector"
         )
+        untrained = strategy.build_model(
+            engine.info,
+            heads,
+            None if block else VocabMapping(d2t=trained.d2t.clone(), t2d=trained.t2d.clone()),
+        )
+        if block:  # DFlash family: one block per verification, its size fixed by the draft
+            from core.eval.block import block_generate
+
+            num_draft_tokens = block_drafts(trained.config)
         kwargs = dict(
+            generate=block_generate if block else None,
             aux_layers=strategy.aux_layers,
             num_draft_tokens=num_draft_tokens,
             max_new_tokens=max_new_tokens,

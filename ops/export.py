@@ -1,4 +1,4 @@
-"""`specbus export`: a checkpoint -> the directory SGLang loads as an EAGLE3 draft."""
+"""`specbus export`: a checkpoint -> the directory SGLang loads as a draft (EAGLE3, DFLASH, DSPARK)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,18 @@ def load_trained_draft(cfg: RunConfig, checkpoint: str | Path = "latest"):
     info = load_target_info(target_path, name=cfg.target.model)
     heads = load_target_heads(target_path)
     strategy = build_strategy(cfg.strategy, info, heads=heads, aux_layers=cfg.target.aux_layers)
-    vocab = VocabMapping(d2t=state["d2t"].long(), t2d=state["t2d"].bool())
+    vocab = (  # EAGLE3's reduced vocabulary; DFlash-family drafts use the target's lm_head
+        VocabMapping(d2t=state["d2t"].long(), t2d=state["t2d"].bool()) if "d2t" in state else None
+    )
     draft = strategy.build_model(info, heads, vocab)
     draft.load_state_dict(state)
     return draft.eval()
 
 
 def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: str | Path) -> Path:
-    return export_draft(load_trained_draft(cfg, checkpoint), out)
+    draft = load_trained_draft(cfg, checkpoint)
+    if hasattr(draft, "config") and getattr(draft.config, "projector", None) is not None:
+        from core.export.dflash import export_dflash
+
+        return export_dflash(draft, out)
+    return export_draft(draft, out)

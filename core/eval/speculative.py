@@ -180,15 +180,19 @@ def measure_acceptance(
     eos_ids: tuple[int, ...] = (),
     check_lossless: bool = True,
     references: dict[tuple[int, ...], list[int]] | None = None,
+    generate=None,
 ) -> AcceptanceReport:
     """Speculative decoding over `prompts`; raises `LosslessError` if an output differs from greedy.
 
     `references` (optional) memoises the greedy outputs by prompt, so several drafts can be
-    checked against one set of target decodes.
+    checked against one set of target decodes. `generate` is the decoding loop
+    (`speculative_generate`, EAGLE3 chains, by default; `core.eval.block.block_generate` for
+    DFlash-family drafts, which ignores `num_draft_tokens`: a block drafts its own count).
     """
+    generate = generate or speculative_generate
     rounds = accepted = tokens = 0
     for i, prompt in enumerate(prompts):
-        spec = speculative_generate(
+        spec = generate(
             target,
             draft,
             prompt,

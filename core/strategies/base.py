@@ -1,6 +1,6 @@
 """The strategy boundary: what an algorithm needs from the target, how it batches, its loss.
 
-A strategy (eagle3, dflash, domino) declares
+A strategy (eagle3, dflash, domino, dspark) declares
 - `feature_contract(target)`: which tensors a captured sample carries, their shapes in terms of
   the sample length L, their dtypes, and which target layers feed them;
 - `collate(samples, max_length=...)`: per-sample tensor dicts -> a padded `TrainBatch`;

@@ -10,6 +10,8 @@
 #   GPU_TESTS=0 bash ops/bench/gpu.sh     # the benchmark only
 #   BENCH_ARGS="--steps 24" bash ops/bench/gpu.sh
 #   BENCH=multi bash ops/bench/gpu.sh     # on 2+ GPUs: ops/bench/gpu_multi.py
+#   GPU_TESTS=0 BENCH=dflash BENCH_ARGS="--runs dspark:512-4096" bash ops/bench/gpu.sh
+#                                         # DSpark colocated, mixed lengths (ops/bench/gpu_dflash.py)
 #
 # Fetch the wheels here first (once; see the device README):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -52,6 +54,9 @@ fi
 
 if [ "${BENCH:-pipeline}" = multi ]; then  # several GPUs: ops/bench/gpu_multi.py
   timeout "${BENCH_TIMEOUT:-420}" python3 -m ops.bench.gpu_multi --out "$OUT/gpu_multi.json" \
+    ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+elif [ "${BENCH:-pipeline}" = dflash ]; then  # DSpark / DFlash colocated: ops/bench/gpu_dflash.py
+  timeout "${BENCH_TIMEOUT:-540}" python3 -m ops.bench.gpu_dflash --out "$OUT/gpu_dflash.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 else
   timeout "${BENCH_TIMEOUT:-420}" python3 -m ops.bench.gpu_pipeline --seqs "${SEQS:-2048,4096}" \
