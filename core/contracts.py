@@ -39,7 +39,9 @@ class Record(BaseModel):
     @classmethod
     def _known_version(cls, v: int) -> int:
         if v != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported (this reader speaks {SCHEMA_VERSION})")
+            raise ValueError(
+                f"schema_version {v} is not supported (this reader speaks {SCHEMA_VERSION})"
+            )
         return v
 
     def to_bytes(self) -> bytes:
@@ -55,13 +57,17 @@ class Record(BaseModel):
     def from_bytes(cls, data: bytes):
         """Parse and validate. Raises `RecordError` with reason oversize/garbage/schema/invalid."""
         if len(data) > MAX_RECORD_BYTES:
-            raise RecordError(f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}", reason="oversize")
+            raise RecordError(
+                f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}", reason="oversize"
+            )
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError as e:
             raise RecordError(f"not a JSON record: {e}", reason="garbage") from e
         if not isinstance(obj, dict):
-            raise RecordError(f"record must be a JSON object, got {type(obj).__name__}", reason="garbage")
+            raise RecordError(
+                f"record must be a JSON object, got {type(obj).__name__}", reason="garbage"
+            )
         version = obj.get("schema_version")
         if version != SCHEMA_VERSION:
             raise RecordError(
@@ -127,8 +133,14 @@ class PromptTask(Record):
     def _has_payload(self) -> PromptTask:
         if self.input_ids is None and self.messages is None and self.text is None:
             raise ValueError("a PromptTask needs input_ids, messages or text")
-        if self.input_ids is not None and self.loss_mask is not None and len(self.input_ids) != len(self.loss_mask):
-            raise ValueError(f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in length")
+        if (
+            self.input_ids is not None
+            and self.loss_mask is not None
+            and len(self.input_ids) != len(self.loss_mask)
+        ):
+            raise ValueError(
+                f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in length"
+            )
         return self
 
     @property

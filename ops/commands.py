@@ -119,7 +119,9 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("export", help="export a checkpoint as an SGLang draft (EAGLE3, DFLASH, DSPARK)")
+    p = sub.add_parser(
+        "export", help="export a checkpoint as an SGLang draft (EAGLE3, DFLASH, DSPARK)"
+    )
     add_common(p)
     p.add_argument("--checkpoint", default="latest", help="latest, best, or a checkpoint directory")
     p.add_argument("--out", required=True, help="output directory")
@@ -135,7 +137,9 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--data", default=None, help="gsm8k, chatterbot, or a JSONL path")
     p.add_argument(
-        "--strategy", default=None, help="eagle3 (default), dflash, domino or dspark (strategy.name)"
+        "--strategy",
+        default=None,
+        help="eagle3 (default), dflash, domino or dspark (strategy.name)",
     )
     p.add_argument("--eval-prompts", type=int, default=20)
     p.add_argument("--eval-tokens", type=int, default=64)

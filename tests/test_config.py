@@ -7,7 +7,9 @@ from core.errors import ConfigError
 def test_defaults_validate_and_overrides_apply(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("run: demo\ntraining:\n  lr: 1.0e-3\nstore:\n  uri: 'mem://'\n")
-    cfg = load_config(path, ["training.lr=2e-4", "bus.max_deliver=3", "strategy.draft.draft_vocab_size=512"])
+    cfg = load_config(
+        path, ["training.lr=2e-4", "bus.max_deliver=3", "strategy.draft.draft_vocab_size=512"]
+    )
     assert cfg.run == "demo" and cfg.training.lr == 2e-4 and cfg.bus.max_deliver == 3
     assert cfg.store.uri == "mem://" and cfg.strategy.draft.draft_vocab_size == 512
     assert load_config(None).training.lr == 1e-4

@@ -67,7 +67,9 @@ def test_ledger_records_idempotently_and_round_trips():
         ([F, E], [2, 0], [-1, 2], [2, 0], Decision.END),  # a full rank has no view
     ],
 )
-def test_decide_stop_and_deliveries_held_by_nobody(statuses, held, ack_pending, unsettled, decision):
+def test_decide_stop_and_deliveries_held_by_nobody(
+    statuses, held, ack_pending, unsettled, decision
+):
     got = decide(statuses, held, need=2, ack_pending=ack_pending, unsettled=unsettled)
     assert got == decision
 
