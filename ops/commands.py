@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 
 from ops.cli import add_common, config_of, resolve_url
 
@@ -89,6 +90,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_purge(args: argparse.Namespace) -> int:
+    from core.store import purge_store
+
+    cfg = config_of(args)
+    if not args.yes:
+        print(
+            f"this removes every object of {cfg.store.uri} (run {cfg.run!r}), read leases "
+            "overridden: only for a run that is gone. Pass --yes to do it.",
+            file=sys.stderr,
+        )
+        return 2
+    freed = purge_store(cfg.store)
+    print(f"purged {cfg.store.uri}: {freed} bytes freed")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ops.demo import run_demo
 
@@ -126,6 +143,11 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", default="latest", help="latest, best, or a checkpoint directory")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("purge", help="remove every stored feature of a run that is gone")
+    add_common(p)
+    p.add_argument("--yes", action="store_true", help="the run is gone: remove its objects")
+    p.set_defaults(func=cmd_purge)
 
     p = sub.add_parser("demo", help="the whole pipeline on this machine (SmolLM2-135M, GSM8K)")
     add_common(p)

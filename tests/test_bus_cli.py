@@ -117,3 +117,24 @@ def test_a_bad_override_is_a_clear_error(capsys):
     assert main(["status", "bus.ack_wait_s=-1"]) == 2
     err = capsys.readouterr().err
     assert "bus.ack_wait_s" in err and "-1" in err
+
+
+def test_purge_removes_every_object_of_a_gone_run_and_asks_first(tmp_path, run_id, capsys):
+    import torch
+
+    from core.store import open_store
+
+    uri = f"shm://{tmp_path / 'shm'}"
+    store = open_store(uri, keep_on_close=True)  # the run's producers are gone, their data not
+    try:
+        store.put("s0", {"hidden_states": torch.ones(1024)})
+        store.put("s1", {"hidden_states": torch.ones(1024)}, 1)
+        assert store.usage().resident_bytes == 8192
+    finally:
+        store.close()
+    overrides = [f"run={run_id}", f"store.uri={uri}"]
+    assert main(["purge", *overrides]) == 2  # refuses without --yes, removes nothing
+    assert any((tmp_path / "shm").rglob("hidden_states*"))
+    assert main(["purge", "--yes", *overrides]) == 0
+    assert "8192 bytes freed" in capsys.readouterr().out
+    assert not any((tmp_path / "shm").rglob("hidden_states*"))
