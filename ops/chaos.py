@@ -236,13 +236,14 @@ class Role:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.expected_exit = False  # the harness killed/stopped it
+        self.death_seen = False  # an unexpected exit was recorded (restart pending)
         self.done = False  # exited 0
         self.log_path = trial.dir / f"{name}.log"
 
     def start(self) -> subprocess.Popen:
         argv = (self.argv_of if self.starts == 0 else self.restart_argv_of)()
         self.starts += 1
-        self.expected_exit = self.done = False
+        self.expected_exit = self.done = self.death_seen = False
         with open(self.log_path, "a") as log:
             log.write(
                 f"=== chaos: start {self.starts} at t={self.trial.t():.1f}s: {' '.join(argv)}\n"
@@ -283,15 +284,21 @@ class Role:
         return "\n".join(lines[-n:])
 
     def last_error(self) -> str:
-        """The last line of the latest incarnation that looks like an error, else its last line."""
+        """The error line of the latest incarnation: a `specbus X: error:` line, else the last
+        exception line, else its last line."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
         lines = text.rsplit("=== chaos: start", 1)[-1].splitlines()[1:]
-        for line in reversed(lines):
-            if re.search(r"Error|error|Exception|Traceback|exited|refus", line):
-                return line.strip()[:300]
+        for pattern in (
+            r"specbus \w+: error:",
+            r"^[\w.]*(Error|Exception)\b.*:",
+            r"[Ee]rror|refus",
+        ):
+            for line in reversed(lines):
+                if re.search(pattern, line) and "elastic/errors.html" not in line:
+                    return line.strip()[:300]
         return lines[-1].strip()[:300] if lines else ""
 
 
@@ -379,14 +386,16 @@ class Broker:
         else:
             self.down_since = time.monotonic()
 
-    def stop(self) -> None:
-        """What Ctrl-C does: SIGTERM to `specbus up` (or the direct server / an orphan)."""
+    def stop(self, *, orphan_too: bool = True) -> None:
+        """What Ctrl-C does: SIGTERM to `specbus up` (or to the server the harness started
+        directly). `orphan_too`: also SIGTERM a nats-server whose wrapper is gone (an outage
+        must take the broker down); the final stop leaves it to the orphan check."""
         if self.up.running:
             self.up.stop(timeout_s=15)
         if self.direct is not None:
             self.direct.stop()
             self.direct = None
-        if self.serving():  # an orphan `up` left behind: stop it by PID
+        if orphan_too and self.serving():
             os.kill(self.server_pid, signal.SIGTERM)
             if not _wait_gone(self.server_pid, 10):
                 _sigkill(self.server_pid)
@@ -398,6 +407,10 @@ class Probe:
     """A broker connection on a loop thread, for the harness's reads of stream/consumer state."""
 
     def __init__(self, url: str, run: str):
+        import logging
+
+        # The probe's own reconnect lines would interleave with the trial lines.
+        logging.getLogger("specbus.bus").addFilter(lambda r: "chaos-probe" not in r.getMessage())
         self.url, self.run = url, run
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -639,9 +652,11 @@ class Trial:
                 continue
             if role.expected_exit:
                 continue  # the fault that killed it restarts it
+            if not role.death_seen:
+                role.death_seen = True
+                self._death(role)
             if self.broker.down_since is not None:
                 continue  # restart once the broker is back
-            self._death(role)
             if role.starts >= 6:
                 raise TrialError(f"{role.name} died {role.starts} times; giving up")
             role.start()
@@ -892,7 +907,7 @@ class Trial:
             self.probe.close()
             self.probe = None
         if getattr(self, "broker", None) is not None:
-            self.broker.stop()
+            self.broker.stop(orphan_too=False)
         if self.mooncake is not None:
             self.mooncake.stop()
 
@@ -970,13 +985,17 @@ def build_assets(opts: Options) -> dict[str, Path]:
     return {"target": target, "data": data}
 
 
-def repro(plan: Plan, opts: Options, victims: list[str] | None) -> str:
+def repro(
+    plan: Plan, opts: Options, victims: list[str] | None, faults: tuple[int, int] = (1, 3)
+) -> str:
     parts = ["python -m ops.chaos", f"--store {plan.store}", f"--seed {plan.seed}", "--trials 1",
              f"--tasks {opts.tasks}", "--keep"]  # fmt: skip
     if opts.slow:
         parts.append("--slow")
     if victims:
         parts.append(f"--victims {','.join(victims)}")
+    if tuple(faults) != (1, 3):
+        parts.append(f"--faults {faults[0]}-{faults[1]}")
     return " ".join(parts)
 
 
@@ -1060,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if not r.ok:
-            print(f"    logs: {r.dir}\n    repro: {repro(plan, opts, victims)}", flush=True)
+            print(f"    logs: {r.dir}\n    repro: {repro(plan, opts, victims, faults)}", flush=True)
             if args.stop_on_fail:
                 break
     print(summarize(results))
