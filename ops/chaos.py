@@ -103,6 +103,14 @@ class Fault:
         idx = f"[{self.index}]" if self.index is not None else ""
         return f"{self.victim}{idx}@{self.at}"
 
+    @property
+    def fired(self) -> str:
+        """Where it landed: `t` (trainers') or `p` (producers') ack floor, rank 0's last step."""
+        d = self.landed
+        if "ack_floor" not in d:
+            return "missed" if d else "not-fired"
+        return f"{d['group'][0]}{d['ack_floor']}/step{d.get('last_step_logged')}"
+
 
 @dataclass
 class Plan:
@@ -284,22 +292,25 @@ class Role:
         return "\n".join(lines[-n:])
 
     def last_error(self) -> str:
-        """The error line of the latest incarnation: a `specbus X: error:` line, else the last
-        exception line, else its last line."""
+        """The error of the latest incarnation: its first `specbus X: error:` or specbus error
+        (core.errors), else its last exception line with a message, else its last line."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-        lines = text.rsplit("=== chaos: start", 1)[-1].splitlines()[1:]
-        for pattern in (
-            r"specbus \w+: error:",
-            r"^[\w.]*(Error|Exception)\b.*:",
-            r"[Ee]rror|refus",
-        ):
-            for line in reversed(lines):
-                if re.search(pattern, line) and "elastic/errors.html" not in line:
-                    return line.strip()[:300]
-        return lines[-1].strip()[:300] if lines else ""
+        lines = [
+            ln.strip()
+            for ln in text.rsplit("=== chaos: start", 1)[-1].splitlines()[1:]
+            if " WARNING " not in ln and "ChildFailedError" not in ln
+        ]
+        for pattern in (r"specbus \w+: error:", r"core\.errors\.\w+: "):
+            for line in lines:
+                if re.search(pattern, line):
+                    return line[:300]
+        for line in reversed(lines):
+            if re.search(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): \S", line):
+                return line[:300]
+        return lines[-1][:300] if lines else ""
 
 
 # ---------------------------------------------------------------- the broker
@@ -315,6 +326,7 @@ class Broker:
         self.direct = None  # ops.services.nats.NatsServer when `up` refused
         self.server_pid: int | None = None
         self.down_since: float | None = None
+        self.up_since = time.monotonic()
 
     def _up_argv(self) -> list[str]:
         return [sys.executable, "-m", "ops.cli", "up", "--config", str(self.trial.config_path),
@@ -338,7 +350,7 @@ class Broker:
             if m and "Ctrl-C to stop" in text:
                 self.server_pid = int(m.group(1))
                 self.trial.pids.add(self.server_pid)
-                self.down_since = None
+                self._is_up()
                 return
             if proc.poll() is not None:
                 self.up.expected_exit = True  # accounted for here, not as a death
@@ -355,7 +367,7 @@ class Broker:
     def _fallback(self, timeout_s: float) -> None:
         if self.serving():  # an orphaned nats-server of a killed wrapper still holds the port
             self.trial.note(f"broker: nats-server pid {self.server_pid} still serves (orphan)")
-            self.down_since = None
+            self._is_up()
             return
         from ops.services.nats import NatsServer
 
@@ -363,12 +375,25 @@ class Broker:
         self.server_pid = self.direct.pid
         self.trial.pids.add(self.server_pid)
         self.trial.note(f"broker: started nats-server directly (pid {self.server_pid})")
+        self._is_up()
+
+    def _is_up(self) -> None:
+        if self.down_since is not None:
+            self.up_since = time.monotonic()
         self.down_since = None
+
+    def state(self) -> str:
+        if self.down_since is not None:
+            return f"broker down for {time.monotonic() - self.down_since:.1f}s"
+        return f"broker up for {time.monotonic() - self.up_since:.1f}s"
 
     def kill_server(self) -> None:
         """kill -9 nats-server; `specbus up` notices and exits (expected)."""
         self.up.expected_exit = True
-        if self.server_pid:
+        if self.direct is not None and self.direct.pid == self.server_pid:
+            self.direct.kill()  # kill -9 and reap
+            self.direct = None
+        elif self.server_pid:
             _sigkill(self.server_pid)
             _wait_gone(self.server_pid, 10)
         self.down_since = time.monotonic()
@@ -663,10 +688,10 @@ class Trial:
 
     def _death(self, role: Role) -> None:
         rc = role.proc.returncode
-        broker = "down" if self.broker.down_since is not None else "up"
+        broker = self.broker.state()
         self.deaths.append({"role": role.name, "rc": rc, "t": round(self.t(), 1),
                             "broker": broker, "error": role.last_error()})  # fmt: skip
-        self.fail("died", f"{role.name} exited {rc} (broker {broker}): {role.last_error()}")
+        self.fail("died", f"{role.name} exited {rc} ({broker}): {role.last_error()}")
 
     def wait_until(self, cond, timeout_s: float, what: str, poll_s: float = 0.05):
         deadline = time.monotonic() + timeout_s
@@ -825,7 +850,7 @@ class Trial:
             )
         return final
 
-    def check_lineage(self, fed: list[str]) -> dict:
+    def check_lineage(self, fed: list[str], ended: bool = True) -> dict:
         import torch
 
         ckpt = self.dir / "run" / "checkpoints"
@@ -833,7 +858,8 @@ class Trial:
             name = (ckpt / "latest").read_text().strip()
             state = torch.load(ckpt / name / "state.pt", weights_only=False, map_location="cpu")
         except Exception as e:
-            self.fail("lineage", f"no final checkpoint: {e!r}")
+            if ended:
+                self.fail("lineage", f"no final checkpoint: {e!r}")
             return {}
         lineage = list(state["lineage"])
         counts = Counter(lineage)
@@ -847,7 +873,7 @@ class Trial:
             )
         if dups:
             self.fail("duplicates", f"{len(dups)} samples trained twice or more: {dups[:8]}")
-        if missing:
+        if missing and ended:
             self.fail("missing", f"{len(missing)} fed samples never trained: {missing[:8]}")
         if extra:
             self.fail("lineage", f"{len(extra)} trained ids never fed: {extra[:8]}")
@@ -938,8 +964,7 @@ def run_trial(plan: Plan, opts: Options, assets: dict[str, Path] | None = None) 
             ended = trial.finish()
             final = trial.check_broker()
             report["broker"] = {k: v for k, v in final.items() if k != "fed"}
-            if ended:
-                report["lineage"] = trial.check_lineage(final.get("fed", []))
+            report["lineage"] = trial.check_lineage(final.get("fed", []), ended)
             for role in trial.roles.values():  # the store check needs every process gone
                 role.stop(timeout_s=10)
             report["store"] = trial.check_store()
@@ -1074,10 +1099,9 @@ def main(argv: list[str] | None = None) -> int:
         r = run_trial(plan, opts, assets)
         results.append(r)
         verdict = "PASS" if r.ok else "FAIL " + "; ".join(f"{c}: {d[:200]}" for c, d in r.failures)
-        print(
-            f"seed {plan.seed:<4} {plan.store:<8} {plan.label:<40} {r.seconds:5.0f}s  {verdict}",
-            flush=True,
-        )
+        fired = ",".join(f.fired for f in plan.faults) or "-"
+        print(f"seed {plan.seed:<4} {plan.store:<8} {plan.label:<36} fired {fired:<24} "
+              f"{r.seconds:4.0f}s  {verdict}", flush=True)  # fmt: skip
         if not r.ok:
             print(f"    logs: {r.dir}\n    repro: {repro(plan, opts, victims, faults)}", flush=True)
             if args.stop_on_fail:
