@@ -559,9 +559,11 @@ class Trial:
         self.run = (
             f"chaos{plan.seed}{plan.store[0]}{os.getpid() % 10000}x{random.randrange(1 << 16):x}"
         )
-        self.dir = Path(opts.work) / f"trial-{plan.store}-{plan.seed}"
-        if self.dir.exists():
-            shutil.rmtree(self.dir)
+        base = Path(opts.work) / f"trial-{plan.store}-{plan.seed}"
+        self.dir, n = base, 1
+        while self.dir.exists():  # an earlier trial of this seed (other victims) kept its logs
+            n += 1
+            self.dir = base.with_name(f"{base.name}.{n}")
         self.dir.mkdir(parents=True)
         self.t0 = time.monotonic()
         self.pids: set[int] = set()
