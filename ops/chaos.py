@@ -226,6 +226,16 @@ def _sigkill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def _port_open(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
 def _wait_gone(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -347,9 +357,18 @@ class Broker:
         while time.monotonic() < deadline:
             text = self.up.log_path.read_text(errors="replace")[offset:]
             m = re.search(r"nats-server ready at \S+ \(pid (\d+)", text)
-            if m and "Ctrl-C to stop" in text:
-                self.server_pid = int(m.group(1))
-                self.trial.pids.add(self.server_pid)
+            # `up`'s own ready line (with the server's pid); or, should `up` exec nats-server
+            # (or print otherwise), the server's "Server is ready" from a nats-server process
+            # that is `up` itself or one of its descendants.
+            pid = int(m.group(1)) if m and "Ctrl-C to stop" in text else None
+            if pid is None and "Server is ready" in text:
+                pid = next(
+                    (p for p in [proc.pid, *_children(proc.pid)] if "nats-server" in _cmdline(p).split(" ")[0]),
+                    None,
+                )  # fmt: skip
+            if pid is not None:
+                self.server_pid = pid
+                self.trial.pids.add(pid)
                 self._is_up()
                 return
             if proc.poll() is not None:
@@ -387,21 +406,44 @@ class Broker:
             return f"broker down for {time.monotonic() - self.down_since:.1f}s"
         return f"broker up for {time.monotonic() - self.up_since:.1f}s"
 
-    def kill_server(self) -> None:
-        """kill -9 nats-server; `specbus up` notices and exits (expected)."""
+    def kill_server(self) -> bool:
+        """kill -9 nats-server. `specbus up` notices and exits (then the harness runs it again:
+        returns False), or brings a new server up itself on the same port (returns True)."""
+        old = self.server_pid
         self.up.expected_exit = True
-        if self.direct is not None and self.direct.pid == self.server_pid:
+        if self.direct is not None and self.direct.pid == old:
             self.direct.kill()  # kill -9 and reap
             self.direct = None
-        elif self.server_pid:
-            _sigkill(self.server_pid)
-            _wait_gone(self.server_pid, 10)
+        elif old:
+            _sigkill(old)
+            _wait_gone(old, 10)
         self.down_since = time.monotonic()
-        if self.up.proc is not None:
-            try:
-                self.up.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.trial.fail("broker", "`specbus up` still runs 15 s after its nats-server died")
+        if not self.up.running:
+            return False
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if not self.up.running:
+                return False
+            for pid in _children(self.up.proc.pid):
+                if (
+                    pid != old
+                    and "nats-server" in _cmdline(pid).split(" ")[0]
+                    and _port_open(self.port)
+                ):
+                    self.server_pid = pid
+                    self.trial.pids.add(pid)
+                    self.trial.note(
+                        f"broker: `specbus up` restarted nats-server itself (pid {pid})"
+                    )
+                    self.up.expected_exit = False
+                    self._is_up()
+                    return True
+            time.sleep(0.05)
+        self.trial.fail(
+            "broker", "`specbus up` neither exited nor served again 15 s after its nats-server died"
+        )
+        self.up.kill()
+        return False
 
     def kill_wrapper(self) -> None:
         self.up.kill()
@@ -791,8 +833,8 @@ class Trial:
                 role.kill()
             role.start()  # torchrun ... train --resume
         elif v == "broker":
-            self.broker.kill_server()
-            self.broker.start()
+            if not self.broker.kill_server():
+                self.broker.start()
         elif v == "up":
             self.broker.kill_wrapper()
             self.broker.start()

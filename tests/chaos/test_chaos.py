@@ -35,11 +35,13 @@ def _trial(work, seed: int, victim: str, store: str):
     opts = Options(work=work, store=store, tasks=FAST_TASKS, deadline_s=180.0)
     plan = make_plan(seed, store=store, tasks=FAST_TASKS, victims=[victim], faults=(1, 1))
     result = run_trial(plan, opts, build_assets(opts))
-    detail = "\n".join(f"  {check}: {text}" for check, text in result.failures)
-    assert result.ok, (
-        f"chaos trial {plan.label} (seed {seed}, {store}) failed:\n{detail}\n"
-        f"logs: {result.dir}\nrepro: {repro(plan, opts, [victim], (1, 1))}"
-    )
+    if not result.ok:
+        detail = "\n".join(f"  {check}: {text}" for check, text in result.failures)
+        pytest.fail(
+            f"chaos trial {plan.label} (seed {seed}, {store}) failed:\n{detail}\n"
+            f"logs: {result.dir}\nrepro: {repro(plan, opts, [victim], (1, 1))}",
+            pytrace=False,
+        )
     for fault in plan.faults:  # the fault landed mid-run: after an ack, before the end
         assert fault.landed["ack_floor"] >= 1 and fault.landed["train_complete"] is None
 
