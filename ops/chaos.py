@@ -447,8 +447,8 @@ class Broker:
 
     def kill_wrapper(self) -> None:
         self.up.kill()
-        time.sleep(0.5)  # let a death signal (if any) reach the child before looking
-        if self.serving():
+        # A server tied to its wrapper (death signal) gets a moment to shut down.
+        if self.server_pid and not _wait_gone(self.server_pid, 10):
             self.trial.note(f"up killed: its nats-server (pid {self.server_pid}) still runs")
         else:
             self.down_since = time.monotonic()
