@@ -137,7 +137,7 @@ def make_plan(
     seed: int,
     *,
     store: str = "shm",
-    tasks: int = 256,
+    tasks: int = 1024,
     slow: bool = False,
     victims: list[str] | None = None,
     faults: tuple[int, int] = (1, 3),
@@ -148,8 +148,9 @@ def make_plan(
     rng = random.Random(f"specbus-chaos:{seed}:{store}")
     kinds = victims or victims_for(store, slow)
     n = rng.randint(*faults)
-    # Fire between the first full window and 70 % of the run, in increasing order.
-    lo, hi = WINDOW, max(WINDOW, int(tasks * 0.7))
+    # Fire between the first full window and 60 % of the run, in increasing order (what is
+    # left must outlast the repairs that do not stop training).
+    lo, hi = WINDOW, max(WINDOW, int(tasks * 0.6))
     ats = sorted(rng.randint(lo, hi) for _ in range(n))
     out = []
     for at in ats:
@@ -448,7 +449,7 @@ class Broker:
     def kill_wrapper(self) -> None:
         self.up.kill()
         # A server tied to its wrapper (death signal) gets a moment to shut down.
-        if self.server_pid and not _wait_gone(self.server_pid, 10):
+        if self.server_pid and not _wait_gone(self.server_pid, 5):
             self.trial.note(f"up killed: its nats-server (pid {self.server_pid}) still runs")
         else:
             self.down_since = time.monotonic()
@@ -556,6 +557,13 @@ class Probe:
             streams[s] = {"messages": st.messages, "last_seq": st.last_seq}
         out["streams"] = streams
         out["dead"] = streams[names.dead_stream]["messages"]
+        if out["dead"]:
+            from bus.dead import list_dead
+
+            out["dead_letters"] = [
+                f"{d.kind} {d.reason} {d.stream}#{d.seq} x{d.deliveries} {d.detail[:160]}"
+                for d in await list_dead(bus, self.run)
+            ]
         fed = set()
         async for m in replay(bus, names.tasks_stream):
             task = PromptTask.from_bytes(m.data)
@@ -586,7 +594,7 @@ class TrialError(RuntimeError):
 class Options:
     work: Path
     store: str = "shm"
-    tasks: int = 256
+    tasks: int = 1024
     slow: bool = False
     code: Path = ROOT  # the checkout whose `ops.cli` the processes run
     deadline_s: float = 240.0  # for the run to end after the last fault (plus outages)
@@ -639,7 +647,7 @@ class Trial:
         from core.config import dump_config
         from tests.fixtures.pipeline import pipeline_config
 
-        overrides = ["training.checkpoint_every=3", f"training.micro_batch={MICRO}",
+        overrides = ["training.checkpoint_every=5", f"training.micro_batch={MICRO}",
                      f"training.accumulation={ACCUM}", "target.capture_batch=2"]  # fmt: skip
         if self.plan.store == "mooncake":
             from core.store.mooncake import mooncake_uri
@@ -770,6 +778,8 @@ class Trial:
                 # Fire right after an ack that took the floor to `at`: the trainers' floor, or
                 # for a producer also the producers' floor (tasks captured), so that a producer
                 # kill lands mid-capture while there is capture left.
+                if self.roles["trainers"].done:
+                    return {"missed": "training ended before the trigger"}
                 if self.broker.down_since is not None or not self.roles["trainers"].running:
                     state.clear()
                     return None
@@ -785,14 +795,11 @@ class Trial:
                         return {**c, "group": group}
                 return None
 
-            try:
-                c = self.wait_until(ready, 120.0 + self._outage_total(), f"ack floor {fault.at}")
-            except TrialError:
-                if self.probe.kv("train_complete") not in (None, "?"):
-                    fault.landed = {"missed": "training complete before the trigger"}
-                    self.fail("fault_missed", f"{fault.label}: training ended before the trigger")
-                    continue
-                raise
+            c = self.wait_until(ready, 120.0 + self._outage_total(), f"ack floor {fault.at}")
+            if "missed" in c:
+                fault.landed = c
+                self.fail("fault_missed", f"{fault.label}: training ended before the trigger")
+                continue
             complete = self.probe.kv("train_complete")
             if self.plan.store != "mooncake" and fault.victim == "store":
                 continue
@@ -887,7 +894,7 @@ class Trial:
                     f"{group}: pending {c['pending']}, ack-pending {c['ack_pending']}",
                 )
         if final["dead"]:
-            self.fail("dead", f"DEAD holds {final['dead']} messages")
+            self.fail("dead", f"DEAD holds {final['dead']} messages: {final.get('dead_letters')}")
         if final["feed_complete"] != {"task_count": self.plan.tasks}:
             self.fail(
                 "feed", f"feed-complete marker {final['feed_complete']} (fed {self.plan.tasks})"
@@ -959,7 +966,7 @@ class Trial:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             left = [p for p in self.pids if _alive(p)]
-            found = _procs_mentioning(str(self.dir))
+            found = _procs_mentioning(f"{self.dir}/")
             if not left and not found:
                 return []
             time.sleep(0.2)
@@ -1099,7 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1, help="first seed (trial i runs seed + i)")
     ap.add_argument(
-        "--tasks", type=int, default=256, help=f"tasks fed per trial (multiple of {WINDOW})"
+        "--tasks", type=int, default=1024, help=f"tasks fed per trial (multiple of {WINDOW})"
     )
     ap.add_argument("--slow", action="store_true", help="also 60 s broker outages")
     ap.add_argument("--victims", default=None, help=f"comma list from {','.join(ALL_VICTIMS)}")
@@ -1120,6 +1127,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in victims or []:
         if v not in ALL_VICTIMS:
             ap.error(f"unknown victim {v!r}")
+        if v == "store" and args.store != "mooncake":
+            ap.error("victim 'store' (the Mooncake store node) needs --store mooncake")
     lo, _, hi = args.faults.partition("-")
     faults = (int(lo), int(hi or lo))
     work = Path(args.work or tempfile.mkdtemp(prefix="specbus-chaos-"))
