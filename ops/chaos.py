@@ -175,6 +175,36 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): a pid plus this names one process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Pids:
+    """PIDs the harness started or saw, each with its start time (a reused PID is not ours)."""
+
+    def __init__(self):
+        self.seen: dict[int, int | None] = {}
+
+    def add(self, pid: int) -> None:
+        self.seen.setdefault(pid, _start_time(pid))
+
+    def update(self, pids) -> None:
+        for pid in pids:
+            self.add(pid)
+
+    def ours(self, pid: int | None) -> bool:
+        """`pid` is alive and still the process recorded under it."""
+        return pid in self.seen and _alive(pid) and _start_time(pid) == self.seen[pid]
+
+    def alive(self) -> list[int]:
+        return [p for p, t in self.seen.items() if _alive(p) and _start_time(p) == t]
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -348,7 +378,7 @@ class Broker:
         return self.up.running
 
     def serving(self) -> bool:
-        return self.server_pid is not None and _alive(self.server_pid)
+        return self.trial.pids.ours(self.server_pid)
 
     def start(self, timeout_s: float = 60.0) -> None:
         """`specbus up` on the same port and store dir; wait for its ready line."""
@@ -415,7 +445,7 @@ class Broker:
         if self.direct is not None and self.direct.pid == old:
             self.direct.kill()  # kill -9 and reap
             self.direct = None
-        elif old:
+        elif self.trial.pids.ours(old):
             _sigkill(old)
             _wait_gone(old, 10)
         self.down_since = time.monotonic()
@@ -616,7 +646,7 @@ class Trial:
             self.dir = base.with_name(f"{base.name}.{n}")
         self.dir.mkdir(parents=True)
         self.t0 = time.monotonic()
-        self.pids: set[int] = set()
+        self.pids = Pids()
         self.failures: list[tuple[str, str]] = []
         self.notes: list[str] = []
         self.deaths: list[dict] = []
@@ -965,7 +995,7 @@ class Trial:
     def check_orphans(self) -> list:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            left = [p for p in self.pids if _alive(p)]
+            left = self.pids.alive()
             found = _procs_mentioning(f"{self.dir}/")
             if not left and not found:
                 return []
