@@ -137,7 +137,7 @@ def make_plan(
     seed: int,
     *,
     store: str = "shm",
-    tasks: int = 1024,
+    tasks: int = 2048,
     slow: bool = False,
     victims: list[str] | None = None,
     faults: tuple[int, int] = (1, 3),
@@ -479,7 +479,7 @@ class Broker:
     def kill_wrapper(self) -> None:
         self.up.kill()
         # A server tied to its wrapper (death signal) gets a moment to shut down.
-        if self.server_pid and not _wait_gone(self.server_pid, 5):
+        if self.server_pid and not _wait_gone(self.server_pid, 2):
             self.trial.note(f"up killed: its nats-server (pid {self.server_pid}) still runs")
         else:
             self.down_since = time.monotonic()
@@ -624,7 +624,7 @@ class TrialError(RuntimeError):
 class Options:
     work: Path
     store: str = "shm"
-    tasks: int = 1024
+    tasks: int = 2048
     slow: bool = False
     code: Path = ROOT  # the checkout whose `ops.cli` the processes run
     deadline_s: float = 240.0  # for the run to end after the last fault (plus outages)
@@ -1136,7 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1, help="first seed (trial i runs seed + i)")
     ap.add_argument(
-        "--tasks", type=int, default=1024, help=f"tasks fed per trial (multiple of {WINDOW})"
+        "--tasks", type=int, default=2048, help=f"tasks fed per trial (multiple of {WINDOW})"
     )
     ap.add_argument("--slow", action="store_true", help="also 60 s broker outages")
     ap.add_argument("--victims", default=None, help=f"comma list from {','.join(ALL_VICTIMS)}")
