@@ -46,6 +46,14 @@ def _trial(work, seed: int, victim: str, store: str):
         assert fault.landed["ack_floor"] >= 1 and fault.landed["train_complete"] is None
 
 
+def test_no_fault_trial_passes_every_check(chaos_work):
+    """The checks themselves: a run without faults passes all of them (no false alarm)."""
+    opts = Options(work=chaos_work, tasks=64, deadline_s=180.0)
+    result = run_trial(make_plan(100, tasks=64, faults=(0, 0)), opts, build_assets(opts))
+    assert result.ok, result.failures
+    assert result.report["lineage"]["trained"] == 64 and result.report["orphans"] == []
+
+
 @pytest.mark.parametrize("seed,victim", FAST, ids=[f"{v}-{s}" for s, v in FAST])
 def test_fast_trial_on_shm(chaos_work, seed, victim):
     _trial(chaos_work, seed, victim, "shm")
