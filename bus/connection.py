@@ -23,10 +23,9 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-
-from bus.outage import Outage, ride
-from core.config import BusConfig
-from core.errors import BusError
+from specbus.bus.outage import Outage, ride
+from specbus.core.config import BusConfig
+from specbus.core.errors import BusError
 
 log = logging.getLogger("specbus.bus")
 

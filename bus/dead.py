@@ -26,15 +26,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import orjson
 from nats.aio.msg import Msg
-
-from bus import headers as H
-from bus.connection import Bus
-from bus.outage import send
-from bus.replay import Stored, get, replay
-from bus.subjects import ADVISORY_MAX_DELIVERIES, ADVISORY_TERMINATED, Names
+from specbus.bus import headers as H
+from specbus.bus.connection import Bus
+from specbus.bus.outage import send
+from specbus.bus.replay import Stored, get, replay
+from specbus.bus.subjects import ADVISORY_MAX_DELIVERIES, ADVISORY_TERMINATED, Names
 
 if TYPE_CHECKING:
-    from bus.publisher import Ack, Publisher
+    from specbus.bus.publisher import Ack, Publisher
 
 MAX_DELIVERIES = "max_deliveries"
 

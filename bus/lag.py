@@ -27,12 +27,11 @@ from dataclasses import asdict, dataclass
 
 import orjson
 from nats.js.errors import NotFoundError
-
-from bus.connection import Bus
-from bus.outage import ride
-from bus.replay import Stored, get, replay
-from bus.subjects import TRAINERS, Group, Names
-from core.errors import BusError
+from specbus.bus.connection import Bus
+from specbus.bus.outage import ride
+from specbus.bus.replay import Stored, get, replay
+from specbus.bus.subjects import TRAINERS, Group, Names
+from specbus.core.errors import BusError
 
 
 @dataclass(frozen=True)

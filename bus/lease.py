@@ -41,16 +41,15 @@ import orjson
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 from opentelemetry.context import Context
-
-from bus import headers as H
-from bus.connection import Bus
-from bus.dead import dead_letter
-from bus.outage import NoAnswer, is_transient, ride, send
-from bus.publisher import Publisher
-from bus.pull import Puller
-from bus.subjects import PRODUCERS, TRAINERS, Group, Names
-from core.contracts import MAX_RECORD_BYTES, PromptTask, Record, SampleRef
-from core.errors import BusError, ConfigError, RecordError
+from specbus.bus import headers as H
+from specbus.bus.connection import Bus
+from specbus.bus.dead import dead_letter
+from specbus.bus.outage import NoAnswer, is_transient, ride, send
+from specbus.bus.publisher import Publisher
+from specbus.bus.pull import Puller
+from specbus.bus.subjects import PRODUCERS, TRAINERS, Group, Names
+from specbus.core.contracts import MAX_RECORD_BYTES, PromptTask, Record, SampleRef
+from specbus.core.errors import BusError, ConfigError, RecordError
 
 log = logging.getLogger("specbus.bus")
 

@@ -41,11 +41,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import nats.errors
 import nats.js.errors
-
-from core.errors import BrokerUnavailable, BusError
+from specbus.core.errors import BrokerUnavailable, BusError
 
 if TYPE_CHECKING:
-    from bus.connection import Bus
+    from specbus.bus.connection import Bus
 
 log = logging.getLogger("specbus.bus")
 

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 import orjson
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
-
-from bus import headers as H
-from bus.connection import Bus
-from bus.outage import NoAnswer, ride
-from core.contracts import MAX_RECORD_BYTES, Record
-from core.errors import BusError, RecordError
+from specbus.bus import headers as H
+from specbus.bus.connection import Bus
+from specbus.bus.outage import NoAnswer, ride
+from specbus.core.contracts import MAX_RECORD_BYTES, Record
+from specbus.core.errors import BusError, RecordError
 
 log = logging.getLogger("specbus.bus")
 

@@ -36,10 +36,9 @@ from collections import deque
 
 import orjson
 from nats.aio.msg import Msg
-
-from bus.connection import Bus
-from bus.outage import is_transient
-from core.errors import BusError
+from specbus.bus.connection import Bus
+from specbus.bus.outage import is_transient
+from specbus.core.errors import BusError
 
 _STATUS = "Status"
 _DESCRIPTION = "Description"

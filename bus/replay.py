@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
-
-from bus.connection import Bus
-from bus.outage import NoAnswer, ride
-from bus.pull import Puller
-from bus.subjects import Group, Names
-from bus.topology import consumer_config
-from core.errors import BusError
+from specbus.bus.connection import Bus
+from specbus.bus.outage import NoAnswer, ride
+from specbus.bus.pull import Puller
+from specbus.bus.subjects import Group, Names
+from specbus.bus.topology import consumer_config
+from specbus.core.errors import BusError
 
 # Headers a direct get adds; they describe the storage, not the message.
 _DIRECT_GET_HEADERS = (

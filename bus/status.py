@@ -11,13 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from nats.js.errors import NotFoundError
-
-from bus.connection import Bus
-from bus.dead import list_dead
-from bus.lag import lag
-from bus.outage import ride
-from bus.subjects import PRODUCERS, TRAINERS, Names
-from bus.topology import open_kv
+from specbus.bus.connection import Bus
+from specbus.bus.dead import list_dead
+from specbus.bus.lag import lag
+from specbus.bus.outage import ride
+from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
+from specbus.bus.topology import open_kv
 
 
 async def _stream(bus: Bus, name: str) -> dict[str, Any] | None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from core.config import RUN_NAME
-from core.errors import ConfigError
+from specbus.core.config import RUN_NAME
+from specbus.core.errors import ConfigError
 
 Group = Literal["producers", "trainers"]
 PRODUCERS: Group = "producers"

@@ -42,12 +42,11 @@ from nats.js.api import (
 )
 from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
-
-from bus.connection import Bus
-from bus.outage import ride
-from bus.subjects import PRODUCERS, TRAINERS, Names
-from core.config import BusConfig
-from core.errors import BusError
+from specbus.bus.connection import Bus
+from specbus.bus.outage import ride
+from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
+from specbus.core.config import BusConfig
+from specbus.core.errors import BusError
 
 log = logging.getLogger("specbus.bus")
 

@@ -23,19 +23,19 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from bus.connection import Bus
-from bus.dead import dead_letter
-from bus.lag import lag
-from bus.lease import Lease, Leases
-from bus.publisher import Publisher
-from bus.replay import get as get_stored
-from bus.subjects import PRODUCERS, TRAINERS, Names
-from bus.topology import RunKV
-from consumers.source import GroupSettlement, Item, Trained, Upstream
-from core.contracts import PromptTask, SampleRef
-from core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
-from core.store import open_store
-from core.telemetry import extract_link
+from specbus.bus.connection import Bus
+from specbus.bus.dead import dead_letter
+from specbus.bus.lag import lag
+from specbus.bus.lease import Lease, Leases
+from specbus.bus.publisher import Publisher
+from specbus.bus.replay import get as get_stored
+from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
+from specbus.bus.topology import RunKV
+from specbus.consumers.source import GroupSettlement, Item, Trained, Upstream
+from specbus.core.contracts import PromptTask, SampleRef
+from specbus.core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
+from specbus.core.store import open_store
+from specbus.core.telemetry import extract_link
 
 log = logging.getLogger("specbus.loader")
 

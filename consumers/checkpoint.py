@@ -20,8 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from core.errors import CheckpointError
+from specbus.core.errors import CheckpointError
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from consumers.cursor import SamplesCursor
+from specbus.consumers.cursor import SamplesCursor
 
 Key = tuple[int, str]  # (stream sequence, sample id) of one leased item
 

@@ -28,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from consumers.ledger import Key, Ledger, plan_round
-from consumers.lockstep import Decision, Status, agree, gather_objects, rank
-from consumers.loop_thread import LoopThread
-from consumers.source import Item, Source, Upstream
-from core.errors import BrokerUnavailable, BusError
+from specbus.consumers.ledger import Key, Ledger, plan_round
+from specbus.consumers.lockstep import Decision, Status, agree, gather_objects, rank
+from specbus.consumers.loop_thread import LoopThread
+from specbus.consumers.source import Item, Source, Upstream
+from specbus.core.errors import BrokerUnavailable, BusError
 
 log = logging.getLogger("specbus.loader")
 

@@ -20,6 +20,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from specbus.consumers.lockstep import distributed
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -30,8 +31,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-
-from consumers.lockstep import distributed
 
 
 def average_gradients(params: list[torch.nn.Parameter]) -> None:

@@ -28,15 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from consumers.checkpoint import CheckpointManager, rng_state, set_rng_state
-from consumers.loader import Loader, Window
-from consumers.lockstep import control_group, distributed
-from consumers.parallel import average_gradients, full_state, is_sharded, load_full_state
-from consumers.profiling import profiled_step
-from core.strategies.base import StepContext, Strategy
-from core.telemetry import tracer
-from core.training import train_step
+from specbus.consumers.checkpoint import CheckpointManager, rng_state, set_rng_state
+from specbus.consumers.loader import Loader, Window
+from specbus.consumers.lockstep import control_group, distributed
+from specbus.consumers.parallel import average_gradients, full_state, is_sharded, load_full_state
+from specbus.consumers.profiling import profiled_step
+from specbus.core.strategies.base import StepContext, Strategy
+from specbus.core.telemetry import tracer
+from specbus.core.training import train_step
 
 log = logging.getLogger("specbus.trainer")
 

@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from core.errors import ConfigError
+from specbus.core.errors import ConfigError
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

@@ -16,8 +16,7 @@ from typing import Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from core.errors import RecordError
+from specbus.core.errors import RecordError
 
 SCHEMA_VERSION = 1
 # NATS' default max_payload is 1 MiB; records stay well below it. A PromptTask carries token

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.errors import ConfigError
+from specbus.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from specbus.core.config import RunConfig, TrainingConfig
+from specbus.core.data.datasets import Record, load_source, split_holdout
+from specbus.core.data.templates import detect_template, get_template
+from specbus.core.data.tokenize import TokenizedSample, tokenize_record
+from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
+from specbus.core.errors import ConfigError
+from specbus.core.models.target import load_target_heads
+from specbus.core.strategies.base import StepContext, Strategy, TrainBatch, build_strategy
 from torch import nn
-
-from core.config import RunConfig, TrainingConfig
-from core.data.datasets import Record, load_source, split_holdout
-from core.data.templates import detect_template, get_template
-from core.data.tokenize import TokenizedSample, tokenize_record
-from core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
-from core.errors import ConfigError
-from core.models.target import load_target_heads
-from core.strategies.base import StepContext, Strategy, TrainBatch, build_strategy
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -94,7 +93,7 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
     for k in range(steps):
         out[f"acc_{k}"] = out[f"correct_{k}"] / max(out[f"denom_{k}"], 1e-6)
     if steps:
-        from core.strategies.eagle3 import simulated_accept_length
+        from specbus.core.strategies.eagle3 import simulated_accept_length
 
         out["sim_accept_len"] = simulated_accept_length([out[f"acc_{k}"] for k in range(steps)])
     return out

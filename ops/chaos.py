@@ -1,13 +1,13 @@
 """Chaos campaign: seeded kill -9 and broker outages over the real processes of one run.
 
-    python -m ops.chaos --store shm --trials 50 --seed 1
-    python -m ops.chaos --store mooncake --trials 20 --seed 1 --slow
-    python -m ops.chaos --seed 7 --trials 1 --keep          # reproduce one trial
+    python -m specbus.ops.chaos --store shm --trials 50 --seed 1
+    python -m specbus.ops.chaos --store mooncake --trials 20 --seed 1 --slow
+    python -m specbus.ops.chaos --seed 7 --trials 1 --keep          # reproduce one trial
 
 Each trial is one run on a tiny random target (4 layers, hidden 32) with pre-tokenised data,
 started the way users start it, every process by PID on loopback:
 
-- the broker: `specbus up --port P --store-dir D` (the `python -m ops.cli up` wrapper, which
+- the broker: `specbus up --port P --store-dir D` (the `python -m specbus.ops.cli up` wrapper, which
   runs nats-server as its child). A restart is `specbus up` again on the same port and store
   dir; where `up` refuses (today: "--port P is in use" while the old server's sockets linger,
   or an orphaned nats-server still holds the port) the refusal is a failure of the trial and
@@ -16,7 +16,7 @@ started the way users start it, every process by PID on loopback:
 - `--store mooncake`: a mooncake_master + store node of its own (`MooncakeServices`), not
   tied to the broker;
 - the feeder (`specbus feed`), 2 producers (`specbus produce --id pN`), and 2 trainer ranks
-  under torchrun (`python -m torch.distributed.run --standalone --nproc-per-node 2 -m ops.cli
+  under torchrun (`python -m torch.distributed.run --standalone --nproc-per-node 2 -m specbus.ops.cli
   train`, `--resume` on restarts): when one rank dies, torchrun stops the other.
 
 A trial's plan (from its seed alone) is 1-3 faults, each fired when the trainers' consumer ack
@@ -370,7 +370,7 @@ class Broker:
         self.up_since = time.monotonic()
 
     def _up_argv(self) -> list[str]:
-        return [sys.executable, "-m", "ops.cli", "up", "--config", str(self.trial.config_path),
+        return [sys.executable, "-m", "specbus.ops.cli", "up", "--config", str(self.trial.config_path),
                 "--port", str(self.port), "--store-dir", str(self.store_dir)]  # fmt: skip
 
     @property
@@ -419,7 +419,7 @@ class Broker:
             self.trial.note(f"broker: nats-server pid {self.server_pid} still serves (orphan)")
             self._is_up()
             return
-        from ops.services.nats import NatsServer
+        from specbus.ops.services.nats import NatsServer
 
         self.direct = NatsServer(self.store_dir, port=self.port).start(timeout_s)
         self.server_pid = self.direct.pid
@@ -519,8 +519,8 @@ class Probe:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     async def _bus(self):
-        from bus.connection import connect
-        from core.config import BusConfig
+        from specbus.bus.connection import connect
+        from specbus.core.config import BusConfig
 
         if self.bus is None or self.bus.nc.is_closed:
             cfg = BusConfig(connect_timeout_s=2.0, reconnect_wait_s=0.2)
@@ -540,7 +540,7 @@ class Probe:
 
     def consumer(self, group: str) -> dict | None:
         """The consumer's state, None while the broker does not answer."""
-        from bus.subjects import Names
+        from specbus.bus.subjects import Names
 
         names = Names(self.run)
         try:
@@ -550,7 +550,7 @@ class Probe:
 
     async def _kv(self, key: str):
         bus = await self._bus()
-        from bus.subjects import Names
+        from specbus.bus.subjects import Names
 
         kv = await bus.js.key_value(Names(self.run).kv_bucket)
         try:
@@ -569,11 +569,11 @@ class Probe:
             return default
 
     async def _final(self) -> dict:
-        from bus.replay import replay
-        from bus.subjects import PRODUCERS as P
-        from bus.subjects import TRAINERS as T
-        from bus.subjects import Names
-        from core.contracts import PromptTask
+        from specbus.bus.replay import replay
+        from specbus.bus.subjects import PRODUCERS as P
+        from specbus.bus.subjects import TRAINERS as T
+        from specbus.bus.subjects import Names
+        from specbus.core.contracts import PromptTask
 
         names = Names(self.run)
         bus = await self._bus()
@@ -588,7 +588,7 @@ class Probe:
         out["streams"] = streams
         out["dead"] = streams[names.dead_stream]["messages"]
         if out["dead"]:
-            from bus.dead import list_dead
+            from specbus.bus.dead import list_dead
 
             out["dead_letters"] = [
                 f"{d.kind} {d.reason} {d.stream}#{d.seq} x{d.deliveries} {d.detail[:160]}"
@@ -633,7 +633,7 @@ class Options:
 
 class Trial:
     def __init__(self, plan: Plan, opts: Options, assets: dict[str, Path]):
-        from ops.services.common import free_port
+        from specbus.ops.services.common import free_port
 
         self.plan, self.opts, self.assets = plan, opts, assets
         self.run = (
@@ -674,13 +674,14 @@ class Trial:
 
     # -- setup
     def _config(self):
-        from core.config import dump_config
+        from specbus.core.config import dump_config
+
         from tests.fixtures.pipeline import pipeline_config
 
         overrides = ["training.checkpoint_every=5", f"training.micro_batch={MICRO}",
                      f"training.accumulation={ACCUM}", "target.capture_batch=2"]  # fmt: skip
         if self.plan.store == "mooncake":
-            from core.store.mooncake import mooncake_uri
+            from specbus.core.store.mooncake import mooncake_uri
 
             mc = self.mooncake.config()
             store_uri = mooncake_uri(f"s{self.run}", mc)
@@ -690,7 +691,7 @@ class Trial:
                           f"store.mooncake.segment_bytes={MOONCAKE_SEGMENT}"]  # fmt: skip
         else:
             store_uri = f"shm://{self.run}"
-            from core.store.shm import SHM_ROOT
+            from specbus.core.store.shm import SHM_ROOT
 
             self.shm_dir = SHM_ROOT / f"specbus-{self.run}"
         cfg = pipeline_config(
@@ -701,19 +702,19 @@ class Trial:
         self.config_path.write_text(dump_config(cfg))
 
     def _cli(self, command: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "ops.cli", command, "--config", str(self.config_path),
+        return [sys.executable, "-m", "specbus.ops.cli", command, "--config", str(self.config_path),
                 "--url", self.broker.url, *extra]  # fmt: skip
 
     def _torchrun(self, resume: bool) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(WORLD), "-m", "ops.cli", "train",
+                "--nproc-per-node", str(WORLD), "-m", "specbus.ops.cli", "train",
                 "--config", str(self.config_path), "--url", self.broker.url,
                 *(["--resume"] if resume else [])]  # fmt: skip
 
     def setup(self) -> None:
         (self.dir / "plan.json").write_text(json.dumps(asdict(self.plan), indent=2))
         if self.plan.store == "mooncake":
-            from ops.services.mooncake import MooncakeServices
+            from specbus.ops.services.mooncake import MooncakeServices
 
             self.mooncake = MooncakeServices(
                 self.dir / "mooncake", segment_bytes=MOONCAKE_SEGMENT, **MOONCAKE_FAST
@@ -791,7 +792,7 @@ class Trial:
         if not role.running:
             return None
         for pid in _children(role.proc.pid):
-            if "ops.cli" in _cmdline(pid) and _environ(pid).get("RANK") == str(rank):
+            if "specbus.ops.cli" in _cmdline(pid) and _environ(pid).get("RANK") == str(rank):
                 return pid
         return None
 
@@ -1094,7 +1095,7 @@ def build_assets(opts: Options) -> dict[str, Path]:
 def repro(
     plan: Plan, opts: Options, victims: list[str] | None, faults: tuple[int, int] = (1, 3)
 ) -> str:
-    parts = ["python -m ops.chaos", f"--store {plan.store}", f"--seed {plan.seed}", "--trials 1",
+    parts = ["python -m specbus.ops.chaos", f"--store {plan.store}", f"--seed {plan.seed}", "--trials 1",
              f"--tasks {opts.tasks}", "--keep"]  # fmt: skip
     if opts.slow:
         parts.append("--slow")
@@ -1131,7 +1132,9 @@ def summarize(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ops.chaos", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m specbus.ops.chaos", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--store", choices=["shm", "mooncake"], default="shm")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1, help="first seed (trial i runs seed + i)")

@@ -27,12 +27,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from core.config import RunConfig, load_config
-from core.errors import SpecbusError
+from specbus.core.config import RunConfig, load_config
+from specbus.core.errors import SpecbusError
 
 log = logging.getLogger("specbus")
 
-REGISTRARS = ["ops.cli:add_bus_commands", "ops.commands:add_pipeline_commands"]
+REGISTRARS = ["specbus.ops.cli:add_bus_commands", "specbus.ops.commands:add_pipeline_commands"]
 URL_FILE = "url"  # <store_dir>/url: where the broker of a store dir listens (or last did)
 
 
@@ -71,7 +71,7 @@ def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
         return args.url
     if cfg.bus.url:
         return cfg.bus.url
-    from ops.services.nats import announced, running_url
+    from specbus.ops.services.nats import announced, running_url
 
     own = broker_dir(cfg)
     found = announced()
@@ -86,20 +86,20 @@ def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
 
 # ---------------------------------------------------------------- specbus up / store
 def cmd_up(args: argparse.Namespace) -> int:
-    from ops.up import run_up
+    from specbus.ops.up import run_up
 
     return run_up(args, config_of(args))
 
 
 def cmd_store(args: argparse.Namespace) -> int:
-    from ops.up import run_store
+    from specbus.ops.up import run_store
 
     return run_store(args, config_of(args))
 
 
 # ---------------------------------------------------------------- specbus status
 def cmd_status(args: argparse.Namespace) -> int:
-    from bus.status import run_status
+    from specbus.bus.status import run_status
 
     cfg = config_of(args)
     status = asyncio.run(
@@ -113,7 +113,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def _with_bus(cfg: RunConfig, url: str | None, work) -> Any:
-    from bus.connection import connect
+    from specbus.bus.connection import connect
 
     bus = await connect(cfg.bus, url, name="specbus-cli")
     try:
@@ -192,7 +192,7 @@ def format_status(s: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------- specbus dead
 def cmd_dead(args: argparse.Namespace) -> int:
-    from bus.dead import list_dead
+    from specbus.bus.dead import list_dead
 
     cfg = config_of(args)
     entries = asyncio.run(

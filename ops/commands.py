@@ -3,7 +3,7 @@
 Each takes the run config (`--config run.yaml` plus dotted `key=value` overrides) and the
 broker URL (`--url`, else `bus.url`). `train` reads the torchrun environment (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), so `torchrun --nproc-per-node 2 -m
-ops.cli train ...` and plain `specbus train` are the same code.
+specbus.ops.cli train ...` and plain `specbus train` are the same code.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from ops.cli import add_common, config_of, resolve_url
+from specbus.ops.cli import add_common, config_of, resolve_url
 
 log = logging.getLogger("specbus")
 
@@ -38,7 +38,7 @@ def format_row(row: dict[str, float], total: int | None = None) -> str:
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
-    from ops.produce import run_feeder
+    from specbus.ops.produce import run_feeder
 
     cfg = config_of(args)
     count = asyncio.run(run_feeder(cfg, bus_url=resolve_url(args, cfg)))
@@ -47,7 +47,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from ops.produce import run_producer
+    from specbus.ops.produce import run_producer
 
     cfg = config_of(args)
     stats = asyncio.run(
@@ -64,7 +64,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ops.train import run_trainer
+    from specbus.ops.train import run_trainer
 
     cfg = config_of(args)
     result = run_trainer(
@@ -82,7 +82,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ops.export import export_checkpoint
+    from specbus.ops.export import export_checkpoint
 
     cfg = config_of(args)
     out = export_checkpoint(cfg, args.checkpoint, args.out)
@@ -91,7 +91,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    from core.store import purge_store
+    from specbus.core.store import purge_store
 
     cfg = config_of(args)
     if not args.yes:
@@ -107,7 +107,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ops.demo import run_demo
+    from specbus.ops.demo import run_demo
 
     return run_demo(args)
 

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 import yaml
-
-from core.config import RunConfig, build_config, dump_config
-from ops.services.common import (
+from specbus.core.config import RunConfig, build_config, dump_config
+from specbus.ops.services.common import (
     Interrupted,
     dies_with_parent,
     free_port,
@@ -35,7 +34,7 @@ from ops.services.common import (
     shielded,
     stop_pids,
 )
-from ops.services.nats import NatsServer
+from specbus.ops.services.nats import NatsServer
 
 STOP_TIMEOUT_S = 30.0  # a trainer stopping on SIGTERM saves a checkpoint first
 
@@ -94,7 +93,7 @@ class Procs:
                     **(env or {})}  # fmt: skip
         try:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "ops.cli", *argv],
+                [sys.executable, "-m", "specbus.ops.cli", *argv],
                 stdout=None if show else log, stderr=log, stdin=subprocess.DEVNULL, env=full_env,
                 preexec_fn=dies_with_parent(), start_new_session=True,
             )  # fmt: skip
@@ -125,7 +124,7 @@ def _remove_abandoned_shm(cfg: RunConfig) -> None:
     """The run's shm:// store once every process using it is gone (a killed child cannot
     remove it on close): the store's own sweep, which spares stores any live process holds."""
     if cfg.store.uri.startswith("shm://"):
-        from core.store.shm import sweep_abandoned
+        from specbus.core.store.shm import sweep_abandoned
 
         sweep_abandoned()
 
@@ -138,7 +137,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"specbus demo: run {cfg.run} in {run_dir} (logs in {logs})", flush=True)
 
-    from core.models.target import resolve_target_dir
+    from specbus.core.models.target import resolve_target_dir
 
     t0 = time.time()
     target_dir = resolve_target_dir(cfg.target.model)  # converts the embedded GGUF once
@@ -190,8 +189,8 @@ def _run_demo(args: argparse.Namespace) -> int:
                 server.stop()
             _remove_abandoned_shm(cfg)
 
-    from ops.evaluate import compare_drafts
-    from ops.export import export_checkpoint
+    from specbus.ops.evaluate import compare_drafts
+    from specbus.ops.export import export_checkpoint
 
     torch.set_num_threads(
         max(1, min(4, os.cpu_count() or 1))

@@ -5,16 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from core.config import RunConfig
-from core.data.datasets import load_source, split_holdout
-from core.data.templates import detect_template
-from core.data.tokenize import prompt_ids
-from core.eval.speculative import AcceptanceReport, measure_acceptance
-from core.models.target import load_target_heads
-from core.strategies.base import build_strategy
-from ops.export import load_trained_draft
-from producers.engines.registry import build_engine
+from specbus.core.config import RunConfig
+from specbus.core.data.datasets import load_source, split_holdout
+from specbus.core.data.templates import detect_template
+from specbus.core.data.tokenize import prompt_ids
+from specbus.core.eval.speculative import AcceptanceReport, measure_acceptance
+from specbus.core.models.target import load_target_heads
+from specbus.core.strategies.base import build_strategy
+from specbus.ops.export import load_trained_draft
+from specbus.producers.engines.registry import build_engine
 
 
 def block_drafts(config) -> int:
@@ -66,7 +65,7 @@ def compare_drafts(
         strategy = build_strategy(
             cfg.strategy, engine.info, heads=heads, aux_layers=cfg.target.aux_layers
         )
-        from core.data.vocab import VocabMapping
+        from specbus.core.data.vocab import VocabMapping
 
         torch.manual_seed(cfg.training.seed)  # the trainers' initialisation
         block = getattr(trained, "config", None) is not None and hasattr(
@@ -78,7 +77,7 @@ def compare_drafts(
             None if block else VocabMapping(d2t=trained.d2t.clone(), t2d=trained.t2d.clone()),
         )
         if block:  # DFlash family: one block per verification, its size fixed by the draft
-            from core.eval.block import block_generate
+            from specbus.core.eval.block import block_generate
 
             num_draft_tokens = block_drafts(trained.config)
         kwargs = dict(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from consumers.checkpoint import CheckpointManager
-from core.config import RunConfig
-from core.data.vocab import VocabMapping
-from core.errors import CheckpointError
-from core.export.sglang import export_draft
-from core.models.target import load_target_heads, load_target_info, resolve_target_dir
-from core.strategies.base import build_strategy
+from specbus.consumers.checkpoint import CheckpointManager
+from specbus.core.config import RunConfig
+from specbus.core.data.vocab import VocabMapping
+from specbus.core.errors import CheckpointError
+from specbus.core.export.sglang import export_draft
+from specbus.core.models.target import load_target_heads, load_target_info, resolve_target_dir
+from specbus.core.strategies.base import build_strategy
 
 
 def load_trained_draft(cfg: RunConfig, checkpoint: str | Path = "latest"):
@@ -38,7 +38,7 @@ def load_trained_draft(cfg: RunConfig, checkpoint: str | Path = "latest"):
 def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: str | Path) -> Path:
     draft = load_trained_draft(cfg, checkpoint)
     if hasattr(draft, "config") and getattr(draft.config, "projector", None) is not None:
-        from core.export.dflash import export_dflash
+        from specbus.core.export.dflash import export_dflash
 
         return export_dflash(draft, out)
     return export_draft(draft, out)

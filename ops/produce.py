@@ -7,19 +7,18 @@ import logging
 import os
 
 import torch
-
-from bus.connection import connect
-from bus.lease import Leases
-from bus.subjects import PRODUCERS
-from bus.topology import declare
-from core.config import RunConfig
-from core.models.target import load_target_info, resolve_target_dir
-from core.store import open_store
-from core.strategies.base import build_strategy
-from core.telemetry import setup_tracing
-from producers.capture import CaptureStats, CaptureWorker
-from producers.engines.registry import build_engine
-from producers.feeder import feed, prepare
+from specbus.bus.connection import connect
+from specbus.bus.lease import Leases
+from specbus.bus.subjects import PRODUCERS
+from specbus.bus.topology import declare
+from specbus.core.config import RunConfig
+from specbus.core.models.target import load_target_info, resolve_target_dir
+from specbus.core.store import open_store
+from specbus.core.strategies.base import build_strategy
+from specbus.core.telemetry import setup_tracing
+from specbus.producers.capture import CaptureStats, CaptureWorker
+from specbus.producers.engines.registry import build_engine
+from specbus.producers.feeder import feed, prepare
 
 log = logging.getLogger("specbus.producer")
 

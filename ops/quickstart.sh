@@ -44,5 +44,5 @@ case "$what" in
     # pytest exits 5 when it collected no test: that is a failure here.
     [ $rc -eq 5 ] && echo "no test ran" >&2
     exit $rc ;;
-  *) exec "$PY" -c "import sys; from ops.cli import main; sys.exit(main())" "$what" "$@" ;;
+  *) exec "$PY" -c "import sys; from specbus.ops.cli import main; sys.exit(main())" "$what" "$@" ;;
 esac

@@ -27,32 +27,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from bus.connection import connect
-from bus.lag import lag
-from bus.lease import Leases
-from bus.replay import reposition
-from bus.subjects import PRODUCERS, TRAINERS
-from bus.topology import declare
-from consumers.bus_source import BusSource
-from consumers.checkpoint import CheckpointManager
-from consumers.ledger import Ledger
-from consumers.loader import Loader
-from consumers.lockstep import control_group, init_control_group, reset_control_group
-from consumers.loop_thread import LoopThread
-from consumers.parallel import broadcast_parameters, shard
-from consumers.shutdown import stop_on_signals
-from consumers.trainer import Trainer, TrainResult, TrainState
-from core.config import RunConfig
-from core.errors import CheckpointError, ConfigError
-from core.models.target import load_target_heads, load_target_info, resolve_target_dir
-from core.store import open_store
-from core.strategies.base import build_strategy
-from core.telemetry import setup_tracing
-from core.training import build_optimizer, build_scheduler
-from producers.colocated import ColocatedSource, join_island, validate_colocated
-from producers.engines.registry import build_engine
-from producers.feeder import vocab_from_manifest
+from specbus.bus.connection import connect
+from specbus.bus.lag import lag
+from specbus.bus.lease import Leases
+from specbus.bus.replay import reposition
+from specbus.bus.subjects import PRODUCERS, TRAINERS
+from specbus.bus.topology import declare
+from specbus.consumers.bus_source import BusSource
+from specbus.consumers.checkpoint import CheckpointManager
+from specbus.consumers.ledger import Ledger
+from specbus.consumers.loader import Loader
+from specbus.consumers.lockstep import control_group, init_control_group, reset_control_group
+from specbus.consumers.loop_thread import LoopThread
+from specbus.consumers.parallel import broadcast_parameters, shard
+from specbus.consumers.shutdown import stop_on_signals
+from specbus.consumers.trainer import Trainer, TrainResult, TrainState
+from specbus.core.config import RunConfig
+from specbus.core.errors import CheckpointError, ConfigError
+from specbus.core.models.target import load_target_heads, load_target_info, resolve_target_dir
+from specbus.core.store import open_store
+from specbus.core.strategies.base import build_strategy
+from specbus.core.telemetry import setup_tracing
+from specbus.core.training import build_optimizer, build_scheduler
+from specbus.producers.colocated import ColocatedSource, join_island, validate_colocated
+from specbus.producers.engines.registry import build_engine
+from specbus.producers.feeder import vocab_from_manifest
 
 log = logging.getLogger("specbus.train")
 

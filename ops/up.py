@@ -43,11 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
-
-from core.config import RunConfig
-from core.errors import ConfigError, SpecbusError
-from ops.cli import broker_dir
-from ops.services.common import (
+from specbus.core.config import RunConfig
+from specbus.core.errors import ConfigError, SpecbusError
+from specbus.ops.cli import broker_dir
+from specbus.ops.services.common import (
     LOOPBACK,
     DirInUse,
     DirLock,
@@ -87,7 +86,7 @@ class Up:
     docstring for what a deliberate stop and a failure each leave behind)."""
 
     def __init__(self, args: argparse.Namespace, cfg: RunConfig):
-        from ops.services.nats import LOCK_FILE
+        from specbus.ops.services.nats import LOCK_FILE
 
         self.args, self.cfg = args, cfg
         self.store_dir = Path(args.store_dir) if args.store_dir else broker_dir(cfg)
@@ -98,7 +97,7 @@ class Up:
         self.interrupted = False
 
     def run(self) -> int:
-        from ops.services.nats import NatsServerConfig, announce
+        from specbus.ops.services.nats import NatsServerConfig, announce
 
         args = self.args
         if args.host != LOOPBACK:
@@ -142,7 +141,7 @@ class Up:
     def _port(self) -> int:
         """The port to serve on (see the module docstring); a taken pinned port is an error,
         not a silent move: running processes would retry the old URL forever."""
-        from ops.services.nats import URL_FILE, pinned_port
+        from specbus.ops.services.nats import URL_FILE, pinned_port
 
         args, host = self.args, self.args.host
         if args.port == 0:
@@ -207,7 +206,7 @@ class Up:
             try:
                 # Detached and without a death signal: the store outlives this broker.
                 self.store_proc = subprocess.Popen(
-                    [sys.executable, "-m", "ops.cli", "store", *config_argv(self.args)],
+                    [sys.executable, "-m", "specbus.ops.cli", "store", *config_argv(self.args)],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -224,7 +223,7 @@ class Up:
 
     def close(self) -> None:
         """Stop nats-server; on a deliberate stop also the Mooncake store; free the lock."""
-        from ops.services.nats import withdraw
+        from specbus.ops.services.nats import withdraw
 
         if self.server is not None:
             self.server.stop()  # by PID: SIGTERM, then SIGKILL if it lingers
@@ -261,8 +260,8 @@ def run_up(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 async def _declare(cfg: RunConfig, url: str) -> None:
-    from bus.connection import connect
-    from bus.topology import declare
+    from specbus.bus.connection import connect
+    from specbus.bus.topology import declare
 
     bus = await connect(cfg.bus, url, name="specbus-up")
     try:
@@ -337,7 +336,7 @@ def run_store(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _start_services(cfg: RunConfig, work: Path, lock: DirLock, started: list):
-    from ops.services.mooncake import MooncakeServices, client_store_config
+    from specbus.ops.services.mooncake import MooncakeServices, client_store_config
 
     ports = {}
     with contextlib.suppress(OSError, ValueError):

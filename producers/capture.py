@@ -25,19 +25,18 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
-from bus.connection import Bus
-from bus.dead import dead_letter
-from bus.lag import lag
-from bus.lease import Lease, Leases
-from bus.publisher import Publisher
-from bus.subjects import PRODUCERS, Names
-from bus.topology import RunKV
-from core.config import RunConfig
-from core.contracts import PromptTask, Provenance, SampleRef
-from core.errors import CaptureError, StoreFull
-from core.strategies.base import FeatureContract
-from core.telemetry import inject, tracer
+from specbus.bus.connection import Bus
+from specbus.bus.dead import dead_letter
+from specbus.bus.lag import lag
+from specbus.bus.lease import Lease, Leases
+from specbus.bus.publisher import Publisher
+from specbus.bus.subjects import PRODUCERS, Names
+from specbus.bus.topology import RunKV
+from specbus.core.config import RunConfig
+from specbus.core.contracts import PromptTask, Provenance, SampleRef
+from specbus.core.errors import CaptureError, StoreFull
+from specbus.core.strategies.base import FeatureContract
+from specbus.core.telemetry import inject, tracer
 
 log = logging.getLogger("specbus.producer")
 

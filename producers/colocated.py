@@ -44,23 +44,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from bus.connection import Bus
-from bus.lag import lag
-from bus.lease import Lease, Leases, parse_record
-from bus.publisher import Publisher
-from bus.subjects import PRODUCERS, Names
-from bus.topology import RunKV
-from consumers.source import GroupSettlement, Item, Trained, Upstream
-from core.config import BusConfig, RunConfig
-from core.contracts import PromptTask
-from core.errors import ConfigError
-from core.islands import IslandPlan
-from core.models.target import TargetInfo
-from core.strategies.base import FeatureContract
-from core.telemetry import tracer
-from producers.capture import capture_isolated, sample_id_of, settle_failure
-from producers.engines.tp import check_tp_shapes
+from specbus.bus.connection import Bus
+from specbus.bus.lag import lag
+from specbus.bus.lease import Lease, Leases, parse_record
+from specbus.bus.publisher import Publisher
+from specbus.bus.subjects import PRODUCERS, Names
+from specbus.bus.topology import RunKV
+from specbus.consumers.source import GroupSettlement, Item, Trained, Upstream
+from specbus.core.config import BusConfig, RunConfig
+from specbus.core.contracts import PromptTask
+from specbus.core.errors import ConfigError
+from specbus.core.islands import IslandPlan
+from specbus.core.models.target import TargetInfo
+from specbus.core.strategies.base import FeatureContract
+from specbus.core.telemetry import tracer
+from specbus.producers.capture import capture_isolated, sample_id_of, settle_failure
+from specbus.producers.engines.tp import check_tp_shapes
 
 log = logging.getLogger("specbus.colocated")
 

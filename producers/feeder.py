@@ -25,20 +25,19 @@ from typing import Any
 
 import orjson
 import torch
-
-from bus.connection import Bus
-from bus.lag import lag
-from bus.publisher import Publisher
-from bus.replay import last
-from bus.subjects import PRODUCERS, Names
-from bus.topology import RunKV
-from core.config import RunConfig
-from core.contracts import PromptTask
-from core.data.datasets import load_source, split_holdout
-from core.data.tokenize import TokenizedSample
-from core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
-from core.errors import ConfigError, RecordError
-from core.models.target import (
+from specbus.bus.connection import Bus
+from specbus.bus.lag import lag
+from specbus.bus.publisher import Publisher
+from specbus.bus.replay import last
+from specbus.bus.subjects import PRODUCERS, Names
+from specbus.bus.topology import RunKV
+from specbus.core.config import RunConfig
+from specbus.core.contracts import PromptTask
+from specbus.core.data.datasets import load_source, split_holdout
+from specbus.core.data.tokenize import TokenizedSample
+from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
+from specbus.core.errors import ConfigError, RecordError
+from specbus.core.models.target import (
     TargetInfo,
     load_target_info,
     load_tokenizer,
@@ -46,7 +45,7 @@ from core.models.target import (
     target_fingerprint,
     tokenizer_fingerprint,
 )
-from core.training import tokenize_records
+from specbus.core.training import tokenize_records
 
 log = logging.getLogger("specbus.feeder")
 

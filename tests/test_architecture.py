@@ -25,7 +25,9 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
 
 
 def _root(module: str) -> str:
-    return module.split(".")[0]
+    """The layer of a module: `specbus.bus.lease` -> `bus`; a third-party one -> its name."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "specbus" and len(parts) > 1 else parts[0]
 
 
 def test_only_bus_imports_nats():
@@ -53,10 +55,33 @@ def test_core_imports_no_bus_and_no_store_client_at_module_level():
 
 def test_importing_core_loads_neither_nats_nor_mooncake():
     code = (
-        "import sys, pkgutil, importlib, core\n"
-        "for m in pkgutil.walk_packages(core.__path__, 'core.'):\n"
+        "import sys, pkgutil, importlib, specbus.core as core\n"
+        "for m in pkgutil.walk_packages(core.__path__, 'specbus.core.'):\n"
         "    importlib.import_module(m.name)\n"
-        "bad = [n for n in sys.modules if n.split('.')[0] in ('nats', 'mooncake', 'bus')]\n"
+        "bad = [n for n in sys.modules if n.split('.')[0] in ('nats', 'mooncake')"
+        " or n.startswith('specbus.bus')]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_distribution_installs_one_top_level_name():
+    """Installed, the folders are one namespace (`specbus.core`, `specbus.bus`, ...): nothing
+    generic like `core` or `ops` lands in site-packages."""
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("specbus")
+    assert dist.read_text("top_level.txt").split() == ["specbus"]
+    code = "import importlib.util as u; assert u.find_spec('core') is None and u.find_spec('ops') is None"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_no_flat_imports_remain():
+    offenders = [
+        f"{p.relative_to(ROOT)}: {m}"
+        for pkg in [*PACKAGES, "tests"]
+        for p in (ROOT / pkg).rglob("*.py")
+        for m, _ in _imports(p)
+        if m.split(".")[0] in PACKAGES
+    ]
+    assert offenders == []

@@ -1,4 +1,4 @@
-"""The broker's lifecycle as a user lives it, with real processes (`python -m ops.cli up`,
+"""The broker's lifecycle as a user lives it, with real processes (`python -m specbus.ops.cli up`,
 `specbus demo`) and a real nats-server / mooncake_master: a restart after kill -9 comes back
 on the same port at once, a store dir serves one broker, nothing outlives its parent, signals
 stop every child, and the Mooncake store outlives the broker. Readiness is read from the
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from ops.cli import main
+from specbus.ops.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = "Ctrl-C to stop"
@@ -36,11 +35,11 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 class Proc:
-    """A `python -m ops.cli ...` process whose output lines are read by a thread."""
+    """A `python -m specbus.ops.cli ...` process whose output lines are read by a thread."""
 
     def __init__(self, tmp_path: Path, *argv: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ops.cli", *argv],
+            [sys.executable, "-m", "specbus.ops.cli", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -279,9 +278,8 @@ def test_sigterm_to_demo_stops_every_child_and_removes_its_shm(tmp_path, tiny_ta
 def test_a_broker_restart_keeps_the_mooncake_store_and_its_objects(tmp_path, store_id):
     pytest.importorskip("mooncake.store")
     import torch
-
-    from core.config import MooncakeConfig
-    from core.store import open_store
+    from specbus.core.config import MooncakeConfig
+    from specbus.core.store import open_store
 
     store_args = (
         "--store",

@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 
-from bus.connection import connect
-from bus.lease import Leases
-from bus.publisher import Publisher
-from core.config import BusConfig
-from ops.cli import main
+from specbus.bus.connection import connect
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Publisher
+from specbus.core.config import BusConfig
+from specbus.ops.cli import main
+
 from tests.fixtures.nats import make_ref, open_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +35,7 @@ def test_up_then_status_and_dead_then_ctrl_c_stops_the_server(tmp_path, run_id, 
         [
             sys.executable,
             "-m",
-            "ops.cli",
+            "specbus.ops.cli",
             "up",
             "--port",
             "0",
@@ -121,8 +122,7 @@ def test_a_bad_override_is_a_clear_error(capsys):
 
 def test_purge_removes_every_object_of_a_gone_run_and_asks_first(tmp_path, run_id, capsys):
     import torch
-
-    from core.store import open_store
+    from specbus.core.store import open_store
 
     uri = f"shm://{tmp_path / 'shm'}"
     store = open_store(uri, keep_on_close=True)  # the run's producers are gone, their data not

@@ -7,12 +7,11 @@ import logging
 import time
 
 import pytest
-
-from bus.connection import connect
-from core.config import BusConfig
-from core.errors import BusError
-from ops.services.common import free_port
-from ops.services.nats import NatsServer
+from specbus.bus.connection import connect
+from specbus.core.config import BusConfig
+from specbus.core.errors import BusError
+from specbus.ops.services.common import free_port
+from specbus.ops.services.nats import NatsServer
 
 
 def test_an_unreachable_broker_fails_fast_with_one_line_errors(caplog):

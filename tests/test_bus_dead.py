@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+from specbus.bus import headers as H
+from specbus.bus.dead import list_dead
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Publisher
+from specbus.core.contracts import MAX_RECORD_BYTES, SampleRef
 
-from bus import headers as H
-from bus.dead import list_dead
-from bus.lease import Leases
-from bus.publisher import Publisher
-from core.contracts import MAX_RECORD_BYTES, SampleRef
 from tests.fixtures.nats import make_ref, open_run
 
 

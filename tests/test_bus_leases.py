@@ -11,9 +11,10 @@ import subprocess
 import sys
 import time
 
-from bus.connection import connect
-from bus.lease import Leases
-from bus.publisher import Publisher
+from specbus.bus.connection import connect
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Publisher
+
 from tests.fixtures.nats import make_ref, open_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,10 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # does not), so there are no BLAS threads to pin.
 MEMBER = r"""
 import asyncio, json, sys, time
-from bus.connection import connect
-from bus.lag import lag
-from bus.lease import Leases
-from core.config import BusConfig
+from specbus.bus.connection import connect
+from specbus.bus.lag import lag
+from specbus.bus.lease import Leases
+from specbus.core.config import BusConfig
 
 url, run, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Publisher
+from specbus.core.contracts import PromptTask
+from specbus.core.errors import BusError, RecordError
 
-from bus.lease import Leases
-from bus.publisher import Publisher
-from core.contracts import PromptTask
-from core.errors import BusError, RecordError
 from tests.fixtures.nats import make_ref, open_run
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.lease import Leases
-from bus.publisher import Publisher
-from bus.replay import get, replay, reposition
-from core.contracts import SampleRef
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Publisher
+from specbus.bus.replay import get, replay, reposition
+from specbus.core.contracts import SampleRef
+
 from tests.fixtures.nats import make_ref, open_run
 
 

@@ -14,14 +14,14 @@ import logging
 import time
 
 import pytest
+from specbus.bus.lag import lag
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Publisher
+from specbus.bus.replay import get, last, replay, reposition
+from specbus.bus.topology import open_kv
+from specbus.core.contracts import SampleRef
+from specbus.core.errors import BusError
 
-from bus.lag import lag
-from bus.lease import Leases
-from bus.publisher import Publisher
-from bus.replay import get, last, replay, reposition
-from bus.topology import open_kv
-from core.contracts import SampleRef
-from core.errors import BusError
 from tests.fixtures.nats import make_ref, open_run
 
 OUTAGE_S = 4.0
@@ -286,7 +286,7 @@ def test_join_and_declare_ride_through(private_nats_server, run_id, rt_cfg):
 def test_give_up_raises_broker_unavailable_after_the_configured_outage(
     private_nats_server, run_id, rt_cfg
 ):
-    from core.errors import BrokerUnavailable
+    from specbus.core.errors import BrokerUnavailable
 
     async def body():
         cfg = rt_cfg.model_copy(update=dict(outage_give_up_s=2.0))
@@ -306,8 +306,8 @@ def test_give_up_raises_broker_unavailable_after_the_configured_outage(
 
 
 def test_outage_state_logs_once_and_gives_up_on_its_clock(caplog):
-    from bus.outage import Outage
-    from core.errors import BrokerUnavailable
+    from specbus.bus.outage import Outage
+    from specbus.core.errors import BrokerUnavailable
 
     now = [100.0]
     outage = Outage("nats://x:1", give_up_s=10.0, clock=lambda: now[0])
@@ -336,7 +336,7 @@ def test_outage_state_logs_once_and_gives_up_on_its_clock(caplog):
 def test_a_connection_lost_under_a_waiting_call_is_announced_at_once(caplog):
     """A call blocked in a request only notices the outage when the request times out (or
     never, if the broker is back by then): the connection loss itself announces it."""
-    from bus.outage import Outage
+    from specbus.bus.outage import Outage
 
     outage = Outage("nats://x:1", give_up_s=900.0)
     with caplog.at_level(logging.WARNING, logger="specbus.bus"):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from specbus.bus.dead import list_dead
+from specbus.bus.lag import lag
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Publisher
+from specbus.bus.status import run_status
+from specbus.bus.topology import declare
+from specbus.core.errors import BusError, ConfigError
 
-from bus.dead import list_dead
-from bus.lag import lag
-from bus.lease import Leases
-from bus.publisher import Publisher
-from bus.status import run_status
-from bus.topology import declare
-from core.errors import BusError, ConfigError
 from tests.fixtures.nats import make_ref, make_task, open_run
 
 
@@ -172,7 +172,7 @@ def test_lag_counts_pending_and_in_flight_in_messages_and_bytes(nats_server, run
 
 
 def test_run_names_that_are_not_subject_tokens_are_refused():
-    from bus.subjects import Names
+    from specbus.bus.subjects import Names
 
     with pytest.raises(ConfigError, match="run name"):
         Names("a.b")

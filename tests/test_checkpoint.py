@@ -1,9 +1,8 @@
 import pytest
 import torch
-
-from consumers.checkpoint import CheckpointManager
-from consumers.cursor import SamplesCursor
-from core.errors import CheckpointError
+from specbus.consumers.checkpoint import CheckpointManager
+from specbus.consumers.cursor import SamplesCursor
+from specbus.core.errors import CheckpointError
 
 PLAN = {"strategy": {"name": "eagle3", "ttt_length": 7}, "micro_batch": 1, "world": 2}
 

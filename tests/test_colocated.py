@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from specbus.core.errors import ConfigError
+from specbus.core.models.target import load_target_info
+from specbus.producers.colocated import validate_colocated
 
-from core.errors import ConfigError
-from core.models.target import load_target_info
-from producers.colocated import validate_colocated
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
 GATE = [

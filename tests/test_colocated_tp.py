@@ -12,14 +12,14 @@ import math
 from pathlib import Path
 
 import pytest
+from specbus.bus.connection import connect
+from specbus.bus.dead import list_dead
+from specbus.bus.lease import Leases
+from specbus.bus.subjects import PRODUCERS, Names
+from specbus.core.errors import ConfigError
+from specbus.core.models.target import load_target_info
+from specbus.producers.colocated import validate_colocated
 
-from bus.connection import connect
-from bus.dead import list_dead
-from bus.lease import Leases
-from bus.subjects import PRODUCERS, Names
-from core.errors import ConfigError
-from core.models.target import load_target_info
-from producers.colocated import validate_colocated
 from tests.fixtures.pipeline import VOCAB, Cluster, pipeline_config, write_tokenised_data
 
 TP = ["deployment.mode=colocated", "target.tp_size=2", "training.log_every=1"]

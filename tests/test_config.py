@@ -1,7 +1,6 @@
 import pytest
-
-from core.config import build_config, dump_config, load_config
-from core.errors import ConfigError
+from specbus.core.config import build_config, dump_config, load_config
+from specbus.core.errors import ConfigError
 
 
 def test_defaults_validate_and_overrides_apply(tmp_path):

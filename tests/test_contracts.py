@@ -3,9 +3,8 @@ import orjson
 import pytest
 import torch
 from pydantic import ValidationError
-
-from core.contracts import MAX_RECORD_BYTES, FeatureSpec, PromptTask, Provenance, SampleRef
-from core.errors import RecordError
+from specbus.core.contracts import MAX_RECORD_BYTES, FeatureSpec, PromptTask, Provenance, SampleRef
+from specbus.core.errors import RecordError
 
 
 def make_ref(**over) -> SampleRef:

@@ -4,11 +4,10 @@ from functools import lru_cache
 
 import pytest
 import torch
-
-from core.data.templates import TEMPLATES, detect_template
-from core.data.tokenize import prompt_ids, tokenize_record
-from core.errors import ConfigError
-from core.models.target import load_tokenizer, resolve_target_dir
+from specbus.core.data.templates import TEMPLATES, detect_template
+from specbus.core.data.tokenize import prompt_ids, tokenize_record
+from specbus.core.errors import ConfigError
+from specbus.core.models.target import load_tokenizer, resolve_target_dir
 
 TWO_TURNS = [
     {"role": "user", "content": "Hi"},

@@ -1,15 +1,14 @@
 """Dataset sources: packaged GSM8K and chatterbot dialogues, JSONL files, the held-back split."""
 
 import pytest
-
-from core.data.datasets import (
+from specbus.core.data.datasets import (
     chatterbot_records,
     gsm8k_records,
     load_jsonl,
     load_source,
     split_holdout,
 )
-from core.errors import ConfigError
+from specbus.core.errors import ConfigError
 
 
 def test_gsm8k_pairs_each_payload_question_with_its_reference_answer():
@@ -57,11 +56,11 @@ def test_holdout_is_the_tail_and_limit_caps_the_train_part():
 
 
 def test_prompt_only_records_get_the_targets_own_answer():
-    from core.data.regenerate import complete_with_target
-    from core.data.templates import detect_template
-    from core.data.tokenize import tokenize_record
-    from core.eval.speculative import greedy_generate
-    from core.models.target import load_causal_lm, load_tokenizer, resolve_target_dir
+    from specbus.core.data.regenerate import complete_with_target
+    from specbus.core.data.templates import detect_template
+    from specbus.core.data.tokenize import tokenize_record
+    from specbus.core.eval.speculative import greedy_generate
+    from specbus.core.models.target import load_causal_lm, load_tokenizer, resolve_target_dir
 
     path = resolve_target_dir("smollm2-135m-instruct")
     tokenizer, model = load_tokenizer(path), load_causal_lm(path)
@@ -74,7 +73,7 @@ def test_prompt_only_records_get_the_targets_own_answer():
         record["messages"][:-1] == prompt["messages"]
         and record["messages"][-1]["role"] == "assistant"
     )
-    from core.data.tokenize import prompt_ids
+    from specbus.core.data.tokenize import prompt_ids
 
     generated = greedy_generate(model, prompt_ids(prompt, tokenizer, template), 6, (2,))
     expected = tokenizer.decode([t for t in generated if t != 2], skip_special_tokens=True)

@@ -6,9 +6,8 @@ from collections import Counter
 
 import pytest
 import torch
-
-from core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
-from core.errors import ConfigError
+from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
+from specbus.core.errors import ConfigError
 
 
 def samples():

@@ -9,24 +9,23 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from core.config import build_config
-from core.errors import ConfigError, ExportError
-from core.eval import block as block_eval
-from core.eval.block import block_generate
-from core.eval.speculative import greedy_generate, measure_acceptance
-from core.export.dflash import export_dflash, load_dflash_export
-from core.models.dflash import ContextCache
-from core.models.target import load_target_heads, load_target_info
-from core.strategies.base import StepContext, build_strategy
-from core.strategies.dflash import (
+from specbus.core.config import build_config
+from specbus.core.errors import ConfigError, ExportError
+from specbus.core.eval import block as block_eval
+from specbus.core.eval.block import block_generate
+from specbus.core.eval.speculative import greedy_generate, measure_acceptance
+from specbus.core.export.dflash import export_dflash, load_dflash_export
+from specbus.core.models.dflash import ContextCache
+from specbus.core.models.target import load_target_heads, load_target_info
+from specbus.core.strategies.base import StepContext, build_strategy
+from specbus.core.strategies.dflash import (
     block_mask,
     dflash_loss,
     domino_lambda,
     draft_blocks,
     sample_anchors,
 )
+from torch import nn
 
 STRATEGIES = ("dflash", "domino", "dspark")
 
@@ -294,7 +293,7 @@ def test_decoding_a_block_equals_the_training_forward(tiny_target, target_lm, na
     torch.manual_seed(0)
     draft = s.build_model().eval()
     ids = torch.randint(3, 128, (1, 12))
-    from core.models.target import AuxCapture
+    from specbus.core.models.target import AuxCapture
 
     with AuxCapture(target_lm, s.aux_layers) as aux, torch.no_grad():
         target_lm(input_ids=ids)

@@ -6,8 +6,8 @@ same ones)."""
 from __future__ import annotations
 
 import pytest
+from specbus.core.config import build_config
 
-from core.config import build_config
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
 DFLASH = {"block_size": 4, "num_anchors": 8, "chunk_blocks": 2}
@@ -35,8 +35,8 @@ def test_each_strategy_trains_colocated_and_exports(tmp_path, tiny_target, nats_
     assert all(row["loss"] > 0 for row in rows) and "accept_len" in rows[0]
     if name == "domino":  # the schedule reached the loss: lambda decays from 1
         assert rows[0]["lambda_base"] == 1.0 and rows[-1]["lambda_base"] < 1.0
-    from ops.evaluate import compare_drafts
-    from ops.export import export_checkpoint
+    from specbus.ops.evaluate import compare_drafts
+    from specbus.ops.export import export_checkpoint
 
     out = export_checkpoint(cfg, "latest", tmp_path / "export")
     assert (out / "model.safetensors").exists()

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-
-from core.config import DraftConfig, StrategyConfig
-from core.models.target import TargetHeads, TargetInfo
-from core.strategies import StepContext, build_strategy
+from specbus.core.config import DraftConfig, StrategyConfig
+from specbus.core.models.target import TargetHeads, TargetInfo
+from specbus.core.strategies import StepContext, build_strategy
 
 pytestmark = [
     pytest.mark.gpu,

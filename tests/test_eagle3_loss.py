@@ -9,12 +9,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from core.config import DraftConfig, StrategyConfig
-from core.data.vocab import build_vocab_mapping
-from core.models.target import TargetHeads, TargetInfo
-from core.strategies import StepContext, build_strategy
-from core.strategies.eagle3 import simulated_accept_length
+from specbus.core.config import DraftConfig, StrategyConfig
+from specbus.core.data.vocab import build_vocab_mapping
+from specbus.core.models.target import TargetHeads, TargetInfo
+from specbus.core.strategies import StepContext, build_strategy
+from specbus.core.strategies.eagle3 import simulated_accept_length
 
 V, H, LAYERS = 40, 16, 6
 VD = 24
@@ -253,7 +252,7 @@ def test_collate_pads_right_zeroes_the_last_supervised_position_and_truncates():
 
 
 def test_collate_refuses_features_that_break_the_contract():
-    from core.errors import CaptureError
+    from specbus.core.errors import CaptureError
 
     strategy, _, _ = setup()
     bad = {

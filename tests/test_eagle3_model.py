@@ -2,12 +2,17 @@
 
 import pytest
 import torch
-
-from core.config import DraftConfig
-from core.errors import ConfigError
-from core.models.llama_eagle3 import DecodeCache, LlamaEagle3Draft, TTTCache, _ttt_eager, shift_left
-from core.models.registry import available_drafts, build_draft
-from core.models.target import TargetInfo
+from specbus.core.config import DraftConfig
+from specbus.core.errors import ConfigError
+from specbus.core.models.llama_eagle3 import (
+    DecodeCache,
+    LlamaEagle3Draft,
+    TTTCache,
+    _ttt_eager,
+    shift_left,
+)
+from specbus.core.models.registry import available_drafts, build_draft
+from specbus.core.models.target import TargetInfo
 
 B, L, N, STEPS = 2, 5, 2, 3
 
@@ -68,7 +73,7 @@ def test_ttt_attention_mask_is_causal_at_step0_then_adds_only_the_diagonal():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention path needs CUDA")
 def test_flex_attention_matches_the_eager_path():
-    from core.models.llama_eagle3 import _ttt_flex
+    from specbus.core.models.llama_eagle3 import _ttt_flex
 
     torch.manual_seed(0)
     padding = torch.tensor([[1] * 64, [1] * 40 + [0] * 24], device="cuda")
@@ -143,10 +148,9 @@ def test_registry_clamps_draft_vocab_and_refuses_unknown_architectures():
 
 
 def test_llama3_rope_scaling_matches_transformers():
+    from specbus.core.models.llama_eagle3 import rope_inv_freq
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from core.models.llama_eagle3 import rope_inv_freq
 
     scaling = {
         "rope_type": "llama3",

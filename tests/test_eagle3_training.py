@@ -4,12 +4,11 @@ import math
 
 import pytest
 import torch
-
-from core.config import DraftConfig, StrategyConfig, TrainingConfig
-from core.errors import ConfigError
-from core.models.target import TargetHeads, TargetInfo
-from core.strategies import StepContext, build_strategy
-from core.training import build_optimizer, build_scheduler, lr_factor, train_step
+from specbus.core.config import DraftConfig, StrategyConfig, TrainingConfig
+from specbus.core.errors import ConfigError
+from specbus.core.models.target import TargetHeads, TargetInfo
+from specbus.core.strategies import StepContext, build_strategy
+from specbus.core.training import build_optimizer, build_scheduler, lr_factor, train_step
 
 
 def test_cosine_warms_up_linearly_then_decays_to_zero():

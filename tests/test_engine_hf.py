@@ -6,14 +6,13 @@ from functools import lru_cache
 
 import pytest
 import torch
+from specbus.core.config import StrategyConfig, TargetConfig
+from specbus.core.errors import CaptureError
+from specbus.core.models import target as target_mod
+from specbus.core.strategies import build_strategy
+from specbus.producers.engines.base import TargetEngine
+from specbus.producers.engines.registry import build_engine
 from transformers import LlamaConfig, LlamaForCausalLM
-
-from core.config import StrategyConfig, TargetConfig
-from core.errors import CaptureError
-from core.models import target as target_mod
-from core.strategies import build_strategy
-from producers.engines.base import TargetEngine
-from producers.engines.registry import build_engine
 
 
 @pytest.fixture(scope="module")

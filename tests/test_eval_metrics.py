@@ -1,9 +1,8 @@
 """Eval-set aggregation: per-position accuracy from summed counts, simulated acceptance length."""
 
 import torch
-
-from core.eval.metrics import EvalAccumulator, evaluate
-from core.strategies.eagle3 import simulated_accept_length
+from specbus.core.eval.metrics import EvalAccumulator, evaluate
+from specbus.core.strategies.eagle3 import simulated_accept_length
 
 
 def metrics(correct, denom, rate, ploss, loss, loss_denom):

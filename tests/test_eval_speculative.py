@@ -7,18 +7,17 @@ positions must be rejected exactly there; a random real draft must still be loss
 
 import pytest
 import torch
-from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from core.config import DraftConfig, StrategyConfig
-from core.eval.speculative import (
+from specbus.core.config import DraftConfig, StrategyConfig
+from specbus.core.eval.speculative import (
     LosslessError,
     greedy_generate,
     measure_acceptance,
     speculative_generate,
 )
-from core.models.target import TargetInfo
-from core.strategies import build_strategy
+from specbus.core.models.target import TargetInfo
+from specbus.core.strategies import build_strategy
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 V = 48
 
@@ -133,7 +132,7 @@ def test_real_draft_decoding_is_lossless_with_eos_and_length_limits(target):
 
 
 def test_a_broken_verifier_is_caught_by_the_lossless_check(target, monkeypatch):
-    import core.eval.speculative as spec_mod
+    import specbus.core.eval.speculative as spec_mod
 
     info = TargetInfo.from_hf_config(target.config, name="tiny", path=".")
     strategy = build_strategy(StrategyConfig(draft=DraftConfig(draft_vocab_size=V)), info)

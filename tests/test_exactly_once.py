@@ -12,20 +12,19 @@ import time
 
 import pytest
 import torch
-
-from bus.connection import connect
-from bus.lease import Leases
-from bus.publisher import Publisher
-from bus.replay import reposition
-from bus.subjects import TRAINERS, Names
-from bus.topology import declare
-from consumers.bus_source import BusSource
-from consumers.ledger import Ledger, plan_round
-from consumers.loader import Loader
-from consumers.lockstep import Decision, Status, decide
-from consumers.loop_thread import LoopThread
-from core.contracts import Provenance, SampleRef
-from core.store import open_store
+from specbus.bus.connection import connect
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Publisher
+from specbus.bus.replay import reposition
+from specbus.bus.subjects import TRAINERS, Names
+from specbus.bus.topology import declare
+from specbus.consumers.bus_source import BusSource
+from specbus.consumers.ledger import Ledger, plan_round
+from specbus.consumers.loader import Loader
+from specbus.consumers.lockstep import Decision, Status, decide
+from specbus.consumers.loop_thread import LoopThread
+from specbus.core.contracts import Provenance, SampleRef
+from specbus.core.store import open_store
 
 E, W, F, S = Status.ENDED, Status.WAITING, Status.FULL, Status.STOPPING
 

@@ -5,13 +5,12 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-
-from core.config import DraftConfig
-from core.errors import ExportError
-from core.export.sglang import export_draft, export_state_dict, load_export
-from core.models.llama_eagle3 import LlamaEagle3Draft
-from core.models.registry import build_draft
-from core.models.target import TargetInfo
+from specbus.core.config import DraftConfig
+from specbus.core.errors import ExportError
+from specbus.core.export.sglang import export_draft, export_state_dict, load_export
+from specbus.core.models.llama_eagle3 import LlamaEagle3Draft
+from specbus.core.models.registry import build_draft
+from specbus.core.models.target import TargetInfo
 
 EXPECTED = {
     "midlayer.self_attn.q_proj.weight",

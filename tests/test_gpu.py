@@ -10,10 +10,10 @@ import copy
 
 import pytest
 import torch
+from specbus.core.config import DraftConfig, StrategyConfig, TargetConfig
+from specbus.core.models.target import TargetHeads, TargetInfo
+from specbus.core.strategies import StepContext, build_strategy
 
-from core.config import DraftConfig, StrategyConfig, TargetConfig
-from core.models.target import TargetHeads, TargetInfo
-from core.strategies import StepContext, build_strategy
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
 pytestmark = [
@@ -81,8 +81,8 @@ def test_eagle3_loss_bf16_autocast_matches_fp32_on_cuda():
 
 
 def test_hf_engine_captures_bf16_on_cuda_close_to_fp32_on_cpu(tiny_target):
-    from core.models.target import load_target_info
-    from producers.engines.hf import HFEngine
+    from specbus.core.models.target import load_target_info
+    from specbus.producers.engines.hf import HFEngine
 
     gpu = HFEngine(TargetConfig(model=str(tiny_target), device="cuda", capture_batch=2))
     cpu = HFEngine(TargetConfig(model=str(tiny_target), device="cpu", capture_batch=2))
@@ -132,8 +132,8 @@ def test_pipeline_trains_on_cuda(mode, tmp_path, tiny_target, nats_server, run_i
 
 
 def test_bench_random_target_is_seeded_and_carries_the_heads(tmp_path):
-    from core.models.target import load_target_heads, target_fingerprint
-    from ops.bench.gpu_pipeline import build_random_target, write_target
+    from specbus.core.models.target import load_target_heads, target_fingerprint
+    from specbus.ops.bench.gpu_pipeline import build_random_target, write_target
 
     small = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -1,7 +1,6 @@
 import pytest
-
-from core.errors import ConfigError
-from core.islands import IslandPlan
+from specbus.core.errors import ConfigError
+from specbus.core.islands import IslandPlan
 
 
 @pytest.mark.parametrize("world, tp", [(1, 1), (2, 2), (4, 2), (8, 4), (8, 1), (6, 3)])

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from specbus.bus.connection import connect
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Publisher
+from specbus.core.errors import BusError
 
-from bus.connection import connect
-from bus.lease import Leases
-from bus.publisher import Publisher
-from core.errors import BusError
 from tests.fixtures.nats import make_ref, open_run
 
 

@@ -3,9 +3,8 @@ import os
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from consumers.lockstep import Decision, Status, agree, decide
-from ops.services.common import free_port
+from specbus.consumers.lockstep import Decision, Status, agree, decide
+from specbus.ops.services.common import free_port
 
 E, W, F = Status.ENDED, Status.WAITING, Status.FULL
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from specbus.core.config import TrainingConfig
+from specbus.core.strategies import StepContext
+from specbus.core.training import build_optimizer, train_step
+from specbus.ops.services.common import free_port
 
-from core.config import TrainingConfig
-from core.strategies import StepContext
-from core.training import build_optimizer, train_step
-from ops.services.common import free_port
 from tests.test_eagle3_training import tiny
 
 STEPS = 3
@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, wrap: str, out, backend: str = "gloo
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
-        from consumers.parallel import average_gradients, full_state, load_full_state, shard
+        from specbus.consumers.parallel import average_gradients, full_state, load_full_state, shard
 
         strategy, draft, samples = tiny()  # same seed: same draft and samples on every rank
         draft = draft.to(device)

@@ -1,6 +1,6 @@
 """End to end: feeder -> producers -> trainers through a real broker and real stores.
 
-Every test runs real processes (`python -m ops.commands ...`) on a tiny random target and
+Every test runs real processes (`python -m specbus.ops.commands ...`) on a tiny random target and
 checks the lineage contract: each fed sample is trained at most once, and every sample not
 trained is accounted for (a dead letter, or the final partial window).
 """
@@ -11,12 +11,12 @@ import asyncio
 import time
 
 import pytest
+from specbus.bus.connection import connect
+from specbus.bus.dead import list_dead
+from specbus.bus.topology import open_kv
+from specbus.core.config import BusConfig
+from specbus.core.store import open_store
 
-from bus.connection import connect
-from bus.dead import list_dead
-from bus.topology import open_kv
-from core.config import BusConfig
-from core.store import open_store
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
 WORLD, MICRO = 2, 2
@@ -241,9 +241,9 @@ def test_recapture_heals_deleted_features(make_cluster, nats_server):
 
 
 async def _sample_refs(url: str, run: str):
-    from bus.replay import replay
-    from bus.subjects import Names
-    from core.contracts import SampleRef
+    from specbus.bus.replay import replay
+    from specbus.bus.subjects import Names
+    from specbus.core.contracts import SampleRef
 
     async with await connect(BusConfig(), url) as bus:
         return [SampleRef.from_bytes(m.data) async for m in replay(bus, Names(run).samples_stream)]

@@ -13,11 +13,11 @@ import asyncio
 import time
 
 from nats.js.errors import NotFoundError
+from specbus.bus.connection import connect
+from specbus.bus.subjects import Names
+from specbus.bus.topology import open_kv
+from specbus.core.config import BusConfig
 
-from bus.connection import connect
-from bus.subjects import Names
-from bus.topology import open_kv
-from core.config import BusConfig
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
 WORLD, MICRO = 2, 2

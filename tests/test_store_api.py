@@ -6,9 +6,9 @@ import threading
 
 import pytest
 import torch
+from specbus.core.errors import ConfigError, FeatureMissing, IntegrityError, StoreError, StoreFull
+from specbus.core.store import FeatureStore, open_store
 
-from core.errors import ConfigError, FeatureMissing, IntegrityError, StoreError, StoreFull
-from core.store import FeatureStore, open_store
 from tests.fixtures.mooncake import mooncake_store_config
 
 BACKENDS = ["mem", "shm", "mooncake"]
@@ -203,7 +203,7 @@ def test_shared_screen_splits_chunks_and_never_waits_for_its_helper():
     # chunked.SharedScreen: the helper claims chunks from the back, the put's thread from
     # the front as it writes; finish() sums whatever has no sum yet (unclaimed, or claimed
     # by a helper that has not reported) instead of waiting, and names the bad tensor.
-    from core.store.chunked import SharedScreen
+    from specbus.core.store.chunked import SharedScreen
 
     x = torch.randn(5 << 18)  # 5 MiB of fp32: five 1 MiB chunks
     y = x.clone()

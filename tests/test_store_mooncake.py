@@ -13,11 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from specbus.core.contracts import FeatureSpec
+from specbus.core.errors import FeatureMissing, IntegrityError, StoreFull, StoreUnavailable
+from specbus.core.store import open_store, purge_store
+from specbus.ops.services.mooncake import MooncakeServices
 
-from core.contracts import FeatureSpec
-from core.errors import FeatureMissing, IntegrityError, StoreFull, StoreUnavailable
-from core.store import open_store, purge_store
-from ops.services.mooncake import MooncakeServices
 from tests.fixtures.mooncake import FAST, mooncake_store_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,8 +275,8 @@ def test_http_metadata_server_on_loopback(tmp_path, store_id):
 
 
 def test_start_mooncake_for_specbus_up(tmp_path):
-    from core.config import MooncakeConfig, StoreConfig
-    from ops.services.mooncake import start_mooncake
+    from specbus.core.config import MooncakeConfig, StoreConfig
+    from specbus.ops.services.mooncake import start_mooncake
 
     mc = MooncakeConfig(segment_bytes=32 << 20, buffer_bytes=16 << 20)
     cfg = StoreConfig(uri="mooncake://", store_id="run1", budget_bytes=64 << 20, mooncake=mc)

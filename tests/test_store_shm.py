@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from core.errors import FeatureMissing, IntegrityError
-from core.store import open_store, purge_store
-from core.store.shm import store_dir
+from specbus.core.errors import FeatureMissing, IntegrityError
+from specbus.core.store import open_store, purge_store
+from specbus.core.store.shm import store_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +59,7 @@ def test_put_in_one_process_get_in_another(uri):
         input()  # stay attached until the parent has read
         s.close()
     """)
-    from core.contracts import FeatureSpec
+    from specbus.core.contracts import FeatureSpec
 
     specs = {
         s.name: s
@@ -162,7 +161,7 @@ def test_complete_samples_survive_their_writer_while_someone_is_attached(uri):
         print(specs["h"].model_dump_json(), flush=True)
         input()
     """)
-    from core.contracts import FeatureSpec
+    from specbus.core.contracts import FeatureSpec
 
     spec = FeatureSpec.model_validate_json(child.stdout.readline())
     child.send_signal(signal.SIGKILL)
@@ -179,7 +178,7 @@ def test_complete_samples_survive_their_writer_while_someone_is_attached(uri):
 def test_pooled_reads_return_their_memory(uri):
     store = open_store(uri, pool_bytes=16 << 20)
     specs = store.put("x", {"h": torch.randn(1 << 20)})  # 4 MiB
-    from core.store import shm
+    from specbus.core.store import shm
 
     pool = shm._recv_pool(16 << 20)
     free = pool.free_bytes()
@@ -348,13 +347,13 @@ def test_a_put_the_filesystem_cannot_hold_is_store_no_space_never_sigbus(small_f
     root = small_fs.path / "store"
     child = small_fs.spawn(f"""
         import json, logging, os
-        from core.errors import StoreNoSpace
+        from specbus.core.errors import StoreNoSpace
 
         said = []
         class Keep(logging.Handler):
             def emit(self, record):
                 said.append(record.getMessage())
-        logging.getLogger("core.store").addHandler(Keep())
+        logging.getLogger("specbus.core.store").addHandler(Keep())
 
         def free():
             v = os.statvfs({str(small_fs.path)!r})

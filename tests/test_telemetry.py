@@ -7,10 +7,10 @@ import asyncio
 import threading
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from specbus.core.telemetry import setup_tracing
+from specbus.ops.produce import run_feeder, run_producer
+from specbus.ops.train import run_trainer
 
-from core.telemetry import setup_tracing
-from ops.produce import run_feeder, run_producer
-from ops.train import run_trainer
 from tests.fixtures.pipeline import pipeline_config, write_tokenised_data
 
 

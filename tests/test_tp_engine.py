@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
+from specbus.core.config import StrategyConfig, TargetConfig
+from specbus.core.errors import ConfigError
+from specbus.core.strategies.base import build_strategy
+from specbus.ops.services.common import free_port
+from specbus.producers.engines.hf import HFEngine
+from specbus.producers.engines.tp import check_tp_shapes
 
-from core.config import StrategyConfig, TargetConfig
-from core.errors import ConfigError
-from core.strategies.base import build_strategy
-from ops.services.common import free_port
-from producers.engines.hf import HFEngine
-from producers.engines.tp import check_tp_shapes
 from tests.fixtures.pipeline import VOCAB
 
 

@@ -8,13 +8,12 @@ greedy output. The trained draft must have more of its tokens accepted.
 
 import pytest
 import torch
-
-from core.config import build_config
-from core.data.templates import detect_template
-from core.data.tokenize import prompt_ids
-from core.eval.speculative import measure_acceptance
-from core.training import train_local
-from producers.engines.hf import HFEngine
+from specbus.core.config import build_config
+from specbus.core.data.templates import detect_template
+from specbus.core.data.tokenize import prompt_ids
+from specbus.core.eval.speculative import measure_acceptance
+from specbus.core.training import train_local
+from specbus.producers.engines.hf import HFEngine
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ import signal
 import time
 
 import pytest
+from specbus.bus.connection import connect
+from specbus.bus.lease import Leases
+from specbus.bus.subjects import TRAINERS, Names
+from specbus.core.config import BusConfig
 
-from bus.connection import connect
-from bus.lease import Leases
-from bus.subjects import TRAINERS, Names
-from core.config import BusConfig
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
 WORLD, MICRO = 2, 2

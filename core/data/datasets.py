@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from core.errors import ConfigError
+from specbus.core.errors import ConfigError
 
 Record = dict[str, Any]
 _CALC = re.compile(r"<<[^>]*>>")

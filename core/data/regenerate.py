@@ -10,11 +10,10 @@ a GPU.
 
 from __future__ import annotations
 
+from specbus.core.data.datasets import Record
+from specbus.core.data.templates import ChatTemplate
+from specbus.core.data.tokenize import prompt_ids
 from torch import nn
-
-from core.data.datasets import Record
-from core.data.templates import ChatTemplate
-from core.data.tokenize import prompt_ids
 
 
 def complete_with_target(
@@ -27,7 +26,7 @@ def complete_with_target(
     eos_ids: tuple[int, ...] = (),
 ) -> list[Record]:
     """Each record's conversation (up to its last user turn) + the target's greedy answer."""
-    from core.eval.speculative import greedy_generate
+    from specbus.core.eval.speculative import greedy_generate
 
     out = []
     for record in records:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.errors import ConfigError
+from specbus.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from core.data.templates import ChatTemplate
-from core.errors import ConfigError
+from specbus.core.data.templates import ChatTemplate
+from specbus.core.errors import ConfigError
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 

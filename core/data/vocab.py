@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from core.errors import ConfigError
+from specbus.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,10 @@ makes the output the target's own greedy decoding (checked by `measure_acceptanc
 from __future__ import annotations
 
 import torch
+from specbus.core.eval.speculative import SpecResult, _crop, _device, _finish, _forward, _new_cache
+from specbus.core.models.dflash import ContextCache, DFlashDraft
+from specbus.core.models.target import AuxCapture
 from torch import nn
-
-from core.eval.speculative import SpecResult, _crop, _device, _finish, _forward, _new_cache
-from core.models.dflash import ContextCache, DFlashDraft
-from core.models.target import AuxCapture
 
 
 def _lm_head(target: nn.Module) -> nn.Module:

@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from specbus.core.strategies.base import StepContext, Strategy, TrainBatch
+from specbus.core.strategies.eagle3 import simulated_accept_length
 from torch import nn
-
-from core.strategies.base import StepContext, Strategy, TrainBatch
-from core.strategies.eagle3 import simulated_accept_length
 
 
 class EvalAccumulator:

@@ -22,11 +22,10 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
+from specbus.core.errors import SpecbusError
+from specbus.core.models.llama_eagle3 import DecodeCache
+from specbus.core.models.target import AuxCapture
 from torch import nn
-
-from core.errors import SpecbusError
-from core.models.llama_eagle3 import DecodeCache
-from core.models.target import AuxCapture
 
 
 class LosslessError(SpecbusError):

@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-
-from core.errors import ExportError
-from core.models.dflash import DFlashConfig, DFlashDraft
+from specbus.core.errors import ExportError
+from specbus.core.models.dflash import DFlashConfig, DFlashDraft
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ARCHITECTURES = {

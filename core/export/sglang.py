@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-
-from core.errors import ExportError
-from core.models.llama_eagle3 import Eagle3Config, LlamaEagle3Draft
+from specbus.core.errors import ExportError
+from specbus.core.models.llama_eagle3 import Eagle3Config, LlamaEagle3Draft
 
 EXPORT_KEYS = frozenset(LlamaEagle3Draft.EXPORT_KEYS)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from specbus.core.errors import ConfigError
+from specbus.core.models.llama_eagle3 import RMSNorm, apply_rope, rope_inv_freq
 from torch import nn
-
-from core.errors import ConfigError
-from core.models.llama_eagle3 import RMSNorm, apply_rope, rope_inv_freq
 
 PROJECTORS = ("dflash", "domino", "dspark")
 MARKOV_HEADS = ("vanilla", "gated", "rnn")

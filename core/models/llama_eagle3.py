@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from specbus.core.errors import ConfigError
 from torch import nn
-
-from core.errors import ConfigError
 
 
 @dataclass

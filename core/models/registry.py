@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from specbus.core.config import DraftConfig
+from specbus.core.errors import ConfigError
+from specbus.core.models.llama_eagle3 import Eagle3Config, LlamaEagle3Draft
+from specbus.core.models.target import TargetInfo
 from torch import nn
-
-from core.config import DraftConfig
-from core.errors import ConfigError
-from core.models.llama_eagle3 import Eagle3Config, LlamaEagle3Draft
-from core.models.target import TargetInfo
 
 DraftBuilder = Callable[[DraftConfig, TargetInfo, list[int]], nn.Module]
 _DRAFTS: dict[str, DraftBuilder] = {}

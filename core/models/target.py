@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from core.errors import ConfigError
+from specbus.core.errors import ConfigError
 
 SMOLLM2 = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -381,7 +380,7 @@ class AuxCapture:
 
     def concat(self) -> torch.Tensor:
         """`[B, L, len(layers) * H]` in layer order. Raises `CaptureError` if a hook did not fire."""
-        from core.errors import CaptureError
+        from specbus.core.errors import CaptureError
 
         if any(o is None for o in self.outputs):
             raise CaptureError(f"aux layers {self.layers}: a hook did not fire")

@@ -17,9 +17,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from core.config import MooncakeConfig, StoreConfig
-from core.errors import ConfigError
-from core.store.base import FeatureStore, StoreUsage, check_store_id
+from specbus.core.config import MooncakeConfig, StoreConfig
+from specbus.core.errors import ConfigError
+from specbus.core.store.base import FeatureStore, StoreUsage, check_store_id
 
 __all__ = ["FeatureStore", "StoreUsage", "open_store", "parse_uri", "purge_store"]
 
@@ -63,16 +63,16 @@ def open_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> FeatureStore:
         cfg = StoreConfig.model_validate({**cfg.model_dump(), **query})
 
     if scheme == "mem":
-        from core.store.mem import MemStore
+        from specbus.core.store.mem import MemStore
 
         return MemStore(cfg, store_id)
     if scheme == "shm":
-        from core.store.shm import ShmStore
+        from specbus.core.store.shm import ShmStore
 
         if path is not None and not Path(path).is_absolute():
             raise ConfigError(f"store.uri {cfg.uri!r}: a shm directory must be absolute")
         return ShmStore(cfg, store_id, Path(path) if path else None)
-    from core.store.mooncake import MooncakeStore
+    from specbus.core.store.mooncake import MooncakeStore
 
     unknown = set(query) - set(MooncakeConfig.model_fields)
     if unknown:

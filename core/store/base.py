@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-
-from core.contracts import FeatureSpec, SampleRef
-from core.errors import ConfigError, IntegrityError, StoreError
-from core.store.chunked import SharedScreen
+from specbus.core.contracts import FeatureSpec, SampleRef
+from specbus.core.errors import ConfigError, IntegrityError, StoreError
+from specbus.core.store.chunked import SharedScreen
 
 log = logging.getLogger(__name__)
 

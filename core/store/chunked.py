@@ -28,8 +28,7 @@ import threading
 from collections.abc import Callable
 
 import torch
-
-from core.errors import IntegrityError
+from specbus.core.errors import IntegrityError
 
 CHUNK_BYTES = 1 << 20  # fits L2 with room for the destination; measured flat from 256 KiB to 1 MiB
 

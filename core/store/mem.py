@@ -15,11 +15,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-
-from core.config import StoreConfig
-from core.contracts import FeatureSpec
-from core.errors import FeatureMissing, IntegrityError, StoreFull
-from core.store.base import (
+from specbus.core.config import StoreConfig
+from specbus.core.contracts import FeatureSpec
+from specbus.core.errors import FeatureMissing, IntegrityError, StoreFull
+from specbus.core.store.base import (
     RefLike,
     StoreBase,
     Stored,

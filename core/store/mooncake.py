@@ -53,11 +53,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-
-from core.config import MooncakeConfig, StoreConfig
-from core.contracts import FeatureSpec
-from core.errors import FeatureMissing, IntegrityError, StoreError, StoreFull, StoreUnavailable
-from core.store.base import (
+from specbus.core.config import MooncakeConfig, StoreConfig
+from specbus.core.contracts import FeatureSpec
+from specbus.core.errors import (
+    FeatureMissing,
+    IntegrityError,
+    StoreError,
+    StoreFull,
+    StoreUnavailable,
+)
+from specbus.core.store.base import (
     DTYPES,
     RefLike,
     Screener,
@@ -72,8 +77,8 @@ from core.store.base import (
     specs_of,
     to_device,
 )
-from core.store.chunked import SharedScreen, copy_into, screen_whole
-from core.store.pool import BufferPool
+from specbus.core.store.chunked import SharedScreen, copy_into, screen_whole
+from specbus.core.store.pool import BufferPool
 
 log = logging.getLogger(__name__)
 

@@ -58,12 +58,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from core.config import StoreConfig
-from core.contracts import FeatureSpec
-from core.errors import FeatureMissing, IntegrityError, StoreFull, StoreNoSpace
-from core.store import mapped, procs
-from core.store.base import (
+from specbus.core.config import StoreConfig
+from specbus.core.contracts import FeatureSpec
+from specbus.core.errors import FeatureMissing, IntegrityError, StoreFull, StoreNoSpace
+from specbus.core.store import mapped, procs
+from specbus.core.store.base import (
     DTYPES,
     RefLike,
     Screener,
@@ -78,8 +77,8 @@ from core.store.base import (
     specs_of,
     to_device,
 )
-from core.store.chunked import SharedScreen, copy_into, write_fd
-from core.store.pool import BufferPool
+from specbus.core.store.chunked import SharedScreen, copy_into, write_fd
+from specbus.core.store.pool import BufferPool
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 the built-in ones (eagle3; dflash, domino, dspark). A new algorithm is one module that calls
 `register_strategy` and an import here."""
 
-from core.strategies import dflash as _dflash  # noqa: F401  (registers dflash, domino, dspark)
-from core.strategies import eagle3 as _eagle3  # noqa: F401  (registers "eagle3")
-from core.strategies.base import (
+from specbus.core.strategies import dflash as _dflash  # noqa: F401  (registers dflash, domino, dspark)
+from specbus.core.strategies import eagle3 as _eagle3  # noqa: F401  (registers "eagle3")
+from specbus.core.strategies.base import (
     FeatureContract,
     FeatureField,
     StepContext,

@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from specbus.core.config import StrategyConfig
+from specbus.core.errors import CaptureError, ConfigError
+from specbus.core.models.target import TargetHeads, TargetInfo
 from torch import nn
-
-from core.config import StrategyConfig
-from core.errors import CaptureError, ConfigError
-from core.models.target import TargetHeads, TargetInfo
 
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -41,13 +41,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from core.config import StrategyConfig
-from core.errors import ConfigError
-from core.models.dflash import DFlashConfig, DFlashDraft
-from core.models.target import TargetHeads, TargetInfo
-from core.strategies.base import (
+from specbus.core.config import StrategyConfig
+from specbus.core.errors import ConfigError
+from specbus.core.models.dflash import DFlashConfig, DFlashDraft
+from specbus.core.models.target import TargetHeads, TargetInfo
+from specbus.core.strategies.base import (
     FeatureContract,
     FeatureField,
     Metrics,
@@ -56,7 +54,8 @@ from core.strategies.base import (
     pad_right,
     register_strategy,
 )
-from core.strategies.eagle3 import unwrap
+from specbus.core.strategies.eagle3 import unwrap
+from torch import nn
 
 # ---------------------------------------------------------------------------------------------
 # Anchors, masks, blocks
@@ -755,7 +754,7 @@ class DFlashFamilyStrategy:
         return dflash_loss(model, **self.loss_kwargs(batch, step), **_rank_pooling())
 
     def export(self, model: nn.Module, out_dir, dtype: str = "bfloat16"):
-        from core.export.dflash import export_dflash
+        from specbus.core.export.dflash import export_dflash
 
         return export_dflash(unwrap(model), out_dir, dtype=dtype)
 

@@ -23,15 +23,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from core.config import StrategyConfig
-from core.data.vocab import VocabMapping
-from core.errors import ConfigError
-from core.models.llama_eagle3 import shift_left
-from core.models.registry import build_draft
-from core.models.target import TargetHeads, TargetInfo
-from core.strategies.base import (
+from specbus.core.config import StrategyConfig
+from specbus.core.data.vocab import VocabMapping
+from specbus.core.errors import ConfigError
+from specbus.core.models.llama_eagle3 import shift_left
+from specbus.core.models.registry import build_draft
+from specbus.core.models.target import TargetHeads, TargetInfo
+from specbus.core.strategies.base import (
     FeatureContract,
     FeatureField,
     Metrics,
@@ -40,6 +38,7 @@ from core.strategies.base import (
     pad_right,
     register_strategy,
 )
+from torch import nn
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Bus throughput: SampleRefs end to end through the specbus bus layer vs raw nats-py.
 
-    python -m ops.bench.bus [--refs 20000] [--repeat 1]
+    python -m specbus.ops.bench.bus [--refs 20000] [--repeat 1]
 
 Starts its own embedded nats-server (file storage, loopback). For each mode, one publishing
 process and one consuming process (fetch + ack), started and connected before the clock
@@ -45,7 +45,7 @@ CONFIRM_WINDOW = 32
 
 def sample_refs(n: int, run: str):
     """n distinct SampleRefs of a realistic size (~1 KB: EAGLE3-style features)."""
-    from core.contracts import FeatureSpec, Provenance, SampleRef
+    from specbus.core.contracts import FeatureSpec, Provenance, SampleRef
 
     feats = {
         name: FeatureSpec(
@@ -105,7 +105,7 @@ async def raw_publisher(
     url: str, run: str, n: int, ready, go, records: bool
 ) -> tuple[float, float, int]:
     """`records`: encode each SampleRef in the loop (`to_bytes`), else publish pre-encoded bytes."""
-    from bus.baseline import raw_publish
+    from specbus.bus.baseline import raw_publish
 
     refs = sample_refs(n, run)
     items = refs if records else [r.to_bytes() for r in refs]
@@ -120,8 +120,8 @@ async def raw_consumer(
     url: str, run: str, n: int, ready, go, records: bool
 ) -> tuple[float, float, int]:
     """`records`: decode each payload (`SampleRef.from_bytes`) before acking it."""
-    from bus.baseline import raw_consume
-    from core.contracts import SampleRef
+    from specbus.bus.baseline import raw_consume
+    from specbus.core.contracts import SampleRef
 
     clock = _Clock(ready, go)
     decode = SampleRef.from_bytes if records else None
@@ -132,22 +132,22 @@ async def raw_consumer(
 
 
 async def raw_setup(url: str, run: str) -> None:
-    from bus.baseline import raw_declare
+    from specbus.bus.baseline import raw_declare
 
     await raw_declare(url, f"RAWBENCH_{run}", f"rawbench.{run}", "c", max_ack_pending=1024)
 
 
 # ---------------------------------------------------------------- specbus bus layer
 def _bus_cfg():
-    from core.config import BusConfig
+    from specbus.core.config import BusConfig
 
     return BusConfig(ack_wait_s=60, max_ack_pending=1024, publish_window=WINDOW)
 
 
 async def bus_publisher(url: str, run: str, n: int, ready, go) -> tuple[float, float, int]:
-    from bus.connection import connect
-    from bus.publisher import Publisher
-    from bus.subjects import Names
+    from specbus.bus.connection import connect
+    from specbus.bus.publisher import Publisher
+    from specbus.bus.subjects import Names
 
     refs = sample_refs(n, run)
     bus = await connect(_bus_cfg(), url, name="bench-publisher")
@@ -165,8 +165,8 @@ async def bus_publisher(url: str, run: str, n: int, ready, go) -> tuple[float, f
 async def bus_consumer(
     url: str, run: str, n: int, ready, go, confirm: bool
 ) -> tuple[float, float, int]:
-    from bus.connection import connect
-    from bus.lease import Leases
+    from specbus.bus.connection import connect
+    from specbus.bus.lease import Leases
 
     bus = await connect(_bus_cfg(), url, name="bench-consumer")
     group = await Leases.join(bus, run, "trainers")
@@ -189,8 +189,8 @@ async def bus_consumer(
 
 
 async def bus_setup(url: str, run: str) -> None:
-    from bus.connection import connect
-    from bus.topology import declare
+    from specbus.bus.connection import connect
+    from specbus.bus.topology import declare
 
     bus = await connect(_bus_cfg(), url)
     await declare(bus, None, run)
@@ -205,11 +205,11 @@ async def _ack_floor_after_kill(server, run: str, delay_s: float, n: int = 40, a
     """Publish `n` refs, lease them all, ack the first `acked` with confirmation (the server
     applied them), wait `delay_s`, kill -9 the server and restart it on the same store dir:
     the trainers' (ack floor, delivered) it comes back with. Before: (acked, n)."""
-    from bus.connection import connect
-    from bus.lease import Leases
-    from bus.publisher import Publisher
-    from bus.subjects import Names
-    from bus.topology import declare
+    from specbus.bus.connection import connect
+    from specbus.bus.lease import Leases
+    from specbus.bus.publisher import Publisher
+    from specbus.bus.subjects import Names
+    from specbus.bus.topology import declare
 
     cfg = _bus_cfg().model_copy(update={"connect_timeout_s": 5.0})
     bus = await connect(cfg, server.url, name="bench-kill")
@@ -234,7 +234,7 @@ def kill_probe(syncs: list[str], trials: int, tmp: Path) -> dict[str, dict[float
     how many of `trials` restarts kept the ack floor."""
     import logging
 
-    from ops.services.nats import NatsServerConfig
+    from specbus.ops.services.nats import NatsServerConfig
 
     logging.getLogger("specbus.bus").setLevel(logging.ERROR)  # the kills' reconnect noise
     kept: dict[str, dict[float, int]] = {}
@@ -339,7 +339,7 @@ def _per_repeat(rows: list[dict], a: tuple[str, str], b: tuple[str, str]) -> lis
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from ops.services.nats import NatsServerConfig
+    from specbus.ops.services.nats import NatsServerConfig
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--refs", type=int, default=20000)

@@ -23,11 +23,11 @@ import torch
 
 
 def run_one(name: str, args, engine, packed, held, template) -> dict:
-    from core.config import build_config
-    from core.data.tokenize import prompt_ids
-    from core.eval.block import block_generate
-    from core.eval.speculative import measure_acceptance
-    from core.training import train_local
+    from specbus.core.config import build_config
+    from specbus.core.data.tokenize import prompt_ids
+    from specbus.core.eval.block import block_generate
+    from specbus.core.eval.speculative import measure_acceptance
+    from specbus.core.training import train_local
 
     cfg = build_config(
         {},
@@ -111,12 +111,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from core.config import build_config
-    from core.data.datasets import gsm8k_records, split_holdout
-    from core.data.templates import detect_template
-    from core.data.tokenize import tokenize_record
-    from ops.bench.eagle3_cpu import pack
-    from producers.engines.hf import HFEngine
+    from specbus.core.config import build_config
+    from specbus.core.data.datasets import gsm8k_records, split_holdout
+    from specbus.core.data.templates import detect_template
+    from specbus.core.data.tokenize import tokenize_record
+    from specbus.ops.bench.eagle3_cpu import pack
+    from specbus.producers.engines.hf import HFEngine
 
     engine = HFEngine(build_config({}).target)
     template = detect_template(engine.tokenizer)

@@ -84,7 +84,7 @@ def reference_config(projector: str):
 
 
 def ours_config(projector: str):
-    from core.models.dflash import DFlashConfig
+    from specbus.core.models.dflash import DFlashConfig
 
     return DFlashConfig(
         hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=4,
@@ -118,21 +118,20 @@ def make_batch(seed: int):
 
 def run(projector: str, steps: int = 3, attention: str = "eager") -> Report:
     import torch
-    from specforge.algorithms.common import dflash_family_model as ref_mod
-    from specforge.modeling.draft.dflash import DFlashDraftModel
-    from specforge.modeling.draft.domino import DominoDraftModel
-    from specforge.modeling.draft.dspark import DSparkDraftModel
-    from specforge.training.strategies.base import linear_lambda_base
-
-    from core.models.dflash import DFlashDraft
-    from core.strategies.base import StepContext
-    from core.strategies.dflash import (
+    from specbus.core.models.dflash import DFlashDraft
+    from specbus.core.strategies.base import StepContext
+    from specbus.core.strategies.dflash import (
         dflash_loss,
         domino_lambda,
         domino_loss,
         dspark_loss,
         sample_anchors,
     )
+    from specforge.algorithms.common import dflash_family_model as ref_mod
+    from specforge.modeling.draft.dflash import DFlashDraftModel
+    from specforge.modeling.draft.domino import DominoDraftModel
+    from specforge.modeling.draft.dspark import DSparkDraftModel
+    from specforge.training.strategies.base import linear_lambda_base
 
     report = Report(projector)
     torch.manual_seed(0)

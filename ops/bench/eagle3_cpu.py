@@ -42,13 +42,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from core.config import build_config
-    from core.data.datasets import gsm8k_records, split_holdout
-    from core.data.templates import detect_template
-    from core.data.tokenize import prompt_ids, tokenize_record
-    from core.eval.speculative import measure_acceptance
-    from core.training import train_local
-    from producers.engines.hf import HFEngine
+    from specbus.core.config import build_config
+    from specbus.core.data.datasets import gsm8k_records, split_holdout
+    from specbus.core.data.templates import detect_template
+    from specbus.core.data.tokenize import prompt_ids, tokenize_record
+    from specbus.core.eval.speculative import measure_acceptance
+    from specbus.core.training import train_local
+    from specbus.producers.engines.hf import HFEngine
 
     cfg = build_config(
         {},

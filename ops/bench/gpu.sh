@@ -53,13 +53,13 @@ if [ "${GPU_TESTS:-1}" != 0 ]; then
 fi
 
 if [ "${BENCH:-pipeline}" = multi ]; then  # several GPUs: ops/bench/gpu_multi.py
-  timeout "${BENCH_TIMEOUT:-420}" python3 -m ops.bench.gpu_multi --out "$OUT/gpu_multi.json" \
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m specbus.ops.bench.gpu_multi --out "$OUT/gpu_multi.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 elif [ "${BENCH:-pipeline}" = dflash ]; then  # DSpark / DFlash colocated: ops/bench/gpu_dflash.py
-  timeout "${BENCH_TIMEOUT:-540}" python3 -m ops.bench.gpu_dflash --out "$OUT/gpu_dflash.json" \
+  timeout "${BENCH_TIMEOUT:-540}" python3 -m specbus.ops.bench.gpu_dflash --out "$OUT/gpu_dflash.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 else
-  timeout "${BENCH_TIMEOUT:-420}" python3 -m ops.bench.gpu_pipeline --seqs "${SEQS:-2048,4096}" \
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m specbus.ops.bench.gpu_pipeline --seqs "${SEQS:-2048,4096}" \
     --profile --out "$OUT/gpu_pipeline.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
 bench=${PIPESTATUS[0]}

@@ -9,9 +9,9 @@ state after `--warmup` optimizer steps: samples/s (per GPU), tokens/s, the captu
 (capture seconds over wall time), the trainer's peak CUDA memory; the seed's DSpark figure
 (5.7 samples/s per H200, capture 11.2 %) and the issue's goal (6.5) are printed beside them.
 
-    python -m ops.bench.gpu_dflash --runs dspark:512-4096 --out $OUT/gpu_dflash.json
-    python -m ops.bench.gpu_dflash --runs dflash:2048-2048 --out $OUT/gpu_dflash_2048.json
-    python -m ops.bench.gpu_dflash --tiny          # CPU check of the same code paths (minutes)
+    python -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096 --out $OUT/gpu_dflash.json
+    python -m specbus.ops.bench.gpu_dflash --runs dflash:2048-2048 --out $OUT/gpu_dflash_2048.json
+    python -m specbus.ops.bench.gpu_dflash --tiny          # CPU check of the same code paths (minutes)
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import uuid
 from pathlib import Path
 
 import torch
-
-from core.config import build_config
-from ops.bench.gpu_pipeline import QWEN3_8B, TINY, run_mode, worker, write_target
+from specbus.core.config import build_config
+from specbus.ops.bench.gpu_pipeline import QWEN3_8B, TINY, run_mode, worker, write_target
 
 SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC, GOAL_SAMPLES_PER_S = 5.7, 0.112, 6.5
 

@@ -26,8 +26,8 @@ Per scenario: samples/s per GPU over the steady log rows (after `--warmup` steps
 scaling vs coloc1, the lineage check (every trained sample id unique, from the fed set, and as
 many as the steps imply), the profiled collectives.
 
-    python -m ops.bench.gpu_multi --gpus 2 --out $OUT/gpu_multi.json
-    python -m ops.bench.gpu_multi --gpus 2 --tiny --steps 8 --seq 256   # quick path check
+    python -m specbus.ops.bench.gpu_multi --gpus 2 --out $OUT/gpu_multi.json
+    python -m specbus.ops.bench.gpu_multi --gpus 2 --tiny --steps 8 --seq 256   # quick path check
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from core.config import build_config, dump_config
-from ops.bench.gpu_pipeline import QWEN3_8B, TINY, shm_uri, write_data, write_target
-from ops.services.common import free_port, stop_pid
-from ops.services.nats import NatsServer
+from specbus.core.config import build_config, dump_config
+from specbus.ops.bench.gpu_pipeline import QWEN3_8B, TINY, shm_uri, write_data, write_target
+from specbus.ops.services.common import free_port, stop_pid
+from specbus.ops.services.nats import NatsServer
 
 
 @dataclass
@@ -75,9 +74,9 @@ class Run:
         self.logs: dict[str, Path] = {}
 
     def feed(self) -> None:
-        from bus.connection import connect
-        from bus.topology import declare
-        from producers.feeder import feed, prepare
+        from specbus.bus.connection import connect
+        from specbus.bus.topology import declare
+        from specbus.producers.feeder import feed, prepare
 
         async def go():
             async with await connect(self.cfg.bus, self.server.url) as bus:
@@ -114,7 +113,7 @@ class Run:
                 else:
                     key = f"{tag}-produce{i}"
                 self.logs[key] = self.work / f"{self.cfg.run}-{key}.log"
-                argv = [sys.executable, "-m", "ops.bench.gpu_pipeline", "worker",
+                argv = [sys.executable, "-m", "specbus.ops.bench.gpu_pipeline", "worker",
                         "--stats", str(self.work / f"{self.cfg.run}-{key}.mem.json"),
                         "--log-level", "WARNING", p.role, "--config", str(self.config_path),
                         "--url", self.server.url, *p.extra]  # fmt: skip
@@ -144,8 +143,8 @@ class Run:
                 stop_pid(proc)
 
     def wait_marker_cleared(self, deadline_s: float) -> None:
-        from bus.connection import connect
-        from bus.topology import open_kv
+        from specbus.bus.connection import connect
+        from specbus.bus.topology import open_kv
 
         async def go():
             async with await connect(self.cfg.bus, self.server.url) as bus:

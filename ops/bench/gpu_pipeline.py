@@ -9,7 +9,7 @@ The target is Qwen3-8B's architecture with random weights (nothing is downloaded
 directory holds its `config.json` and a safetensors file with only `embed_tokens` and `lm_head`
 (what a trainer reads), plus a fingerprint marker. Every engine process builds the full model
 on the GPU in bf16 from that config with a fixed seed and loads those two heads into it (the
-`hf` engine is re-registered in the worker processes, `python -m ops.bench.gpu_pipeline worker
+`hf` engine is re-registered in the worker processes, `python -m specbus.ops.bench.gpu_pipeline worker
 ...`, which then run `specbus train/produce` unchanged). Same compute and feature sizes as the
 real model; 16 GB are never written to disk.
 
@@ -20,7 +20,7 @@ writes its peak allocated/reserved CUDA memory at exit. `--profile` adds an in-p
 breakdown per sequence length (prefill, host copies, the draft's forward / backward /
 clip+optimizer; no bus) and a torch.profiler table of one draft train step.
 
-    python -m ops.bench.gpu_pipeline --seqs 2048,4096 --out $OUT/gpu_pipeline.json --profile
+    python -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --out $OUT/gpu_pipeline.json --profile
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ import uuid
 from pathlib import Path
 
 import torch
-
-from core.config import build_config, dump_config
-from ops.services.common import stop_pid
-from ops.services.nats import NatsServer
+from specbus.core.config import build_config, dump_config
+from specbus.ops.services.common import stop_pid
+from specbus.ops.services.nats import NatsServer
 
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -100,9 +99,8 @@ def write_target(path: Path, overrides: dict | None = None, device: str = "cuda"
 def build_random_target(path: Path, device: torch.device | str) -> torch.nn.Module:
     """The full causal LM of `path`'s config, random (seeded) on `device` in bf16, with the
     directory's embed_tokens / lm_head loaded: frozen, eval mode."""
+    from specbus.core.models.target import load_target_heads
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from core.models.target import load_target_heads
 
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(SEED)
@@ -118,8 +116,8 @@ def build_random_target(path: Path, device: torch.device | str) -> torch.nn.Modu
 
 def random_engine(cfg, **kwargs):
     """`hf` engine factory over `build_random_target` (registered in the worker processes)."""
-    from core.models.target import resolve_target_dir
-    from producers.engines.hf import HFEngine, resolve_device
+    from specbus.core.models.target import resolve_target_dir
+    from specbus.producers.engines.hf import HFEngine, resolve_device
 
     device = resolve_device(cfg.device)
     model = build_random_target(resolve_target_dir(cfg.model), device)
@@ -129,8 +127,8 @@ def random_engine(cfg, **kwargs):
 def worker(argv: list[str]) -> int:
     """`worker --stats FILE <specbus args>`: run `specbus ...` with the random-target engine,
     then write this process's peak CUDA memory to FILE."""
-    from ops.cli import main as cli_main
-    from producers.engines.registry import register_engine
+    from specbus.ops.cli import main as cli_main
+    from specbus.producers.engines.registry import register_engine
 
     stats = Path(argv[argv.index("--stats") + 1])
     rest = [a for i, a in enumerate(argv) if a != "--stats" and argv[i - 1] != "--stats"]
@@ -198,9 +196,9 @@ def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: s
 
 
 def run_mode(cfg, work: Path, mode: str, warmup: int, timeout_s: float) -> dict:
-    from bus.connection import connect
-    from bus.topology import declare
-    from producers.feeder import feed, prepare
+    from specbus.bus.connection import connect
+    from specbus.bus.topology import declare
+    from specbus.producers.feeder import feed, prepare
 
     server = NatsServer(work / f"nats-{cfg.run}").start()
     config_path = work / f"{cfg.run}.yaml"
@@ -221,7 +219,7 @@ def run_mode(cfg, work: Path, mode: str, warmup: int, timeout_s: float) -> dict:
         roles = (["produce"] if mode == "disaggregated" else []) + ["train"]
         for role in roles:
             logs[role] = work / f"{cfg.run}-{role}.log"
-            argv = [sys.executable, "-m", "ops.bench.gpu_pipeline", "worker",
+            argv = [sys.executable, "-m", "specbus.ops.bench.gpu_pipeline", "worker",
                     "--stats", str(work / f"{cfg.run}-{role}.mem.json"),
                     "--log-level", "WARNING", role, *common]  # fmt: skip
             with open(logs[role], "w") as log:
@@ -291,9 +289,9 @@ def summarize(cfg, rows: list[dict], mode: str, warmup: int, work: Path) -> dict
 
 
 def profile(target: Path, seqs: list[int], args, out_dir: Path | None) -> dict:
-    from core.config import DraftConfig, StrategyConfig, TargetConfig
-    from core.models.target import load_target_heads
-    from core.strategies.base import build_strategy
+    from specbus.core.config import DraftConfig, StrategyConfig, TargetConfig
+    from specbus.core.models.target import load_target_heads
+    from specbus.core.strategies.base import build_strategy
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test of this code
     engine = random_engine(TargetConfig(model=str(target), device=device, capture_batch=1,
@@ -314,10 +312,10 @@ def profile(target: Path, seqs: list[int], args, out_dir: Path | None) -> dict:
 
 def profile_seq(engine, strategy, heads, seq: int, args, out_dir: Path | None) -> dict:
     """Medians over `args.profile_reps` after 3 warm-ups, each phase synchronised."""
-    from core.config import TrainingConfig
-    from core.data.vocab import build_vocab_mapping, count_tokens
-    from core.strategies.base import StepContext
-    from core.training import build_optimizer, train_step
+    from specbus.core.config import TrainingConfig
+    from specbus.core.data.vocab import build_vocab_mapping, count_tokens
+    from specbus.core.strategies.base import StepContext
+    from specbus.core.training import build_optimizer, train_step
 
     device = engine.device
     cuda = device.type == "cuda"

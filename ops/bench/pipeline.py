@@ -11,7 +11,7 @@ core; the loop and the colocated rank use one). Samples/s is the steady state of
 (log intervals after the first); data-wait and bus time per optimizer step come from the
 trainer's metrics; the capture fraction is capture seconds over training seconds.
 
-    python -m ops.bench.pipeline --samples 96 --out runs/bench/pipeline.json
+    python -m specbus.ops.bench.pipeline --samples 96 --out runs/bench/pipeline.json
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ import uuid
 from pathlib import Path
 
 import torch
-
-from core.config import build_config, dump_config
-from ops.services.common import stop_pid
-from ops.services.nats import NatsServer
+from specbus.core.config import build_config, dump_config
+from specbus.ops.services.common import stop_pid
+from specbus.ops.services.nats import NatsServer
 
 
 def build_target(path: Path, hidden: int, layers: int, vocab: int) -> Path:
@@ -77,8 +76,8 @@ def config_for(run: str, work: Path, target: Path, data: Path, mode: str, args) 
 
 
 def run_loop(cfg) -> dict:
-    from core.training import train_local
-    from producers.engines.registry import build_engine
+    from specbus.core.training import train_local
+    from specbus.producers.engines.registry import build_engine
 
     engine = build_engine(cfg.target)
     try:
@@ -98,9 +97,9 @@ def run_loop(cfg) -> dict:
 
 
 def run_pipeline(cfg, work: Path, mode: str) -> dict:
-    from bus.connection import connect
-    from bus.topology import declare
-    from producers.feeder import feed, prepare
+    from specbus.bus.connection import connect
+    from specbus.bus.topology import declare
+    from specbus.producers.feeder import feed, prepare
 
     server = NatsServer(work / f"nats-{mode}").start()
     config_path = work / f"{cfg.run}.yaml"
@@ -115,7 +114,7 @@ def run_pipeline(cfg, work: Path, mode: str) -> dict:
                 return await feed(bus, topo.kv, cfg, prepare(cfg))
 
         asyncio.run(do_feed())
-        base = [sys.executable, "-m", "ops.cli", "--log-level", "WARNING"]
+        base = [sys.executable, "-m", "specbus.ops.cli", "--log-level", "WARNING"]
         common = ["--config", str(config_path), "--url", server.url]
         if mode == "disaggregated":
             procs.append(

@@ -71,18 +71,17 @@ def main() -> None:
     import_specforge(args.specforge)
 
     import torch
+    from specbus.core.config import DraftConfig, StrategyConfig, TargetConfig
+    from specbus.core.data.vocab import build_vocab_mapping, count_tokens
+    from specbus.core.models.target import load_target_heads
+    from specbus.core.strategies import StepContext, build_strategy
+    from specbus.producers.engines.hf import HFEngine
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from specforge.modeling.target.target_head import TargetHead
     from specforge.runtime.contracts import TrainBatch as RefBatch
     from specforge.training.strategies.base import Eagle3TrainStrategy
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from core.config import DraftConfig, StrategyConfig, TargetConfig
-    from core.data.vocab import build_vocab_mapping, count_tokens
-    from core.models.target import load_target_heads
-    from core.strategies import StepContext, build_strategy
-    from producers.engines.hf import HFEngine
 
     torch.set_num_threads(1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

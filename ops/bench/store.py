@@ -1,6 +1,6 @@
 """Feature store throughput: specbus store vs raw Mooncake, and shm vs memcpy.
 
-    python -m ops.bench.store [--sizes-mb 4,64] [--total-mb 256] [--rounds 5] [--json out.json]
+    python -m specbus.ops.bench.store [--sizes-mb 4,64] [--total-mb 256] [--rounds 5] [--json out.json]
 
 A writer process and a reader process (separate interpreters, torch single-threaded) take
 commands from this coordinator. Per tensor size S, `total/S` bf16 tensors are moved by:
@@ -51,7 +51,7 @@ class Worker:
     def store(self, uri: str, **kw):
         key = uri + json.dumps(kw, sort_keys=True)
         if key not in self.stores:
-            from core.store import open_store
+            from specbus.core.store import open_store
 
             self.stores[key] = open_store(uri, **kw)
         return self.stores[key]
@@ -114,7 +114,7 @@ class Worker:
                 )
             return {"clock": clock, "specs": [s["hidden"].model_dump_json() for s in specs]}
         if op == "mooncake_get":
-            from core.contracts import FeatureSpec
+            from specbus.core.contracts import FeatureSpec
 
             buf = self.raw_buf(cmd["master"], size)
             store = self.store(cmd["uri"])
@@ -147,7 +147,7 @@ class Worker:
                 "specs": [s.model_dump_json() for s in specs + unscreened_specs],
             }
         if op == "shm_get":
-            from core.contracts import FeatureSpec
+            from specbus.core.contracts import FeatureSpec
 
             store = self.store(cmd["uri"])
             specs = [FeatureSpec.model_validate_json(s) for s in cmd["specs"]]
@@ -183,7 +183,7 @@ class Proc:
     def __init__(self, name: str):
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ops.bench.store", "--worker"],
+            [sys.executable, "-m", "specbus.ops.bench.store", "--worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -219,7 +219,7 @@ PAIRS = {  # ratio name: (specbus GB/s key, baseline GB/s key)
 
 
 def bench(sizes_mb: list[int], total_mb: int, rounds: int) -> dict:
-    from ops.services.mooncake import MooncakeServices
+    from specbus.ops.services.mooncake import MooncakeServices
 
     # The segment holds a phase's four sets (raw and three puts) plus removes that trail.
     segment = 5 * max(total_mb, 2 * max(sizes_mb)) << 20

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from core.errors import SpecbusError
+from specbus.core.errors import SpecbusError
 
 LOOPBACK = "127.0.0.1"
 

@@ -25,10 +25,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from core.config import MooncakeConfig, StoreConfig
-from core.store import parse_uri
-from core.store.mooncake import mooncake_uri
-from ops.services.common import (
+from specbus.core.config import MooncakeConfig, StoreConfig
+from specbus.core.store import parse_uri
+from specbus.core.store.mooncake import mooncake_uri
+from specbus.ops.services.common import (
     LOOPBACK,
     ServiceError,
     dies_with_parent,
@@ -39,7 +39,7 @@ from ops.services.common import (
     wait_for_log,
     wait_for_port,
 )
-from ops.services.mooncake_node import READY
+from specbus.ops.services.mooncake_node import READY
 
 
 class MooncakeServices:
@@ -163,7 +163,7 @@ class MooncakeServices:
         args = [
             sys.executable,
             "-m",
-            "ops.services.mooncake_node",
+            "specbus.ops.services.mooncake_node",
             f"--master={self.master_address}",
             f"--metadata={self.metadata}",
             f"--segment-bytes={self.segment_bytes}",
@@ -225,7 +225,7 @@ class MooncakeServices:
                 stdin=subprocess.DEVNULL,
                 pass_fds=self.inherit_fds,
                 env={**os.environ, **(env or {})},
-                cwd=Path(__file__).resolve().parents[2],  # so `-m ops.services...` resolves
+                cwd=Path(__file__).resolve().parents[2],  # so `-m specbus.ops.services...` resolves
                 # No orphan when the owner dies (kill -9 included); Ctrl-C reaches the owner
                 # only, which stops them by PID.
                 preexec_fn=dies_with_parent(),

@@ -5,7 +5,7 @@ process mounts one segment of `--segment-bytes` with the master and then only wa
 re-mounts it by itself when the master restarts. SIGTERM unmounts and exits; kill -9 loses the
 segment (clients then see FeatureMissing, the tasks get recaptured).
 
-    python -m ops.services.mooncake_node --master 127.0.0.1:50051 --segment-bytes 1073741824
+    python -m specbus.ops.services.mooncake_node --master 127.0.0.1:50051 --segment-bytes 1073741824
 """
 
 from __future__ import annotations

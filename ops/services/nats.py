@@ -17,7 +17,7 @@ Lifecycle guarantees:
   `specbus up` reuses that port on every restart (`pinned_port`);
 - durability (`sync`): nats-server's default writes JetStream data to the OS at once and
   fsyncs every 2 minutes; `sync="always"` fsyncs every write (survives a power loss, costs
-  throughput: `python -m ops.bench.bus`). Neither makes consumer state synchronous: a
+  throughput: `python -m specbus.ops.bench.bus`). Neither makes consumer state synchronous: a
   server killed within ~0.1-0.2 s of an ack comes back with the ack floor before it
   (measured: docs/bus.md "Durability"), so consumers must tolerate redelivery.
 """
@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from ops.services.common import (
+from specbus.ops.services.common import (
     LOOPBACK,
     DirLock,
     dies_with_parent,

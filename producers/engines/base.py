@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
-
-from core.models.target import TargetInfo
-from core.strategies.base import FeatureContract
+from specbus.core.models.target import TargetInfo
+from specbus.core.strategies.base import FeatureContract
 
 
 @runtime_checkable

@@ -20,10 +20,9 @@ from __future__ import annotations
 import time
 
 import torch
-
-from core.config import TargetConfig
-from core.errors import CaptureError, ConfigError
-from core.models.target import (
+from specbus.core.config import TargetConfig
+from specbus.core.errors import CaptureError, ConfigError
+from specbus.core.models.target import (
     AuxCapture,
     load_causal_lm,
     load_target_info,
@@ -32,7 +31,7 @@ from core.models.target import (
     target_fingerprint,
     tokenizer_fingerprint,
 )
-from core.strategies.base import FeatureContract
+from specbus.core.strategies.base import FeatureContract
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -90,7 +89,7 @@ class HFEngine:
                     f"target.tp_size={cfg.tp_size} needs the island's TP mesh of that size "
                     f"(got {None if tp_mesh is None else tp_mesh.size()})"
                 )
-            from producers.engines.tp import shard_decoder
+            from specbus.producers.engines.tp import shard_decoder
 
             shard_decoder(self.model, tp_mesh)
         self.target_fingerprint = target_fingerprint(self.path)

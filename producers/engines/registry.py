@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from core.config import TargetConfig
-from core.errors import ConfigError
-from producers.engines.base import TargetEngine
+from specbus.core.config import TargetConfig
+from specbus.core.errors import ConfigError
+from specbus.producers.engines.base import TargetEngine
 
 _ENGINES: dict[str, Callable[..., TargetEngine]] = {}
 
@@ -22,7 +22,7 @@ def register_engine(
 
 
 def _hf(cfg: TargetConfig, **kwargs) -> TargetEngine:
-    from producers.engines.hf import HFEngine
+    from specbus.producers.engines.hf import HFEngine
 
     return HFEngine(cfg, **kwargs)
 

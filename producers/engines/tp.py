@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from core.errors import ConfigError
-from core.models.target import decoder_layers
+from specbus.core.errors import ConfigError
+from specbus.core.models.target import decoder_layers
 
 _COLWISE = (
     "self_attn.q_proj",

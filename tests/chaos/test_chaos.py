@@ -2,7 +2,7 @@
 
 The fast trials (one fault each, 128 tasks, ~30-60 s each on the 2-core machine) run in the
 normal suite; the campaigns of the issue's "Done when" (50 trials on shm, 20 on Mooncake with
-60 s outages) run with `python -m ops.chaos` (README), or here when SPECBUS_CHAOS_CAMPAIGN=1.
+60 s outages) run with `python -m specbus.ops.chaos` (README), or here when SPECBUS_CHAOS_CAMPAIGN=1.
 Each trial checks, from the broker's own state and the final checkpoint: every fed task
 trained exactly once, nothing pending or ack-pending, DEAD empty, store usage back to zero,
 no process left behind, and no process dying that was not a victim (see ops/chaos.py).
@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from ops.chaos import Options, build_assets, make_plan, repro, run_trial, summarize
+from specbus.ops.chaos import Options, build_assets, make_plan, repro, run_trial, summarize
 
 FAST_TASKS = 128
 
@@ -93,7 +92,7 @@ CAMPAIGNS = [("shm", 50, False), ("mooncake", 20, True)]
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("SPECBUS_CHAOS_CAMPAIGN"),
-    reason="the full campaigns take 40+ minutes: python -m ops.chaos, or SPECBUS_CHAOS_CAMPAIGN=1",
+    reason="the full campaigns take 40+ minutes: python -m specbus.ops.chaos, or SPECBUS_CHAOS_CAMPAIGN=1",
 )
 @pytest.mark.parametrize("store,trials,slow", CAMPAIGNS, ids=[c[0] for c in CAMPAIGNS])
 def test_campaign(chaos_work, store, trials, slow):
