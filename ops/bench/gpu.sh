@@ -28,7 +28,9 @@ started=$(date +%s)
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout as the `specbus` namespace without installing it (see README, Development).
+mkdir -p .dev/specbus && for d in core bus producers consumers ops patches; do ln -sfn "$PWD/$d" .dev/specbus/$d; done
+export PYTHONPATH="$PWD/.dev:$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="/tmp/site/bin:$PATH"  # nats-server from its wheel
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device README)
@@ -40,7 +42,7 @@ export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device README)
   df -h /dev/shm /tmp | sed 1d
   nproc; free -g | sed -n 2p
 } 2>&1 | tee "$OUT/env.txt"
-python3 -c "import core.config, core.contracts, bus.connection, ops.cli, ops.train, ops.produce, producers.engines.hf, consumers.trainer" \
+python3 -c "import specbus.core.config, specbus.core.contracts, specbus.bus.connection, specbus.ops.cli, specbus.ops.train, specbus.ops.produce, specbus.producers.engines.hf, specbus.consumers.trainer" \
   || { echo "imports failed: a wheel is missing"; exit 1; }
 command -v nats-server >/dev/null || { echo "nats-server not on PATH"; exit 1; }
 
@@ -55,6 +57,8 @@ fi
 if [ "${BENCH:-pipeline}" = multi ]; then  # several GPUs: ops/bench/gpu_multi.py
   timeout "${BENCH_TIMEOUT:-420}" python3 -m specbus.ops.bench.gpu_multi --out "$OUT/gpu_multi.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+elif [ "${BENCH:-pipeline}" = floor ]; then  # the bare probe (shared/bench/floor.py, carried in .gpu/)
+  timeout "${BENCH_TIMEOUT:-300}" python3 .gpu/floor.py 2>&1 | tee "$OUT/floor.log"
 elif [ "${BENCH:-pipeline}" = dflash ]; then  # DSpark / DFlash colocated: ops/bench/gpu_dflash.py
   timeout "${BENCH_TIMEOUT:-540}" python3 -m specbus.ops.bench.gpu_dflash --out "$OUT/gpu_dflash.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
