@@ -49,6 +49,10 @@ class BusConfig(Section):
     # A broker outage is ridden through (retries with backoff); this long after it began,
     # every bus operation raises BrokerUnavailable instead (bus/outage.py).
     outage_give_up_s: float = Field(900.0, gt=0)
+    # A process started while the broker is down (a restart during an outage, a broker that
+    # comes up after its clients) waits this long for the first connection; a wrong URL
+    # fails after it, saying so from the first failed attempt. Auth errors fail at once.
+    connect_give_up_s: float = Field(120.0, gt=0)
 
 
 class MooncakeConfig(Section):
