@@ -41,7 +41,7 @@ class BusConfig(Section):
     max_deliver: int = Field(5, ge=1)
     max_ack_pending: int = Field(256, ge=1)
     duplicate_window_s: float = Field(120.0, gt=0)
-    samples_max_age_s: float = Field(7 * 24 * 3600.0, gt=0)
+    samples_max_age_s: float = Field(7 * 24 * 3600.0, ge=0)  # 0: kept (recordings)
     nak_delay_s: float = Field(1.0, ge=0)
     heartbeat_s: float = Field(10.0, gt=0)
     fetch_timeout_s: float = Field(1.0, gt=0)
