@@ -12,7 +12,7 @@ from specbus.core.store import FeatureStore, open_store
 
 from tests.fixtures.mooncake import mooncake_store_config
 
-BACKENDS = ["mem", "shm", "mooncake", "file"]
+BACKENDS = ["mem", "shm", "mooncake", "file", "http"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -27,13 +27,20 @@ def make_store(request, store_id):
         elif request.param == "file":
             root = request.getfixturevalue("tmp_path") / "files"
             store = open_store(f"file://{root}?store_id={store_id}", **fields)
+        elif request.param == "http":  # a feature server (mem:// behind it) on loopback
+            from specbus.core.config import StoreConfig
+            from specbus.producers.feature_server import serve_store
+
+            served = serve_store(StoreConfig(uri=f"http://127.0.0.1:0/{store_id}", **fields))
+            opened.append(served)
+            store = open_store(served.uri, pool_bytes=96 << 20, **fields)
         else:
             store = open_store(f"{request.param}://{store_id}", pool_bytes=96 << 20, **fields)
         opened.append(store)
         return store
 
     yield make
-    for store in opened:
+    for store in reversed(opened):  # clients before their servers
         store.close()
 
 
