@@ -61,7 +61,9 @@ def open_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> FeatureStore:
     scheme, uri_id, path, query = parse_uri(cfg.uri)
     store_id = check_store_id(store_id_kw or uri_id or cfg.store_id or "default")
     if scheme != "mooncake" and query:  # shm://id?recycle_bytes=... tunes this handle
-        unknown = set(query) - (set(StoreConfig.model_fields) - {"uri", "mooncake", "store_id", "http"})
+        unknown = set(query) - (
+            set(StoreConfig.model_fields) - {"uri", "mooncake", "store_id", "http"}
+        )
         if unknown:
             raise ConfigError(f"store.uri {cfg.uri!r}: unknown option(s) {sorted(unknown)}")
         cfg = StoreConfig.model_validate({**cfg.model_dump(), **query})
