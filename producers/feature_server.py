@@ -299,8 +299,12 @@ class FeatureServer:
         names, missing = self._select(request, specs)
         if missing:
             return self._error(404, "missing", f"sample {sid!r} g{gen} has no {missing}")
+        wanted = {n: specs[n] for n in names}
         try:
-            tensors = self.served.local.get({n: specs[n] for n in names})
+            if self.served.local.uri.startswith("mem://"):  # in memory: no I/O to wait for
+                tensors = self.served.local.get(wanted)
+            else:  # shm://, file://: a read, off the server's loop
+                tensors = await asyncio.to_thread(self.served.local.get, wanted)
         except FeatureMissing as e:
             return self._error(404, "missing", str(e))
         except IntegrityError as e:

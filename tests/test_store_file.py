@@ -40,13 +40,11 @@ def test_samples_persist_as_safetensors_files_across_processes(tmp_path):
     [path] = _files(root, "t1-e0/g0.safetensors")
     loaded = load_file(path)  # a standard safetensors file
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    wire = {n: spec.model_dump_json() for n, spec in specs.items()}
     code = textwrap.dedent(f"""
-        import torch
         from specbus.core.contracts import FeatureSpec
         from specbus.core.store import open_store
-        specs = {{n: FeatureSpec.model_validate_json(s) for n, s in {
-        {n: s.model_dump_json() for n, s in specs.items()}!r
-    }.items()}}
+        specs = {{n: FeatureSpec.model_validate_json(s) for n, s in {wire!r}.items()}}
         store = open_store("file://{root}?store_id=rec")
         got = store.get(specs)
         assert store.usage().num_samples == 1, store.usage()
