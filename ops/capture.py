@@ -3,8 +3,10 @@
     specbus capture --config run.yaml store.uri=file:///data/rec1
 
 Feeds the run's tasks (resumable, as `specbus feed`), runs a producer in this process until
-the feed is complete and no task is pending or in capture (more producers may join with
-`specbus produce` and the same config), then finalizes the recording:
+the feed is complete and no task is pending or in capture, then finalizes the recording. More
+producers may join with `specbus produce`, the same store and a `store.budget_bytes` that
+holds the whole recording (a producer's backpressure counts the refs nobody consumes).
+Finalizing:
 - the final refs of SAMPLES (per sample, its last generation; `consumers.recording.final_refs`)
   must account for every fed task (or its dead letter);
 - the store's files are flushed to stable storage (`FileStore.sync`);

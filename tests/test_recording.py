@@ -175,11 +175,10 @@ def test_a_recording_of_another_strategy_is_refused(tmp_path, recording, nats_se
     assert "holds 'eagle3' features" in other.log("trainer-0")
 
 
-@pytest.mark.parametrize("missing", ["nothing-here"])
-def test_an_unknown_recording_is_named(tmp_path, tiny_target, nats_server, run_id, missing):
+def test_an_unknown_recording_is_named(tmp_path, tiny_target, nats_server, run_id):
     data = write_tokenised_data(tmp_path / "data.jsonl", 2)
     cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://")
     cluster = Cluster(cfg, tmp_path / "procs", nats_server.url)
-    cluster.start("trainer-0", "train", "--from-recording", missing)
+    cluster.start("trainer-0", "train", "--from-recording", "nothing-here")
     assert cluster.wait("trainer-0")["trainer-0"] != 0
     assert "not a complete recording" in cluster.log("trainer-0")
