@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -184,3 +185,41 @@ class CuttingProxy:
         self.loop.call_soon_threadsafe(self.server.close)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+
+
+def test_the_producer_releases_what_the_trainers_acked(served, nats_server, run_id, bus_cfg):
+    """What a killed trainer never released is released by the producer: its samples whose
+    refs lie at or below the trainers' ack floor on SAMPLES go, the others stay."""
+    from specbus.bus.lease import Leases
+    from specbus.bus.publisher import Publisher
+    from specbus.core.contracts import SampleRef
+
+    from tests.fixtures.nats import make_ref, open_run
+
+    async def scenario():
+        bus, topo = await open_run(nats_server.url, bus_cfg, run_id)
+        try:
+            publisher = Publisher(bus)
+            for i in range(6):
+                specs = served.put(f"s{i}", {"hidden_states": torch.ones(4)})
+                ref = make_ref(run_id, i, nbytes=16)
+                ref = SampleRef.model_validate(
+                    {**ref.model_dump(), "store_uri": served.uri, "features": specs}
+                )
+                await publisher.publish(topo.names.samples, ref)
+            group = await Leases.join(bus, run_id, "trainers")
+            leases = await group.fetch(4, 5.0)
+            assert [lease.seq for lease in leases] == [1, 2, 3, 4]
+            await group.ack_all(leases)  # trained, then the trainer died before its DELETEs
+            sweeper = asyncio.create_task(served.release_acked(bus, run_id, every_s=0.1))
+            deadline = time.monotonic() + 20
+            while len(served.stored()) > 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            sweeper.cancel()
+            await group.close()
+        finally:
+            await bus.close()
+
+    asyncio.run(scenario())
+    assert sorted(served.stored()) == [("s4", 0), ("s5", 0)]
+    assert served.usage().num_samples == 2
