@@ -60,6 +60,7 @@ KEY_MANIFEST = "manifest"
 KEY_FEED_COMPLETE = "feed_complete"
 KEY_CHECKPOINT = "checkpoint"
 KEY_TRAIN_COMPLETE = "train_complete"
+KEY_RECORDING = "recording"
 
 
 def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
@@ -184,7 +185,7 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
 
 class RunKV:
     """The run's KV bucket (JSON values): manifest, feed-complete marker (task count),
-    train-complete marker, latest checkpoint pointer.
+    train-complete marker, latest checkpoint pointer, recording marker (`specbus capture`).
 
     `get_*` return None when the key was never written. Every put overwrites (history 5), so
     a put retried after a lost answer writes the same value again. Reads and writes ride
@@ -252,6 +253,14 @@ class RunKV:
 
     async def train_complete(self) -> dict[str, Any] | None:
         return await self._get(KEY_TRAIN_COMPLETE)
+
+    async def mark_recording_complete(self, marker: dict[str, Any]) -> int:
+        """The run is a complete recording (`specbus capture`): its SAMPLES are final."""
+        return await self._put(KEY_RECORDING, marker)
+
+    async def recording(self) -> dict[str, Any] | None:
+        """The recording marker (sample count, last sequence, store, features), else None."""
+        return await self._get(KEY_RECORDING)
 
     async def put_checkpoint(self, pointer: dict[str, Any]) -> int:
         return await self._put(KEY_CHECKPOINT, pointer)

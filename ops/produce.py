@@ -18,6 +18,7 @@ from specbus.core.strategies.base import build_strategy
 from specbus.core.telemetry import setup_tracing
 from specbus.producers.capture import CaptureStats, CaptureWorker
 from specbus.producers.engines.registry import build_engine
+from specbus.producers.feature_server import is_served, serve_store
 from specbus.producers.feeder import feed, prepare
 
 log = logging.getLogger("specbus.producer")
@@ -48,11 +49,16 @@ async def run_producer(
     strategy = build_strategy(cfg.strategy, info, aux_layers=cfg.target.aux_layers)
     contract = strategy.feature_contract(info)
     engine = await asyncio.to_thread(build_engine, cfg.target)
-    store = open_store(cfg.store)
+    served = is_served(cfg.store)  # http://: this producer serves its features (W3')
+    store = serve_store(cfg.store) if served else open_store(cfg.store)
+    sweeper = None
     try:
         async with await connect(cfg.bus, bus_url, name="specbus-producer") as bus:
             topo = await declare(bus, cfg.bus, cfg.run)
             group = await Leases.join(bus, cfg.run, PRODUCERS)
+            if served:  # release what the trainers acked (what a killed trainer left)
+                every = cfg.store.http.sweep_every_s
+                sweeper = asyncio.create_task(store.release_acked(bus, cfg.run, every))
             worker = CaptureWorker(
                 cfg,
                 bus,
@@ -67,6 +73,8 @@ async def run_producer(
             try:
                 return await worker.run()
             finally:
+                if sweeper is not None:
+                    sweeper.cancel()
                 await group.close()
     finally:
         store.close()

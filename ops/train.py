@@ -163,6 +163,8 @@ def sweep_trained(cfg: RunConfig, ledger: Ledger, timeout_s: float | None = None
     """Remove from the run's store every sample the ledger holds as trained, whatever its
     generation (releases a killed process had queued, refused for a read lease, die with it;
     they are re-derived here). Best effort: a store that cannot be reached is logged."""
+    if cfg.store.uri.startswith("http://"):  # each producer releases what was acked (W3')
+        return
     try:
         store = open_store(cfg.store)
         try:
@@ -272,6 +274,8 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
                 target_fingerprint=manifest["target"]["fingerprint"],
                 tokenizer_fingerprint=manifest["target"]["tokenizer_fingerprint"],
                 trained=ledger,
+                # refs' stores opened with this run's store settings (crc, http token, pools)
+                open_store_fn=lambda uri: open_store(cfg.store.model_copy(update={"uri": uri})),
             )  # fmt: skip
             prefetch = cfg.training.prefetch
         loader = Loader(

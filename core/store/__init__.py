@@ -5,6 +5,8 @@
                                                        (a query may set StoreConfig fields:
                                                        shm://x?recycle_bytes=0)
     mooncake://<store_id>?master=H:P&metadata=P2P&admin=H:P&protocol=tcp
+    file:///abs/dir[?store_id=x]                       persistent safetensors files (recordings)
+    http://host:port/<store_id>                        features a producer serves (W3')
 
 A store's `uri` is canonical: `open_store(store.uri)` in another process reaches the same
 samples (that is what SampleRef.store_uri records). See core/store/base.py for the contract.
@@ -23,7 +25,7 @@ from specbus.core.store.base import FeatureStore, StoreUsage, check_store_id
 
 __all__ = ["FeatureStore", "StoreUsage", "open_store", "parse_uri", "purge_store"]
 
-SCHEMES = ("mem", "shm", "mooncake")
+SCHEMES = ("mem", "shm", "mooncake", "file", "http")
 
 
 def parse_uri(uri: str) -> tuple[str, str | None, str | None, dict[str, str]]:
@@ -35,8 +37,10 @@ def parse_uri(uri: str) -> tuple[str, str | None, str | None, dict[str, str]]:
         )
     query = dict(urllib.parse.parse_qsl(parts.query))
     path = parts.path or None
-    if path is not None and parts.scheme != "shm":
-        raise ConfigError(f"store.uri {uri!r}: only shm:// takes a directory path")
+    if parts.scheme == "http":  # the netloc is an address; the path names the store
+        return parts.scheme, path.strip("/") or query.pop("store_id", None), None, query
+    if path is not None and parts.scheme not in ("shm", "file"):
+        raise ConfigError(f"store.uri {uri!r}: only shm:// and file:// take a directory path")
     return parts.scheme, parts.netloc or query.pop("store_id", None), path, query
 
 
@@ -57,7 +61,9 @@ def open_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> FeatureStore:
     scheme, uri_id, path, query = parse_uri(cfg.uri)
     store_id = check_store_id(store_id_kw or uri_id or cfg.store_id or "default")
     if scheme != "mooncake" and query:  # shm://id?recycle_bytes=... tunes this handle
-        unknown = set(query) - (set(StoreConfig.model_fields) - {"uri", "mooncake", "store_id"})
+        unknown = set(query) - (
+            set(StoreConfig.model_fields) - {"uri", "mooncake", "store_id", "http"}
+        )
         if unknown:
             raise ConfigError(f"store.uri {cfg.uri!r}: unknown option(s) {sorted(unknown)}")
         cfg = StoreConfig.model_validate({**cfg.model_dump(), **query})
@@ -66,6 +72,18 @@ def open_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> FeatureStore:
         from specbus.core.store.mem import MemStore
 
         return MemStore(cfg, store_id)
+    if scheme == "file":
+        from specbus.core.store.file import FileStore
+
+        if path is None or not Path(path).is_absolute():
+            raise ConfigError(
+                f"store.uri {cfg.uri!r}: file:// needs an absolute directory (file:///abs/dir)"
+            )
+        return FileStore(cfg, store_id, Path(path))
+    if scheme == "http":
+        from specbus.core.store.http import HttpStore
+
+        return HttpStore(cfg, store_id, cfg.uri)
     if scheme == "shm":
         from specbus.core.store.shm import ShmStore
 
