@@ -35,6 +35,7 @@ from specbus.consumers.source import GroupSettlement, Item, Trained, Upstream
 from specbus.core.contracts import PromptTask, SampleRef
 from specbus.core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
 from specbus.core.store import open_store
+from specbus.core.store.retry import while_unavailable
 from specbus.core.telemetry import extract_link
 
 log = logging.getLogger("specbus.loader")
@@ -54,6 +55,7 @@ class BusSource(GroupSettlement):
         tokenizer_fingerprint: str | None = None,
         trained: Trained | None = None,
         open_store_fn: Callable[[str], Any] = open_store,
+        unavailable_give_up_s: float = 300.0,
     ):
         self.bus, self.run, self.group, self.kv = bus, run, group, kv
         self.names = Names(run)
@@ -65,6 +67,7 @@ class BusSource(GroupSettlement):
         )
         self.trained = trained
         self._open_store_fn = open_store_fn
+        self.unavailable_give_up_s = unavailable_give_up_s
         self._stores: dict[str, Any] = {}
         self._retired: list[int] = []
         self._feed_count: int | None = None
@@ -152,7 +155,13 @@ class BusSource(GroupSettlement):
                 continue
             try:
                 store = await self._store(ref.store_uri)
-                tensors = await asyncio.to_thread(store.get, ref, self.features)
+                # a restarting store node: wait for it, the lease kept alive (no delivery spent)
+                tensors = await while_unavailable(
+                    lambda store=store, ref=ref: store.get(ref, self.features),
+                    what=f"reading {ref.sample_id}",
+                    give_up_s=self.unavailable_give_up_s,
+                    keepalive=lease.in_progress,
+                )
             except (FeatureMissing, IntegrityError) as e:
                 if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
                     await lease.ack()  # trained (and released) by another rank meanwhile
@@ -160,9 +169,9 @@ class BusSource(GroupSettlement):
                 else:
                     await self._recapture(lease, e)
                 continue
-            except StoreError as e:  # store unreachable: give it back, try later
+            except StoreError as e:  # store still unreachable: give it back, try later
                 log.warning("store error on %s, nak: %s", ref.sample_id, e)
-                await lease.nak(1.0)
+                await lease.nak(5.0)
                 continue
             items.append(
                 Item(

@@ -99,6 +99,9 @@ class StoreConfig(Section):
     keep_on_close: bool = False  # shm: keep the store when its last process closes it
     recycle_bytes: int = Field(256 << 20, ge=0)  # shm: released files kept for reuse (0: none)
     http: HttpStoreConfig = HttpStoreConfig()
+    # A store that is unavailable (a restarting store node) is waited for this long, the
+    # work's lease kept alive, before the work is given back.
+    unavailable_give_up_s: float = Field(300.0, gt=0)
 
 
 class TargetConfig(Section):

@@ -276,6 +276,7 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
                 trained=ledger,
                 # refs' stores opened with this run's store settings (crc, http token, pools)
                 open_store_fn=lambda uri: open_store(cfg.store.model_copy(update={"uri": uri})),
+                unavailable_give_up_s=cfg.store.unavailable_give_up_s,
             )  # fmt: skip
             prefetch = cfg.training.prefetch
         loader = Loader(

@@ -34,7 +34,8 @@ from specbus.bus.subjects import PRODUCERS, Names
 from specbus.bus.topology import RunKV
 from specbus.core.config import RunConfig
 from specbus.core.contracts import PromptTask, Provenance, SampleRef
-from specbus.core.errors import CaptureError, StoreFull
+from specbus.core.errors import CaptureError, StoreFull, StoreUnavailable
+from specbus.core.store.retry import while_unavailable
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import inject, tracer
 
@@ -214,9 +215,15 @@ class CaptureWorker:
         task: PromptTask = lease.record
         sample_id = sample_id_of(task)
         try:
-            specs = await asyncio.to_thread(self.store.put, sample_id, tensors, task.generation)
-        except StoreFull as e:  # backpressure: give the task back for later
-            log.info("store full, task %s goes back: %s", task.task_id, e)
+            # A store node restarting is the store's problem, not the task's: wait for it with
+            # the lease kept alive (the batch's heartbeat), so no delivery is spent on it.
+            specs = await while_unavailable(
+                lambda: self.store.put(sample_id, tensors, task.generation),
+                what=f"putting {sample_id}",
+                give_up_s=self.cfg.store.unavailable_give_up_s,
+            )
+        except (StoreFull, StoreUnavailable) as e:  # backpressure / still down: back for later
+            log.info("task %s goes back: %s", task.task_id, e)
             await lease.nak(self.cfg.bus.nak_delay_s)
             return False
         except Exception as e:  # NaN screen, integrity: a bad capture
