@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from specbus.core.config import StrategyConfig
 from specbus.core.errors import ConfigError
-from specbus.core.models.dflash import DFlashConfig, DFlashDraft
+from specbus.core.models.dflash import DFlashConfig, DFlashDraft, flex_blocks
 from specbus.core.models.target import TargetHeads, TargetInfo
 from specbus.core.strategies.base import (
     FeatureContract,
@@ -143,7 +143,10 @@ def draft_blocks(
         ],
         dim=1,
     )
-    allow = block_mask(anchors_BN, keep_BN, seq, block_size)
+    if attention == "flex":  # a tile-level BlockMask, no dense [B, Q, S] mask
+        allow = flex_blocks(anchors_BN, keep_BN, seq, block_size)
+    else:
+        allow = block_mask(anchors_BN, keep_BN, seq, block_size)
     hidden = model(noise_BQH, hidden_states_BLA, positions, allow, attention)
     return hidden.view(b, n, block_size, -1)
 
@@ -560,10 +563,6 @@ class DFlashFamilyStrategy:
                 f"strategy.draft.hidden_size={cfg.draft.hidden_size}: a {self.name} draft shares the "
                 f"target's embedding and lm_head, so its width is the target's ({target.hidden_size})"
             )
-        if cfg.attention == "flex":
-            raise ConfigError(
-                f"strategy.attention=flex is not built for {self.name} (use auto or sdpa)"
-            )
         self.aux_layers = (
             list(aux_layers)
             if aux_layers is not None
@@ -742,11 +741,13 @@ class DFlashFamilyStrategy:
         )  # fmt: skip
 
     def resolve_attention(self, device: torch.device) -> str:
-        """ "auto": SDPA on CUDA (the memory-efficient kernel with the block mask), the
-        reference's eager arithmetic on CPU; "sdpa": SDPA everywhere."""
+        """ "auto": flex attention on CUDA (a tile-level block mask: the context tiles below
+        each query tile's anchors and its own blocks' tiles, no dense mask), the reference's
+        eager arithmetic on CPU; "sdpa": SDPA with the dense boolean mask everywhere; "flex":
+        flex everywhere (on the CPU the same tiles as a dense SDPA: a test path)."""
         if self.cfg.attention == "auto":
-            return "sdpa" if torch.device(device).type == "cuda" else "eager"
-        return "sdpa"
+            return "flex" if torch.device(device).type == "cuda" else "eager"
+        return self.cfg.attention
 
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None

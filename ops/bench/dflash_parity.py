@@ -238,7 +238,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument(
         "--attention",
-        choices=("eager", "sdpa"),
+        choices=("eager", "sdpa", "flex"),
         default="eager",
         help="specbus's attention path (the reference runs eager)",
     )
