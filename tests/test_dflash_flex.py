@@ -119,3 +119,53 @@ def test_flex_losses_metrics_and_gradients_equal_the_dense_paths(projector):
     torch.testing.assert_close(loss_f, loss_e, rtol=1e-5, atol=1e-6)
     for key in g_e:
         torch.testing.assert_close(g_f[key], g_e[key], rtol=1e-3, atol=1e-5, msg=key)
+
+
+def _run_fused(projector, fused, dtype, **loss_keys):
+    model = _draft(projector, dtype)
+    mask, anchors = _anchors(2, 200, 20, seed=5)
+    g = torch.Generator().manual_seed(6)
+    kwargs = dict(
+        input_ids_BL=torch.randint(2, 64, (2, 200), generator=g), loss_mask_BL=mask,
+        hidden_states_BLA=torch.randn(2, 200, 64, generator=g, dtype=dtype),
+        embed_VH=torch.randn(64, 32, generator=g, dtype=dtype),
+        lm_head_VH=torch.randn(64, 32, generator=g, dtype=dtype) * 0.3, mask_token_id=1,
+        block_size=16, num_anchors=20, gamma=7.0, anchors=anchors, chunk_blocks=3,
+        attention="sdpa" if dtype == torch.float64 else "eager", fused=fused,
+    )  # fmt: skip
+    if projector == "dflash":
+        loss, metrics = dflash_loss(model, **kwargs)
+    else:
+        final = torch.randn(2, 200, 32, generator=g, dtype=dtype)
+        loss, metrics = dspark_loss(model, **kwargs, target_BLH=final, **loss_keys)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), metrics, grads
+
+
+@pytest.mark.parametrize(
+    "projector,keys",
+    [
+        ("dflash", {}),
+        ("dspark", {}),
+        ("dspark", {"ce_alpha": 0.0}),
+        ("dspark", {"l1_alpha": 0.0, "confidence_alpha": 0.0}),
+    ],
+)
+def test_fused_head_equals_the_checkpointed_chunks(projector, keys):
+    """`fused_head` (the CUDA default) computes the same loss, metrics and gradients as the
+    reference's checkpointed chunks (fp64: to fp32 rounding, as both take the vocabulary
+    softmax in fp32; fp32: within the parity tolerances)."""
+    for dtype, rtol, atol in ((torch.float64, 1e-6, 1e-9), (torch.float32, 1e-4, 1e-6)):
+        loss_f, m_f, g_f = _run_fused(projector, True, dtype, **keys)
+        loss_r, m_r, g_r = _run_fused(projector, False, dtype, **keys)
+        torch.testing.assert_close(loss_f, loss_r, rtol=rtol, atol=atol)
+        assert m_f.keys() == m_r.keys()
+        for key in m_r:
+            torch.testing.assert_close(
+                torch.as_tensor(m_f[key]).double(), torch.as_tensor(m_r[key]).double(),
+                rtol=rtol, atol=atol, msg=key,
+            )  # fmt: skip
+        assert g_f.keys() == g_r.keys()
+        for key in g_r:
+            torch.testing.assert_close(g_f[key], g_r[key], rtol=rtol * 10, atol=atol, msg=key)
