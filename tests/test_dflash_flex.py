@@ -50,6 +50,23 @@ def test_flex_tiles_cover_exactly_the_dense_block_mask(b, seq, n, k):
     assert not (fb.full_BQtKt & fb.tiles_BQtKt).any()
 
 
+@pytest.mark.parametrize("b,seq,n,k", [(2, 700, 40, 16), (3, 300, 20, 4)])
+def test_flex_tiles_are_create_block_masks_tiles(b, seq, n, k):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _, (anchors, keep) = _anchors(b, seq, n)
+    fb = flex_blocks(anchors, keep, seq, k)
+    ref = create_block_mask(fb.mask_mod, b, None, fb.q_pad, fb.ctx_len + fb.q_pad, "cpu")
+    ours = fb.block_mask
+    for a, r in (("kv_num_blocks", "kv_num_blocks"), ("full_kv_num_blocks", "full_kv_num_blocks")):
+        assert torch.equal(getattr(ours, a), getattr(ref, r))
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        cnt = getattr(ref, num)
+        for pos in range(int(cnt.max())):
+            sel = cnt > pos
+            assert torch.equal(getattr(ours, idx)[..., pos][sel], getattr(ref, idx)[..., pos][sel])
+
+
 def test_flex_tiles_with_unsorted_fixed_anchors_and_dropped_blocks():
     anchors = torch.tensor([[300, 5, 170, 0, 260, 40, 129, 128, 2, 9]])
     keep = torch.tensor([[True, True, True, False, True, True, True, True, False, True]])
@@ -169,3 +186,23 @@ def test_fused_head_equals_the_checkpointed_chunks(projector, keys):
         assert g_f.keys() == g_r.keys()
         for key in g_r:
             torch.testing.assert_close(g_f[key], g_r[key], rtol=rtol * 10, atol=atol, msg=key)
+
+
+def test_flex_query_side_tiles_are_from_kv_blocks_ones():
+    """The backward's query-side indices (built from the tiles transposed) equal the ones
+    `BlockMask.from_kv_blocks` derives."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    _, (anchors, keep) = _anchors(2, 700, 40)
+    ours = flex_blocks(anchors, keep, 700, 16).block_mask
+    ref = BlockMask.from_kv_blocks(
+        ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks, ours.full_kv_indices,
+        seq_lengths=ours.seq_lengths,
+    )  # fmt: skip
+    for name in ("q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name))
+    for num, idx in (("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        cnt = getattr(ref, num)
+        for pos in range(int(cnt.max())):
+            sel = cnt > pos
+            assert torch.equal(getattr(ours, idx)[..., pos][sel], getattr(ref, idx)[..., pos][sel])

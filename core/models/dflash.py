@@ -40,11 +40,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
-from specbus.core.models.llama_eagle3 import RMSNorm, apply_rope, rope_inv_freq
+from specbus.core.models.llama_eagle3 import (
+    TILE,
+    RMSNorm,
+    apply_rope,
+    block_mask_from_tiles,
+    rope_inv_freq,
+)
 from torch import nn
 
 PROJECTORS = ("dflash", "domino", "dspark")
-FLEX_TILE = 128  # flex attention's default BLOCK_SIZE (query and key tiles)
+FLEX_TILE = TILE  # flex attention's default BLOCK_SIZE (query and key tiles)
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
@@ -139,8 +145,6 @@ def flex_blocks(
     context tiles below its largest kept anchor (full below its smallest, when every row of the
     tile is kept) and the block-token tiles of its own blocks. Built from [B, tiles] reductions
     on the device: no dense [Q, S] mask, no host sync."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     device = anchors_BN.device
     b, n = anchors_BN.shape
     k, tile = block_size, FLEX_TILE
@@ -167,11 +171,6 @@ def flex_blocks(
     full = torch.cat([ctx_full, torch.zeros_like(blk_any)], dim=-1)
     partial = torch.cat([ctx_any & ~ctx_full, blk_any], dim=-1)
 
-    def ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num = m.sum(-1, dtype=torch.int32)
-        idx = torch.sort((~m).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
-        return num[:, None], idx[:, None]
-
     ctx_t = torch.full((), ctx_len, dtype=torch.long, device=device)
 
     def mask_mod(bi, hi_, qi, kv):
@@ -180,12 +179,7 @@ def flex_blocks(
         own = ~in_ctx & (torch.div(kv - ctx_t, k, rounding_mode="floor") == blk_Q[qi])
         return keep_BQ[bi, qi] & (sees_ctx | own)
 
-    num, idx = ordered(partial)
-    full_num, full_idx = ordered(full)
-    bm = BlockMask.from_kv_blocks(
-        num, idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
-        seq_lengths=(q_pad, ctx_len + q_pad),
-    )  # fmt: skip
+    bm = block_mask_from_tiles(partial, full, (q_pad, ctx_len + q_pad), mask_mod)
     return FlexBlocks(bm, mask_mod, keep_BQ, partial, full, seq_len, ctx_len, q_len, q_pad)
 
 

@@ -62,11 +62,17 @@ def compute_teacher(
     t2d_V: torch.Tensor,
     loss_mask_BL1: torch.Tensor,
     ttt_length: int,
+    draft_ids_Vd: torch.Tensor | None = None,
 ) -> Teacher:
+    """`draft_ids_Vd` = `t2d_V.nonzero()` (ascending), when the caller has it: the same
+    columns as the boolean index, without its device-to-host sync (`draft_columns`)."""
     logits = upcast(target_logits_BLV)
     target_ids = logits.argmax(-1)
     position_mask = t2d_V[target_ids][..., None].int() * loss_mask_BL1
-    draft_logits = logits[..., t2d_V]
+    if draft_ids_Vd is None:
+        draft_logits = logits[..., t2d_V]
+    else:
+        draft_logits = logits.index_select(-1, draft_ids_Vd)
     target_p = torch.softmax(draft_logits, dim=2)
     target_p_on_draft = torch.exp(draft_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
     return Teacher(
@@ -104,6 +110,18 @@ def simulated_accept_length(accs: list[float] | torch.Tensor) -> float:
     return total
 
 
+def draft_columns(draft: nn.Module) -> torch.Tensor:
+    """The target ids of the draft vocabulary, `t2d.nonzero()` ascending, cached on the draft
+    until its `t2d` buffer changes (one host sync per mapping instead of one per step)."""
+    t2d = draft.t2d
+    key = (t2d.device, t2d.data_ptr(), t2d._version)
+    cached = draft.__dict__.get("_draft_columns")
+    if cached is None or cached[0] != key:
+        cached = (key, t2d.nonzero().squeeze(-1))
+        draft.__dict__["_draft_columns"] = cached
+    return cached[1]
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The draft inside a DDP/FSDP/compile wrapper (for its buffers)."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):
@@ -137,7 +155,9 @@ def eagle3_ttt_loss(
         target_hidden = shift_left(target_BLH)
         loss_mask = loss_mask_BL[..., None]
         target_logits = F.linear(target_hidden.to(lm_head_VH.dtype), lm_head_VH)
-        teacher = compute_teacher(target_logits, draft.t2d, loss_mask, ttt_length)
+        teacher = compute_teacher(
+            target_logits, draft.t2d, loss_mask, ttt_length, draft_columns(draft)
+        )
         del target_logits
     batch, seq = input_ids.shape
     step_logits = model(
