@@ -7,8 +7,8 @@ boundary (the TASKS sequence is the cursor). The loader runs it with
 `prefetch=deployment.colocated_prefetch`: with the default 0 the capture of the next window
 starts only after the previous window was committed and its tensors released (residency never
 exceeds one window, long-sequence features never overlap); with 1 the next window is
-captured while the step runs (two windows resident). No SAMPLES stream and no remote store
-are involved.
+captured while the step runs (two windows resident), on a CUDA stream of its own on a GPU
+rank. No SAMPLES stream and no remote store are involved.
 
 A task whose capture fails is nak'd with a delay or dead-lettered on its last delivery
 (the same rule as the capture worker); a task the checkpoint already holds is acked and
