@@ -101,6 +101,36 @@ def acceptance_rate(
     return (per_token * mask).sum() / mask.sum().clamp_min(1e-8)
 
 
+class _FusedStepLoss(torch.autograd.Function):
+    """`step_loss` and `acceptance_rate` of one TTT step in one pass over the logits, with
+    the loss's gradient w.r.t. the logits formed in the forward (as log_softmax's backward
+    computes it) and kept until the backward, which only scales it: no second softmax for the
+    acceptance rate, no saved log-probabilities, no backward passes over the vocabulary."""
+
+    @staticmethod
+    def forward(ctx, logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd):
+        batch, seq = logits_BLVd.shape[:2]
+        logp = torch.log_softmax(upcast(logits_BLVd), dim=2)
+        weight = position_mask_BL1 * target_p_BLVd  # = pm * (tp * logp) / logp: pm is 0 or 1
+        ploss = -torch.sum(weight * logp, 2).mean()
+        prob = logp.exp_()
+        per_token = torch.minimum(target_p_on_draft_BLVd, prob.to(target_p_on_draft_BLVd.dtype))
+        mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
+        rate = (per_token.sum(-1) * mask).sum() / mask.sum().clamp_min(1e-8)
+        del per_token
+        grad = weight.mul_(-1.0 / (batch * seq))  # d ploss / d logp
+        grad.sub_(prob.mul_(grad.sum(-1, keepdim=True)))  # log_softmax's backward
+        ctx.save_for_backward(grad)
+        ctx.dtype = logits_BLVd.dtype
+        ctx.mark_non_differentiable(rate)
+        return ploss, rate
+
+    @staticmethod
+    def backward(ctx, g_loss, _):
+        (grad,) = ctx.saved_tensors
+        return (grad * g_loss).to(ctx.dtype), None, None, None
+
+
 def simulated_accept_length(accs: list[float] | torch.Tensor) -> float:
     """tau = sum_k prod_{j<=k} acc_j."""
     total, running = 0.0, 1.0
@@ -141,8 +171,11 @@ def eagle3_ttt_loss(
     ttt_length: int = 7,
     step_weight: float = 0.8,
     attention: str = "eager",
+    fused: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """The EAGLE3 TTT objective (module docstring). Pure: reads `model`, writes nothing.
+    `fused`: each step's loss and acceptance rate through `_FusedStepLoss` (the CUDA path;
+    the same function, rounded differently), else the reference's arithmetic.
 
     `model` is the draft or a DDP/FSDP wrapper of it (called once). Returns the weighted loss
     (grad flows to the draft's trainable parameters only) and detached per-step metrics:
@@ -166,7 +199,13 @@ def eagle3_ttt_loss(
     position_mask = teacher.position_mask_BL1
     losses, metrics = [], {}
     for k, logits in enumerate(step_logits):
-        ploss = step_loss(logits, teacher.target_p_BLVd[:, k : k + seq], position_mask)
+        if fused:
+            ploss, rate = _FusedStepLoss.apply(
+                logits, teacher.target_p_BLVd[:, k : k + seq], position_mask,
+                teacher.target_p_on_draft_BLVd[:, k : k + seq],
+            )  # fmt: skip
+        else:
+            ploss = step_loss(logits, teacher.target_p_BLVd[:, k : k + seq], position_mask)
         with torch.no_grad():
             pred = logits.argmax(-1)
             pred_target = pred + draft.d2t[pred]
@@ -178,8 +217,12 @@ def eagle3_ttt_loss(
             metrics[f"acc_{k}"] = correct / denom
             metrics[f"correct_{k}"] = correct
             metrics[f"denom_{k}"] = denom
-            metrics[f"acceptance_rate_{k}"] = acceptance_rate(
-                logits, teacher.target_p_on_draft_BLVd[:, k : k + seq], position_mask
+            metrics[f"acceptance_rate_{k}"] = (
+                rate
+                if fused
+                else acceptance_rate(
+                    logits, teacher.target_p_on_draft_BLVd[:, k : k + seq], position_mask
+                )
             )
         losses.append(ploss)
         position_mask = shift_left(position_mask)
@@ -333,6 +376,7 @@ class Eagle3Strategy:
             ttt_length=self.cfg.ttt_length,
             step_weight=self.cfg.step_weight,
             attention=self.resolve_attention(device, t["input_ids"].shape[1]),
+            fused=device.type == "cuda",  # the CPU keeps the reference's arithmetic, bitwise
         )
 
 
