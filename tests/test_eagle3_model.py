@@ -218,4 +218,6 @@ def test_flex_ttt_forward_matches_the_eager_path_on_cpu():
             q = torch.randn(2, 4, 200, 16)  # 4 query heads
             eager.keys.append(k.repeat_interleave(2, 1)), eager.values.append(v.repeat_interleave(2, 1))  # fmt: skip
             flex.keys.append(k), flex.values.append(v)
-            torch.testing.assert_close(_ttt_flex(q, flex), _ttt_eager(q, eager), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                _ttt_flex(q, flex), _ttt_eager(q, eager), rtol=1e-5, atol=1e-5
+            )
