@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
+from specbus.core.models.kernels import swiglu
 from specbus.core.models.llama_eagle3 import (
     TILE,
     RMSNorm,
@@ -242,7 +243,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _repeat_kv(x_BNkvTD: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
+from specbus.core.models.kernels import rms_norm, rope, swiglu
 from torch import nn
 
 
@@ -130,12 +131,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = (
-            x if dtype == torch.float64 else x.to(torch.float32)
-        )  # fp32 compute (fp64 kept for tests)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        # fp32 compute (fp64 kept for tests); one fused kernel on CUDA (core/models/kernels.py)
+        return rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -167,9 +164,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _on_device(inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The fp32 frequencies on `device`, copied once (kept on the CPU tensor itself): a
+    host-to-device copy per rotary call was a blocking copy per TTT step."""
+    if inv_freq.device == device:
+        return inv_freq
+    copies = inv_freq.__dict__.setdefault("_specbus_on", {})
+    if device not in copies:
+        copies[device] = inv_freq.to(device, torch.float32)
+    return copies[device]
 
 
 def apply_rope(
@@ -178,13 +181,8 @@ def apply_rope(
     inv_freq: torch.Tensor,
     position_ids_BL: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs_BLD2 = position_ids_BL.to(torch.float32)[..., None] * inv_freq.to(
-        position_ids_BL.device, torch.float32
-    )
-    emb_BLD = torch.cat((freqs_BLD2, freqs_BLD2), dim=-1)
-    cos = emb_BLD.cos().to(q_BNLD.dtype)[:, None]
-    sin = emb_BLD.sin().to(q_BNLD.dtype)[:, None]
-    return q_BNLD * cos + _rotate_half(q_BNLD) * sin, k_BNLD * cos + _rotate_half(k_BNLD) * sin
+    """Rotary embedding (`kernels.rope`; fp32 frequencies, tables in q's dtype)."""
+    return rope(q_BNLD, k_BNLD, _on_device(inv_freq, position_ids_BL.device), position_ids_BL)
 
 
 def _repeat_kv(x_BNkvLD: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -461,7 +459,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from specbus.core.config import StrategyConfig
 from specbus.core.errors import ConfigError
 from specbus.core.models.dflash import DFlashConfig, DFlashDraft, flex_blocks
+from specbus.core.models.kernels import compiled
 from specbus.core.models.target import TargetHeads, TargetInfo
 from specbus.core.strategies.base import (
     FeatureContract,
@@ -224,9 +225,9 @@ class _FusedHead(torch.autograd.Function):
             z = F.linear(hc.to(lm_head_VH.dtype), lm_head_VH)
             if e is not None:
                 z = z + F.linear(e[:, sl], m2)
-            grad_z, c_sums, c_rows = terms(
-                z, *(t[:, sl] if t is not None else None for t in per_block)
-            )
+            # contiguous chunks: one compiled graph for every chunk (no stride guards)
+            chunk_args = (t[:, sl].contiguous() if t is not None else None for t in per_block)
+            grad_z, c_sums, c_rows = terms(z, *chunk_args)
             grad_z = grad_z.to(z.dtype)
             grad_h[:, sl] = torch.matmul(grad_z, lm_head_VH.to(grad_z.dtype)).to(h.dtype)
             if e is not None:
@@ -279,6 +280,22 @@ def fused_ce_grad(z: torch.Tensor, tgt: torch.Tensor, w: torch.Tensor):
     grad = logp.exp_().mul_(w[..., None])
     grad.scatter_add_(-1, tgt[..., None], -w[..., None])
     return ce, grad
+
+
+@compiled
+def dflash_chunk_terms(z, tgt, m, w):
+    """DFlash's terms of one chunk of blocks from its logits `z [B, n, K, V]`: the gradient
+    of sum(ce * w) w.r.t. z, then the sums `dflash_loss` pools (compiled on CUDA)."""
+    ce, grad = fused_ce_grad(z, tgt, w)
+    pred = z.argmax(-1)
+    hit = ((pred == tgt) & (m > 0.5)).float()
+    acc_len = accept_prefix(pred, tgt, m > 0)
+    blocks = (m > 0).any(-1).float()
+    return (
+        grad, (ce * w).sum(), w.sum(), hit.sum(), m.sum(),
+        hit.sum((0, 1)), m.sum((0, 1)), (ce * m).sum((0, 1)),
+        ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,16 +357,8 @@ def dflash_loss(
         )  # fmt: skip
 
     def fused_terms(z, tgt, m, w):
-        ce, grad = fused_ce_grad(z, tgt, w)
-        pred = z.argmax(-1)
-        hit = ((pred == tgt) & (m > 0.5)).float()
-        acc_len = accept_prefix(pred, tgt, m > 0)
-        blocks = (m > 0).any(-1).float()
-        return grad, (
-            (ce * w).sum(), w.sum(), hit.sum(), m.sum(),
-            hit.sum((0, 1)), m.sum((0, 1)), (ce * m).sum((0, 1)),
-            ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
-        ), ()  # fmt: skip
+        grad, *sums = dflash_chunk_terms(z, tgt, m, w)
+        return grad, tuple(sums), ()
 
     if fused:
         num, den, correct, acc_den, correct_K, den_K, ce_K, acc_num, blocks = fused_head(
@@ -609,6 +618,57 @@ def dspark_loss(
     return loss, metrics
 
 
+@compiled
+def dspark_chunk_terms(z, t_logits, tgt, w, ev, ce_alpha: float, l1_alpha: float):
+    """DSpark's terms of one chunk from its logits `z [B, n, K, V]` (base + Markov bias) and
+    the teacher's logits (None: no L1 term): `(d objective / dz, accept, objective, <the
+    checkpointed path's sums>)`, objective = ce_alpha * sum(ce * w) + l1_alpha * sum(l1 * w).
+    Compiled on CUDA."""
+    evf = ev.float()
+    logp = torch.log_softmax(z.float(), dim=-1)
+    ce = -logp.gather(-1, tgt[..., None]).squeeze(-1)
+    pred = z.argmax(-1)
+    hit = ((pred == tgt) & ev).float()
+    zero = ce.new_zeros(())
+    l1_num = agree = t_top1 = d_top1 = tau_num = tau_den = zero
+    rate_K = ce.new_zeros(ce.shape[-1])
+    accept = torch.zeros_like(ce)
+    blocks = ev.any(-1).float()
+    if t_logits is not None:
+        t_prob = torch.softmax(t_logits.float(), dim=-1)
+        t_ids = t_logits.argmax(-1)
+        p = torch.softmax(z.float(), dim=-1)
+        t_top1 = (t_prob.max(-1).values * evf).sum()
+        diff = p - t_prob
+        del t_prob
+        l1 = diff.abs().sum(-1)
+        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
+        l1_num = (l1 * w).sum()
+        agree = ((pred == t_ids).float() * evf).sum()
+        d_top1 = (p.max(-1).values * evf).sum()
+        tau_num = (((accept * evf).cumprod(-1).sum(-1) + 1.0) * blocks).sum()
+        tau_den = blocks.sum()
+        rate_K = (accept * evf).sum((0, 1))
+        # d|p - t|_1 / dz = p * (sign - <sign, p>): softmax's backward of the sign
+        grad = diff.sign_().mul_(p)
+        grad.sub_(p * grad.sum(-1, keepdim=True)).mul_((l1_alpha * w)[..., None])
+        if ce_alpha:
+            grad.add_(logp.exp_().mul_((ce_alpha * w)[..., None]))
+        del p
+    else:
+        grad = logp.exp_().mul_((ce_alpha * w)[..., None])
+    if ce_alpha:
+        grad.scatter_add_(-1, tgt[..., None], -(ce_alpha * w)[..., None])
+    acc_len = accept_prefix(pred, tgt, ev)
+    return (
+        grad, accept, ce_alpha * (ce * w).sum() + l1_alpha * l1_num,
+        (ce * w).sum(), l1_num, hit.sum(), evf.sum(),
+        (ce * evf).sum((0, 1)), hit.sum((0, 1)), evf.sum((0, 1)),
+        agree, t_top1, d_top1, tau_num, tau_den, rate_K,
+        ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
+    )  # fmt: skip
+
+
 def _dspark_fused(draft, lm_head_VH, chunk, hidden, prev, target, weights, eval_mask, teacher_h,
                   *, ce_alpha, l1_alpha, confidence_alpha):  # fmt: skip
     """DSpark's chunked terms through `fused_head`: the CE and L1 gradients w.r.t. the logits
@@ -620,52 +680,9 @@ def _dspark_fused(draft, lm_head_VH, chunk, hidden, prev, target, weights, eval_
     use_teacher = teacher_h is not None
 
     def terms(z, prv, tgt, w, ev, th):
-        evf = ev.float()
-        logp = torch.log_softmax(z.float(), dim=-1)
-        ce = -logp.gather(-1, tgt[..., None]).squeeze(-1)
-        pred = z.argmax(-1)
-        hit = ((pred == tgt) & ev).float()
-        zero = ce.new_zeros(())
-        l1_num = agree = t_top1 = d_top1 = tau_num = tau_den = zero
-        rate_K = ce.new_zeros(ce.shape[-1])
-        accept = torch.zeros_like(ce)
-        blocks = ev.any(-1).float()
-        if use_teacher:
-            t_logits = _logits(th, lm_head_VH)
-            t_prob = torch.softmax(t_logits.float(), dim=-1)
-            t_ids = t_logits.argmax(-1)
-            del t_logits
-            p = torch.softmax(z.float(), dim=-1)
-            t_top1 = (t_prob.max(-1).values * evf).sum()
-            diff = p - t_prob
-            del t_prob
-            l1 = diff.abs().sum(-1)
-            accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
-            l1_num = (l1 * w).sum()
-            agree = ((pred == t_ids).float() * evf).sum()
-            d_top1 = (p.max(-1).values * evf).sum()
-            tau_num = (((accept * evf).cumprod(-1).sum(-1) + 1.0) * blocks).sum()
-            tau_den = blocks.sum()
-            rate_K = (accept * evf).sum((0, 1))
-            # d|p - t|_1 / dz = p * (sign - <sign, p>): softmax's backward of the sign
-            grad = diff.sign_().mul_(p)
-            grad.sub_(p * grad.sum(-1, keepdim=True)).mul_((l1_alpha * w)[..., None])
-            if ce_alpha:
-                grad.add_(logp.exp_().mul_((ce_alpha * w)[..., None]))
-            del p
-        else:
-            grad = logp.exp_().mul_((ce_alpha * w)[..., None])
-        if ce_alpha:
-            grad.scatter_add_(-1, tgt[..., None], -(ce_alpha * w)[..., None])
-        acc_len = accept_prefix(pred, tgt, ev)
-        sums = (
-            ce_alpha * (ce * w).sum() + l1_alpha * l1_num,
-            (ce * w).sum(), l1_num, hit.sum(), evf.sum(),
-            (ce * evf).sum((0, 1)), hit.sum((0, 1)), evf.sum((0, 1)),
-            agree, t_top1, d_top1, tau_num, tau_den, rate_K,
-            ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
-        )  # fmt: skip
-        return grad, sums, (accept,)
+        t_logits = _logits(th, lm_head_VH) if use_teacher else None
+        grad, accept, *sums = dspark_chunk_terms(z, t_logits, tgt, w, ev, ce_alpha, l1_alpha)
+        return grad, tuple(sums), (accept,)
 
     m = (markov.prev_embeddings(prev), markov.markov_w2.weight) if markov is not None else None
     (obj, ce_num, l1_num, correct, eval_den, ce_K, correct_K, den_K, agree, t_top1, d_top1,

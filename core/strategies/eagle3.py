@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from specbus.core.config import StrategyConfig
 from specbus.core.data.vocab import VocabMapping
 from specbus.core.errors import ConfigError
+from specbus.core.models.kernels import compiled
 from specbus.core.models.llama_eagle3 import shift_left
 from specbus.core.models.registry import build_draft
 from specbus.core.models.target import TargetHeads, TargetInfo
@@ -101,25 +102,35 @@ def acceptance_rate(
     return (per_token * mask).sum() / mask.sum().clamp_min(1e-8)
 
 
+@compiled
+def ttt_step_terms(logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd):
+    """`(ploss, acceptance_rate, d ploss / d logits)` of one TTT step: `step_loss` and
+    `acceptance_rate` from one log_softmax, the gradient as log_softmax's backward forms it.
+    Compiled on CUDA (`core/models/kernels.py`): a few fused passes over the vocabulary."""
+    batch, seq = logits_BLVd.shape[:2]
+    logp = torch.log_softmax(upcast(logits_BLVd), dim=2)
+    weight = position_mask_BL1 * target_p_BLVd  # pm * (tp * logp) == (pm * tp) * logp: pm 0/1
+    ploss = -torch.sum(weight * logp, 2).mean()
+    prob = logp.exp()
+    per_token = torch.minimum(target_p_on_draft_BLVd, prob.to(target_p_on_draft_BLVd.dtype))
+    mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
+    rate = (per_token.sum(-1) * mask).sum() / mask.sum().clamp_min(1e-8)
+    grad_logp = weight * (-1.0 / (batch * seq))
+    grad = grad_logp - prob * grad_logp.sum(-1, keepdim=True)
+    return ploss, rate, grad
+
+
 class _FusedStepLoss(torch.autograd.Function):
     """`step_loss` and `acceptance_rate` of one TTT step in one pass over the logits, with
-    the loss's gradient w.r.t. the logits formed in the forward (as log_softmax's backward
-    computes it) and kept until the backward, which only scales it: no second softmax for the
-    acceptance rate, no saved log-probabilities, no backward passes over the vocabulary."""
+    the loss's gradient w.r.t. the logits formed in the forward (`ttt_step_terms`) and kept
+    until the backward, which only scales it: no second softmax for the acceptance rate, no
+    saved log-probabilities, no backward passes over the vocabulary."""
 
     @staticmethod
     def forward(ctx, logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd):
-        batch, seq = logits_BLVd.shape[:2]
-        logp = torch.log_softmax(upcast(logits_BLVd), dim=2)
-        weight = position_mask_BL1 * target_p_BLVd  # = pm * (tp * logp) / logp: pm is 0 or 1
-        ploss = -torch.sum(weight * logp, 2).mean()
-        prob = logp.exp_()
-        per_token = torch.minimum(target_p_on_draft_BLVd, prob.to(target_p_on_draft_BLVd.dtype))
-        mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
-        rate = (per_token.sum(-1) * mask).sum() / mask.sum().clamp_min(1e-8)
-        del per_token
-        grad = weight.mul_(-1.0 / (batch * seq))  # d ploss / d logp
-        grad.sub_(prob.mul_(grad.sum(-1, keepdim=True)))  # log_softmax's backward
+        ploss, rate, grad = ttt_step_terms(
+            logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd
+        )
         ctx.save_for_backward(grad)
         ctx.dtype = logits_BLVd.dtype
         ctx.mark_non_differentiable(rate)
@@ -376,8 +387,13 @@ class Eagle3Strategy:
             ttt_length=self.cfg.ttt_length,
             step_weight=self.cfg.step_weight,
             attention=self.resolve_attention(device, t["input_ids"].shape[1]),
-            fused=device.type == "cuda",  # the CPU keeps the reference's arithmetic, bitwise
+            fused=self.fused(batch),
         )
+
+    @staticmethod
+    def fused(batch: TrainBatch) -> bool:
+        """`_FusedStepLoss` on CUDA; the CPU keeps the reference's arithmetic (bitwise)."""
+        return batch.tensors["input_ids"].device.type == "cuda"
 
 
 @register_strategy("eagle3")

@@ -6,8 +6,9 @@ lm_head are the random ones `gpu_pipeline.write_target` writes), so the step is 
 the trainer runs (`core.training.train_step`: bf16 autocast on CUDA, clip, fused AdamW).
 Reported per configuration:
 - `step_ms`: median wall time of `--reps` synchronised steps after `--warmup` (no profiler);
-- `launches`: kernel launches of one profiled step (CUDA runtime launch calls; on the CPU the
-  count of aten ops that would each launch kernels on a GPU: `ops`);
+- `launches`: kernel launches of one profiled step (CUDA runtime launch calls); on the CPU
+  `compute_ops` stands in for them: leaf aten ops that are not views, allocations or
+  metadata (each launches about one kernel on a GPU); `ops` counts every aten op;
 - `kernel_ms` / `busy_frac`: the union of the step's kernel intervals, and that over
   `step_ms` (how much of the step the GPU is busy);
 - `syncs`: host-device synchronisations (`aten::item` / `_local_scalar_dense`, stream and
@@ -36,6 +37,17 @@ SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize",
             "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # fmt: skip
 LAUNCH_OPS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
               "cudaGraphLaunch", "cudaMemsetAsync", "cudaMemcpyAsync")  # fmt: skip
+# ops that launch no kernel (views, allocation, metadata): left out of `compute_ops`
+NO_KERNEL = {
+    "aten::as_strided", "aten::view", "aten::_reshape_alias", "aten::reshape", "aten::transpose",
+    "aten::t", "aten::permute", "aten::expand", "aten::slice", "aten::select", "aten::unsqueeze",
+    "aten::squeeze", "aten::detach", "aten::alias", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::narrow", "aten::_unsafe_view", "aten::empty", "aten::empty_strided", "aten::resize_",
+    "aten::split", "aten::chunk", "aten::unbind", "aten::split_with_sizes", "aten::lift_fresh",
+    "aten::empty_like", "aten::result_type", "aten::is_nonzero", "aten::set_",
+    "aten::_has_compatible_shallow_copy_type", "aten::unflatten", "aten::flatten",
+    "aten::contiguous", "aten::numpy_T", "aten::values", "aten::indices",
+}  # fmt: skip
 WATCH = {
     "casts": ("aten::to", "aten::_to_copy"),
     "nonzero": ("aten::nonzero",),
@@ -70,16 +82,24 @@ def profile_once(fn, cuda: bool) -> dict:
     kernels = [
         (e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
     ]
+    leaves = Counter(
+        e.name
+        for e in events
+        if e.device_type == DeviceType.CPU
+        and e.name.startswith("aten::")
+        and not e.cpu_children
+        and e.name not in NO_KERNEL
+    )
     out = {
         "ops": sum(n for k, n in names.items() if k.startswith("aten::")),
+        "compute_ops": sum(leaves.values()),
         "launches": sum(names[k] for k in LAUNCH_OPS),
         "syncs": sum(names[k] for k in SYNC_OPS),
         **{key: sum(names[k] for k in ops) for key, ops in WATCH.items()},
         "kernels": len(kernels),
         "kernel_ms": _merged_ms(kernels),
     }
-    top = [(k, n) for k, n in names.most_common() if k.startswith("aten::")][:25]
-    out["top_ops"] = dict(top)
+    out["top_ops"] = dict(leaves.most_common(25))
     out["table"] = prof.key_averages().table(
         sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=40,
         max_name_column_width=60,
@@ -135,7 +155,8 @@ def run(strategy_name: str, target: Path, seqs: list[int], args) -> dict:
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    low = cuda or args.autocast
+    dtype = torch.bfloat16 if low else torch.float32
     strategy, info, heads = build(strategy_name, target, args)
     g = torch.Generator().manual_seed(2)
     samples = {seq: [sample(strategy, info, seq, g) for _ in range(2)] for seq in seqs}
@@ -163,7 +184,7 @@ def run(strategy_name: str, target: Path, seqs: list[int], args) -> dict:
             batch = batches[counter[0] % len(batches)]
             train_step(strategy, draft, [batch], optimizer, None, grad_clip=1.0,
                        step=StepContext(counter[0], 1000),
-                       autocast_dtype=torch.bfloat16 if cuda else None)  # fmt: skip
+                       autocast_dtype=torch.bfloat16 if low else None)  # fmt: skip
 
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -209,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markov-rank", type=int, default=128)
     ap.add_argument("--attention", default=None, help="strategy.attention (default: auto)")
     ap.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
-                    help="DFlash family: the fused vocabulary head (auto: on CUDA)")  # fmt: skip
+                    help="the fused loss / vocabulary head (auto: on CUDA)")  # fmt: skip
+    ap.add_argument("--autocast", action="store_true",
+                    help="CPU: bf16 features and autocast, as on a GPU (counts of casts)")  # fmt: skip
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="a small target (CPU counts)")
