@@ -34,6 +34,7 @@ block attends to all of it and to itself (no mask).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,8 @@ from specbus.core.models.llama_eagle3 import (
     rope_inv_freq,
 )
 from torch import nn
+
+log = logging.getLogger("specbus.dflash")
 
 PROJECTORS = ("dflash", "domino", "dspark")
 FLEX_TILE = TILE  # flex attention's default BLOCK_SIZE (query and key tiles)
@@ -201,7 +204,8 @@ def _flex_dense(fb: FlexBlocks) -> torch.Tensor:
     return ((dense(fb.tiles_BQtKt) & mod) | dense(fb.full_BQtKt))[:, None]
 
 
-_FLEX_KERNEL = None
+_FLEX_KERNEL: Any = None
+_FLEX_FAILED = False
 
 
 def _flex_kernel():
@@ -209,18 +213,25 @@ def _flex_kernel():
     if _FLEX_KERNEL is None:
         from torch.nn.attention.flex_attention import flex_attention
 
-        # dynamic=None: lengths vary by batch; the first change recompiles with dynamic
-        # shapes (every mask input is a tensor, so no length is baked into the graph).
-        _FLEX_KERNEL = torch.compile(flex_attention, dynamic=None)
+        # dynamic: lengths vary by batch (one compile; every mask input is a tensor, so no
+        # length is baked into the graph)
+        _FLEX_KERNEL = torch.compile(flex_attention, dynamic=True)
     return _FLEX_KERNEL
 
 
 def flex_attend(q, keys, values, fb: FlexBlocks, n_rep: int) -> torch.Tensor:
-    """Attention of `q [B, Nh, Qp, D]` over `keys/values [B, Nkv, S, D]` under `fb`."""
+    """Attention of `q [B, Nh, Qp, D]` over `keys/values [B, Nkv, S, D]` under `fb`: the
+    compiled flex kernel on CUDA; the same tiles as a dense SDPA elsewhere (and on CUDA if the
+    kernel cannot be compiled: slower, same function)."""
+    global _FLEX_FAILED
     dtype = values.dtype  # bf16 under autocast (what SDPA's autocast casts to), else fp32
     q, keys = q.to(dtype), keys.to(dtype)
-    if q.device.type == "cuda":
-        return _flex_kernel()(q, keys, values, block_mask=fb.block_mask, enable_gqa=n_rep > 1)
+    if q.device.type == "cuda" and not _FLEX_FAILED:
+        try:
+            return _flex_kernel()(q, keys, values, block_mask=fb.block_mask, enable_gqa=n_rep > 1)
+        except Exception as e:
+            _FLEX_FAILED = True
+            log.warning("flex attention failed to compile, using the dense mask: %r", e)
     allow = _flex_dense(fb)
     empty = ~allow.any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(
