@@ -138,22 +138,22 @@ def test_flex_losses_metrics_and_gradients_equal_the_dense_paths(projector):
         torch.testing.assert_close(g_f[key], g_e[key], rtol=1e-3, atol=1e-5, msg=key)
 
 
-def _run_fused(projector, fused, dtype, **loss_keys):
+def _run_fused(projector, fused, dtype, seq=200, n=20, **loss_keys):
     model = _draft(projector, dtype)
-    mask, anchors = _anchors(2, 200, 20, seed=5)
+    mask, anchors = _anchors(2, seq, n, seed=5)
     g = torch.Generator().manual_seed(6)
     kwargs = dict(
-        input_ids_BL=torch.randint(2, 64, (2, 200), generator=g), loss_mask_BL=mask,
-        hidden_states_BLA=torch.randn(2, 200, 64, generator=g, dtype=dtype),
+        input_ids_BL=torch.randint(2, 64, (2, seq), generator=g), loss_mask_BL=mask,
+        hidden_states_BLA=torch.randn(2, seq, 64, generator=g, dtype=dtype),
         embed_VH=torch.randn(64, 32, generator=g, dtype=dtype),
         lm_head_VH=torch.randn(64, 32, generator=g, dtype=dtype) * 0.3, mask_token_id=1,
-        block_size=16, num_anchors=20, gamma=7.0, anchors=anchors, chunk_blocks=3,
+        block_size=16, num_anchors=n, gamma=7.0, anchors=anchors, chunk_blocks=3,
         attention="sdpa" if dtype == torch.float64 else "eager", fused=fused,
     )  # fmt: skip
     if projector == "dflash":
         loss, metrics = dflash_loss(model, **kwargs)
     else:
-        final = torch.randn(2, 200, 32, generator=g, dtype=dtype)
+        final = torch.randn(2, seq, 32, generator=g, dtype=dtype)
         loss, metrics = dspark_loss(model, **kwargs, target_BLH=final, **loss_keys)
     loss.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
@@ -167,6 +167,7 @@ def _run_fused(projector, fused, dtype, **loss_keys):
         ("dspark", {}),
         ("dspark", {"ce_alpha": 0.0}),
         ("dspark", {"l1_alpha": 0.0, "confidence_alpha": 0.0}),
+        ("dspark", {"seq": 400, "n": 10}),  # fewer block rows than positions: no teacher table
     ],
 )
 def test_fused_head_equals_the_checkpointed_chunks(projector, keys):
@@ -206,3 +207,27 @@ def test_flex_query_side_tiles_are_from_kv_blocks_ones():
         for pos in range(int(cnt.max())):
             sel = cnt > pos
             assert torch.equal(getattr(ours, idx)[..., pos][sel], getattr(ref, idx)[..., pos][sel])
+
+
+def test_fused_head_in_one_chunk_without_a_teacher():
+    """One chunk (no sums added across chunks) and no teacher (terms return one zero tensor
+    for several metrics): the fused head still returns distinct outputs and trains."""
+    loss, metrics, grads = _run_fused_one_chunk()
+    assert torch.isfinite(loss) and grads and float(metrics["l1_loss"]) == 0.0
+
+
+def _run_fused_one_chunk():
+    model = _draft("dspark", torch.float32)
+    mask, anchors = _anchors(1, 100, 4, seed=7)
+    g = torch.Generator().manual_seed(8)
+    loss, metrics = dspark_loss(
+        model, input_ids_BL=torch.randint(2, 64, (1, 100), generator=g), loss_mask_BL=mask,
+        hidden_states_BLA=torch.randn(1, 100, 64, generator=g),
+        target_BLH=torch.randn(1, 100, 32, generator=g),
+        embed_VH=torch.randn(64, 32, generator=g), lm_head_VH=torch.randn(64, 32, generator=g),
+        mask_token_id=1, block_size=16, num_anchors=4, anchors=anchors, chunk_blocks=128,
+        attention="flex", fused=True, l1_alpha=0.0, confidence_alpha=0.0,
+    )  # fmt: skip
+    loss.backward()
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), metrics, grads

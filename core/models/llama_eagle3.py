@@ -279,7 +279,7 @@ def _ordered(m_BQtKt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(count, indices) of the set tiles per row, ascending (`_dense_to_ordered`'s order)."""
     num = m_BQtKt.sum(-1, dtype=torch.int32)
     idx = torch.sort((~m_BQtKt).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
-    return num[:, None], idx[:, None]
+    return num[:, None].contiguous(), idx[:, None].contiguous()
 
 
 def block_mask_from_tiles(partial_BQtKt, full_BQtKt, seq_lengths, mask_mod):

@@ -235,9 +235,10 @@ class _FusedHead(torch.autograd.Function):
                 flat = grad_z.reshape(-1, grad_z.shape[-1])
                 grad_m2 += (flat.T @ e[:, sl].reshape(-1, e.shape[-1]).to(flat.dtype)).float()
             del z, grad_z
-            sums = (
-                c_sums if sums is None else tuple(a + b for a, b in zip(sums, c_sums, strict=True))
-            )
+            if sums is None:  # distinct outputs even where terms returned one tensor twice
+                sums = tuple(t.clone() for t in c_sums)
+            else:
+                sums = tuple(a + b for a, b in zip(sums, c_sums, strict=True))
             rows.append(c_rows)
         ctx.save_for_backward(grad_h, grad_e, grad_m2)
         ctx.m2_dtype = m2.dtype if m2 is not None else None
@@ -580,8 +581,16 @@ def dspark_loss(
 
     markov = draft.markov_head
     if fused and (markov is None or markov.kind == "vanilla"):
+        teacher = teacher_h
+        if need_teacher and b * seq <= b * n * block_size:
+            # positions repeat across overlapping blocks: the teacher's logits once per position
+            # of the sequence, gathered per block row (fewer rows through the vocabulary matmul)
+            with torch.no_grad():
+                teacher = TeacherTable(
+                    _logits(target_BLH, lm_head_VH), (safe - 1).clamp(min=0).view(b, n, -1)
+                )
         objective, *sums = _dspark_fused(
-            draft, lm_head_VH, chunk_blocks, hidden, prev, target, weights, eval_mask, teacher_h,
+            draft, lm_head_VH, chunk_blocks, hidden, prev, target, weights, eval_mask, teacher,
             ce_alpha=ce_alpha, l1_alpha=l1_alpha, confidence_alpha=confidence_alpha,
         )  # fmt: skip
         (ce_num, l1_num, conf_num, conf_err, correct, eval_den, ce_K, correct_K, den_K, agree,
@@ -669,18 +678,34 @@ def dspark_chunk_terms(z, t_logits, tgt, w, ev, ce_alpha: float, l1_alpha: float
     )  # fmt: skip
 
 
-def _dspark_fused(draft, lm_head_VH, chunk, hidden, prev, target, weights, eval_mask, teacher_h,
+@dataclass(frozen=True)
+class TeacherTable:
+    """The teacher's logits `[B, L, V]` once per sequence position, and the position of each
+    block row `[B, N, K]` (instead of the captured hidden state gathered per block row)."""
+
+    logits_BLV: torch.Tensor
+    index_BNK: torch.Tensor
+
+
+def _dspark_fused(draft, lm_head_VH, chunk, hidden, prev, target, weights, eval_mask, teacher,
                   *, ce_alpha, l1_alpha, confidence_alpha):  # fmt: skip
     """DSpark's chunked terms through `fused_head`: the CE and L1 gradients w.r.t. the logits
     (base + vanilla Markov bias) are formed in the forward; the confidence head (one linear
     layer) runs afterwards over every block with plain autograd, against the L1 acceptance.
-    Returns `(objective, ce_num, l1_num, conf_num, conf_err, <the metric sums of the
-    checkpointed path, in its order>)`."""
+    `teacher`: the captured final hidden state per block row `[B, N, K, H]`, a `TeacherTable`,
+    or None (no L1 / confidence target). Returns `(objective, ce_num, l1_num, conf_num,
+    conf_err, <the metric sums of the checkpointed path, in its order>)`."""
     markov = draft.markov_head
-    use_teacher = teacher_h is not None
+    use_teacher = teacher is not None
+    table = teacher if isinstance(teacher, TeacherTable) else None
+    teacher_h = teacher.index_BNK if table is not None else teacher
 
     def terms(z, prv, tgt, w, ev, th):
-        t_logits = _logits(th, lm_head_VH) if use_teacher else None
+        if table is not None:  # th: the chunk's positions [B, n, K]
+            rows = torch.arange(th.shape[0], device=th.device)[:, None, None]
+            t_logits = table.logits_BLV[rows, th]
+        else:
+            t_logits = _logits(th, lm_head_VH) if use_teacher else None
         grad, accept, *sums = dspark_chunk_terms(z, t_logits, tgt, w, ev, ce_alpha, l1_alpha)
         return grad, tuple(sums), (accept,)
 
