@@ -66,14 +66,16 @@ def compute_teacher(
     draft_ids_Vd: torch.Tensor | None = None,
 ) -> Teacher:
     """`draft_ids_Vd` = `t2d_V.nonzero()` (ascending), when the caller has it: the same
-    columns as the boolean index, without its device-to-host sync (`draft_columns`)."""
+    columns as the boolean index, without its device-to-host sync (`draft_columns`); then the
+    whole teacher is one compiled function on CUDA (`teacher_tensors`)."""
+    if draft_ids_Vd is not None:
+        return Teacher(
+            *teacher_tensors(target_logits_BLV, t2d_V, loss_mask_BL1, ttt_length, draft_ids_Vd)
+        )
     logits = upcast(target_logits_BLV)
     target_ids = logits.argmax(-1)
     position_mask = t2d_V[target_ids][..., None].int() * loss_mask_BL1
-    if draft_ids_Vd is None:
-        draft_logits = logits[..., t2d_V]
-    else:
-        draft_logits = logits.index_select(-1, draft_ids_Vd)
+    draft_logits = logits[..., t2d_V]
     target_p = torch.softmax(draft_logits, dim=2)
     target_p_on_draft = torch.exp(draft_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
     return Teacher(
@@ -81,6 +83,23 @@ def compute_teacher(
         target_p_on_draft_BLVd=F.pad(target_p_on_draft, (0, 0, 0, ttt_length), value=0.0),
         target_ids_BL=F.pad(target_ids, (0, ttt_length), value=0),
         position_mask_BL1=position_mask,
+    )
+
+
+@compiled
+def teacher_tensors(target_logits_BLV, t2d_V, loss_mask_BL1, ttt_length: int, draft_ids_Vd):
+    """`compute_teacher`'s tensors with the draft columns given by index (compiled on CUDA)."""
+    logits = upcast(target_logits_BLV)
+    target_ids = logits.argmax(-1)
+    position_mask = t2d_V[target_ids][..., None].int() * loss_mask_BL1
+    draft_logits = logits.index_select(-1, draft_ids_Vd)
+    target_p = torch.softmax(draft_logits, dim=2)
+    target_p_on_draft = torch.exp(draft_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
+    return (
+        F.pad(target_p, (0, 0, 0, ttt_length), value=1 / target_p.shape[-1]),
+        F.pad(target_p_on_draft, (0, 0, 0, ttt_length), value=0.0),
+        F.pad(target_ids, (0, ttt_length), value=0),
+        position_mask,
     )
 
 
