@@ -11,8 +11,8 @@ Reported per configuration:
   metadata (each launches about one kernel on a GPU); `ops` counts every aten op;
 - `kernel_ms` / `busy_frac`: the union of the step's kernel intervals, and that over
   `step_ms` (how much of the step the GPU is busy);
-- `syncs`: host-device synchronisations (`aten::item` / `_local_scalar_dense`, stream and
-  device synchronise, blocking copies); `casts` (`aten::to` / `_to_copy`), `nonzero`,
+- `syncs`: host-device synchronisations (stream / device / event synchronise and blocking
+  copies on a GPU; `.item()`s on the CPU); `async_copies`; `casts` (`aten::to` / `_to_copy`), `nonzero`,
   `argsort` / `sort`, `index_put_`, `copy_`; `peak_alloc_gib` (CUDA).
 
     python -m specbus.ops.bench.step_profile --strategy dspark --seqs 512,2048,4096 --out X.json
@@ -33,10 +33,12 @@ from pathlib import Path
 
 import torch
 
-SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize",
-            "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # fmt: skip
-LAUNCH_OPS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-              "cudaGraphLaunch", "cudaMemsetAsync", "cudaMemcpyAsync")  # fmt: skip
+# host-device synchronisations: the runtime calls on a GPU; `.item()` on the CPU
+GPU_SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                "cudaMemcpy")  # fmt: skip
+CPU_SYNC_OPS = ("aten::_local_scalar_dense",)
+LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")  # kernel launches
+COPY_OPS = ("cudaMemcpyAsync", "cudaMemsetAsync")
 # ops that launch no kernel (views, allocation, metadata): left out of `compute_ops`
 NO_KERNEL = {
     "aten::as_strided", "aten::view", "aten::_reshape_alias", "aten::reshape", "aten::transpose",
@@ -93,8 +95,9 @@ def profile_once(fn, cuda: bool) -> dict:
     out = {
         "ops": sum(n for k, n in names.items() if k.startswith("aten::")),
         "compute_ops": sum(leaves.values()),
-        "launches": sum(names[k] for k in LAUNCH_OPS),
-        "syncs": sum(names[k] for k in SYNC_OPS),
+        "launches": sum(n for k, n in names.items() if k.startswith(LAUNCH_PREFIXES)),
+        "async_copies": sum(names[k] for k in COPY_OPS),
+        "syncs": sum(names[k] for k in (GPU_SYNC_OPS if cuda else CPU_SYNC_OPS)),
         **{key: sum(names[k] for k in ops) for key, ops in WATCH.items()},
         "kernels": len(kernels),
         "kernel_ms": _merged_ms(kernels),
