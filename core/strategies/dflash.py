@@ -185,15 +185,17 @@ def accept_prefix(pred_BNK, target_BNK, valid_BNK) -> torch.Tensor:
 
 
 def _position_metrics(metrics: Metrics, correct_K, denom_K, ce_K, first: int) -> None:
-    """Per drafted position j = k - first: correct_j, denom_j, acc_j, ploss_j; sim_accept_len."""
-    accs = []
-    for j, k in enumerate(range(first, correct_K.shape[0])):
-        metrics[f"correct_{j}"] = correct_K[k]
-        metrics[f"denom_{j}"] = denom_K[k]
-        metrics[f"acc_{j}"] = correct_K[k] / denom_K[k].clamp_min(1e-6)
-        metrics[f"ploss_{j}"] = ce_K[k] / denom_K[k].clamp_min(1e-6)
-        accs.append(metrics[f"acc_{j}"])
-    metrics["sim_accept_len"] = torch.stack(accs).cumprod(0).sum()
+    """Per drafted position j = k - first: correct_j, denom_j, acc_j, ploss_j; sim_accept_len.
+    Computed for all positions at once (a few kernels, not a few per position)."""
+    denom = denom_K[first:].clamp_min(1e-6)
+    acc_J = correct_K[first:] / denom
+    ploss_J = ce_K[first:] / denom
+    for j in range(acc_J.shape[0]):
+        metrics[f"correct_{j}"] = correct_K[first + j]
+        metrics[f"denom_{j}"] = denom_K[first + j]
+        metrics[f"acc_{j}"] = acc_J[j]
+        metrics[f"ploss_{j}"] = ploss_J[j]
+    metrics["sim_accept_len"] = acc_J.cumprod(0).sum()
 
 
 def _logits(hidden: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
