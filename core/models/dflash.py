@@ -160,7 +160,7 @@ def flex_blocks(
     blk_c = blk_Q.clamp(max=n - 1)
     anchor_BQ = anchors_BN[:, blk_c]
     keep_BQ = keep_BN[:, blk_c] & (q < q_len)[None]
-    big = torch.iinfo(torch.long).max
+    big = 1 << 40  # above any position or key, and safe to multiply by K
     a_t, k_t = anchor_BQ.view(b, qt, tile), keep_BQ.view(b, qt, tile)
     amax = torch.where(k_t, a_t, -1).amax(-1, keepdim=True)  # [B, Qt, 1]
     amin = torch.where(k_t, a_t, big).amin(-1, keepdim=True)
@@ -177,7 +177,7 @@ def flex_blocks(
 
     ctx_t = torch.full((), ctx_len, dtype=torch.long, device=device)
 
-    def mask_mod(bi, hi_, qi, kv):
+    def mask_mod(bi, hi_, qi, kv):  # hi_: the head (unused)
         in_ctx = kv < ctx_t
         sees_ctx = in_ctx & (kv < anchor_BQ[bi, qi])
         own = ~in_ctx & (torch.div(kv - ctx_t, k, rounding_mode="floor") == blk_Q[qi])
