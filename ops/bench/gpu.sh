@@ -72,12 +72,12 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
   }
   # the one-step profiles first: they compile every kernel once; the pipeline processes after
   # them load the compiled graphs from the on-disk inductor/triton caches
-  stage floor 100 python3 "$floor"
+  stage floor 90 python3 "$floor"
   stage profile 150 python3 -m specbus.ops.bench.step_profile --strategies eagle3,dspark,dflash \
     --seqs 2048,4096 --reps 5 --warmup 3 --out "$OUT/step_profile.json" --out-dir "$OUT/profiles"
-  stage eagle3 240 python3 -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --steps 24 \
+  stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --steps 24 \
     --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$OUT/gpu_pipeline.json"
-  stage dflash 160 python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
+  stage dflash 170 python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
     --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$OUT/gpu_dflash.json"
   stage gputests 90 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/test_gpu_perf.py tests/test_eagle3_gpu.py
