@@ -64,7 +64,7 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
   stage() {  # name timeout_s command...: log to $OUT/<name>.log, note the time and exit code
     local name=$1 limit=$2; shift 2
     local t0=$(date +%s)
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1  # the whole process group
     local rc=$?
     echo "stage $name exit $rc in $(( $(date +%s) - t0 ))s (total $(( $(date +%s) - started ))s)" | tee -a "$OUT/stages.txt"
     tail -n "${TAIL:-12}" "$OUT/$name.log"
