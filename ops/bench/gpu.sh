@@ -79,7 +79,7 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
     --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$OUT/gpu_pipeline.json"
   stage dflash 170 python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
     --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$OUT/gpu_dflash.json"
-  stage gputests 90 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+  stage gputests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/test_gpu_perf.py tests/test_eagle3_gpu.py
   python3 -m specbus.ops.bench.perf_summary "$OUT" 2>&1 | tee "$OUT/summary.txt"
   echo "total $(( $(date +%s) - started ))s"
