@@ -7,8 +7,8 @@ boundary (the TASKS sequence is the cursor). The loader runs it with
 `prefetch=deployment.colocated_prefetch`: with the default 0 the capture of the next window
 starts only after the previous window was committed and its tensors released (residency never
 exceeds one window, long-sequence features never overlap); with 1 the next window is
-captured while the step runs (two windows resident). No SAMPLES stream and no remote store
-are involved.
+captured while the step runs (two windows resident), on a CUDA stream of its own on a GPU
+rank. No SAMPLES stream and no remote store are involved.
 
 A task whose capture fails is nak'd with a delay or dead-lettered on its last delivery
 (the same rule as the capture worker); a task the checkpoint already holds is acked and
@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,6 +245,34 @@ class ColocatedSource(GroupSettlement):
         # nak'd task waiting out its delay is ack-pending, not pending, at the broker: without
         # this, the run could end before its next delivery (and its dead letter).
         self._retrying: dict[int, float] = {}
+        self._stream = None  # CUDA: the capture stream (see _capture_on_stream)
+
+    def _capture_on_stream(self, tasks: list[PromptTask]) -> list:
+        """Capture on a stream of its own on a GPU rank, so that with
+        `deployment.colocated_prefetch` the next window's prefill runs beside the training
+        step's kernels instead of queued between them on the default stream. The features are
+        complete when this returns (the thread waits for the stream), and are marked as used
+        by the training thread's stream, so their memory is not reused before it is done."""
+        device = self.capture_device
+        if device is None or torch.device(device).type != "cuda":
+            return capture_isolated(self.engine, self.contract, tasks, device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._stream):
+            results = capture_isolated(self.engine, self.contract, tasks, device)
+        consumer = torch.cuda.default_stream(device)
+        for result in results:
+            if isinstance(result, dict):
+                for t in result.values():
+                    if t.is_cuda:
+                        t.record_stream(consumer)
+        self._stream.synchronize()
+        return results
+
+    def _on_capture_stream(self):
+        """The store's put/get checks (a NaN screen) run on the capture stream: a sync there
+        does not wait for the training step queued on the default stream."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
     async def take(self, n: int, timeout_s: float) -> list[Item]:
         if self.island is not None:
@@ -263,16 +292,15 @@ class ColocatedSource(GroupSettlement):
         t0 = loop.time()
         with self._tracer.start_as_current_span("capture") as span:
             span.set_attribute("specbus.tasks", len(tasks))
-            results = await asyncio.to_thread(
-                capture_isolated, self.engine, self.contract, tasks, self.capture_device
-            )
+            results = await asyncio.to_thread(self._capture_on_stream, tasks)
         self.stats["capture_s"] += loop.time() - t0
         items = []
         for lease, result in zip(leases, results, strict=True):
             if isinstance(result, Exception):
                 await self._failed(lease, result)
                 continue
-            items.append(self._stored_item(lease, result))
+            with self._on_capture_stream():
+                items.append(self._stored_item(lease, result))
             self.stats["captured"] += 1
         return items
 

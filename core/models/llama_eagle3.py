@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
+from specbus.core.models.kernels import rms_norm, rope, swiglu
 from torch import nn
 
 
@@ -130,12 +131,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = (
-            x if dtype == torch.float64 else x.to(torch.float32)
-        )  # fp32 compute (fp64 kept for tests)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        # fp32 compute (fp64 kept for tests); one fused kernel on CUDA (core/models/kernels.py)
+        return rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -167,9 +164,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _on_device(inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The fp32 frequencies on `device`, copied once (kept on the CPU tensor itself): a
+    host-to-device copy per rotary call was a blocking copy per TTT step."""
+    if inv_freq.device == device:
+        return inv_freq
+    copies = inv_freq.__dict__.setdefault("_specbus_on", {})
+    if device not in copies:
+        copies[device] = inv_freq.to(device, torch.float32)
+    return copies[device]
 
 
 def apply_rope(
@@ -178,13 +181,8 @@ def apply_rope(
     inv_freq: torch.Tensor,
     position_ids_BL: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs_BLD2 = position_ids_BL.to(torch.float32)[..., None] * inv_freq.to(
-        position_ids_BL.device, torch.float32
-    )
-    emb_BLD = torch.cat((freqs_BLD2, freqs_BLD2), dim=-1)
-    cos = emb_BLD.cos().to(q_BNLD.dtype)[:, None]
-    sin = emb_BLD.sin().to(q_BNLD.dtype)[:, None]
-    return q_BNLD * cos + _rotate_half(q_BNLD) * sin, k_BNLD * cos + _rotate_half(k_BNLD) * sin
+    """Rotary embedding (`kernels.rope`; fp32 frequencies, tables in q's dtype)."""
+    return rope(q_BNLD, k_BNLD, _on_device(inv_freq, position_ids_BL.device), position_ids_BL)
 
 
 def _repeat_kv(x_BNkvLD: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -203,7 +201,8 @@ class TTTCache:
     """Keys/values of every TTT step so far (step 0 first) and the step-0 mask.
 
     `key_padding_BL` is the batch attention mask (1 = real token). `mask_BNLL` (eager) is the
-    additive causal+padding mask of step 0, built lazily once per forward.
+    additive causal+padding mask of step 0, built lazily once per forward; `block_masks`
+    (flex) the BlockMask of every step, built once per forward (`ttt_block_masks`).
     """
 
     key_padding_BL: torch.Tensor
@@ -211,6 +210,7 @@ class TTTCache:
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     mask_B1LL: torch.Tensor | None = None
+    block_masks: list[Any] | None = None
 
     @property
     def step(self) -> int:
@@ -260,22 +260,125 @@ def _ttt_eager(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
     return out
 
 
-def _ttt_flex(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
-    """Same attention with a flex-attention block mask over [K0 | K1 | ... | Kk] (no L x L tensor)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+TILE = 128  # flex attention's BLOCK_SIZE (query and key tiles)
 
-    b, n, seq, _ = q_BNLD.shape
-    pad_BL = cache.key_padding_BL.bool()
+
+@dataclass
+class TTTMask:
+    """One TTT step's flex BlockMask and the tiles it was built from (`[B, Qt, Kt]` partial /
+    full: a full tile skips the mask_mod in the kernel)."""
+
+    block_mask: Any
+    mask_mod: Any
+    partial_BQtKt: torch.Tensor
+    full_BQtKt: torch.Tensor
+    kv_len: int
+
+
+def _ordered(m_BQtKt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, indices) of the set tiles per row, ascending (`_dense_to_ordered`'s order)."""
+    num = m_BQtKt.sum(-1, dtype=torch.int32)
+    idx = torch.sort((~m_BQtKt).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+    return num[:, None].contiguous(), idx[:, None].contiguous()
+
+
+def block_mask_from_tiles(partial_BQtKt, full_BQtKt, seq_lengths, mask_mod):
+    """A flex BlockMask from dense `[B, Qt, Kt]` tile sets (partial: mask_mod applies; full:
+    every key). The query-side (backward) indices come from the same tiles transposed, not
+    from `from_kv_blocks`' dense round trip (a vmapped index_put per mask)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    num, idx = _ordered(partial_BQtKt)
+    full_num, full_idx = _ordered(full_BQtKt)
+    q_num, q_idx = _ordered(partial_BQtKt.transpose(-2, -1))
+    full_q_num, full_q_idx = _ordered(full_BQtKt.transpose(-2, -1))
+    try:
+        return BlockMask(
+            seq_lengths=tuple(seq_lengths), kv_num_blocks=num, kv_indices=idx,
+            full_kv_num_blocks=full_num, full_kv_indices=full_idx, q_num_blocks=q_num,
+            q_indices=q_idx, full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+            BLOCK_SIZE=(TILE, TILE), mask_mod=mask_mod,
+        )  # fmt: skip
+    except TypeError:  # another constructor: let flex derive the query side itself
+        return BlockMask.from_kv_blocks(
+            num, idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mask_mod,
+            seq_lengths=tuple(seq_lengths),
+        )  # fmt: skip
+
+
+def ttt_mask_mod(key_padding_BL: torch.Tensor):
+    """The TTT mask over [K0 | K1 | ... | Kk]: step 0 causal + key padding, step s > 0 only
+    the key at the query's own position. Every length is a tensor (nothing baked into a
+    compiled graph)."""
+    pad_BL = key_padding_BL.bool()
+    seq_t = torch.full((), key_padding_BL.shape[1], dtype=torch.long, device=pad_BL.device)
 
     def mask_mod(bi, hi, qi, kvi):
-        step, j = kvi // seq, kvi % seq
+        step = torch.div(kvi, seq_t, rounding_mode="floor")
+        j = kvi - step * seq_t
         return ((step == 0) & (j <= qi) & pad_BL[bi, j]) | ((step > 0) & (j == qi))
 
-    total = seq * cache.step
-    block = create_block_mask(mask_mod, b, None, seq, total, device=q_BNLD.device)
+    return mask_mod
+
+
+def ttt_block_masks(key_padding_BL: torch.Tensor, steps: int) -> list[TTTMask]:
+    """The BlockMask of every TTT step (keys of steps 0..k), built once per forward at the tile
+    level from [B, tiles] tensors on the device: no dense L x kL mask evaluation, no sort of
+    a dense mask, no host sync (`create_block_mask` did all three per step). Step 0 region:
+    a key tile is needed by a query tile when its first key is <= the tile's last query and
+    it holds a real key; it is full when its last key is <= the tile's first query, every key
+    is real and both tiles are whole (inside L). Step s > 0: the tiles holding keys s*L + q
+    of the tile's queries (partial). The tiles equal `create_block_mask`'s for the same
+    mask_mod (tested)."""
+    device = key_padding_BL.device
+    b, seq = key_padding_BL.shape
+    qt = -(-seq // TILE)
+    kt0 = qt
+    pad = key_padding_BL.bool()
+    pad_tiles = F.pad(pad, (0, kt0 * TILE - seq)).view(b, kt0, TILE)
+    has_key, all_keys = pad_tiles.any(-1), pad_tiles.all(-1)  # [B, Kt0]
+    q0 = torch.arange(qt, device=device) * TILE  # first query of each tile
+    q1 = (q0 + TILE - 1).clamp(max=seq - 1)  # last
+    k0 = torch.arange(kt0, device=device) * TILE
+    causal_any = k0[None] <= q1[:, None]  # [Qt, Kt0]
+    # full tiles only inside whole tiles of queries and keys (as create_block_mask marks them)
+    causal_full = ((k0 + TILE - 1)[None] <= q0[:, None]) & (q0 + TILE <= seq)[:, None]
+    inside = (k0 + TILE <= seq)[None]
+    any0 = causal_any[None] & has_key[:, None]
+    full0 = causal_full[None] & all_keys[:, None] & inside[:, None]
+    mask_mod = ttt_mask_mod(key_padding_BL)
+    masks = []
+    for k in range(steps):
+        kv_len = (k + 1) * seq
+        kt = -(-kv_len // TILE)
+        tiles = torch.arange(kt, device=device)
+        step_any = F.pad(any0, (0, kt - kt0))
+        full = F.pad(full0, (0, kt - kt0))
+        if k:
+            starts = torch.arange(1, k + 1, device=device)[:, None] * seq  # [k, 1]
+            lo, hi = (starts + q0) // TILE, (starts + q1) // TILE  # [k, Qt]
+            diag = (tiles >= lo[..., None]) & (tiles <= hi[..., None])  # [k, Qt, Kt]
+            step_any = step_any | diag.any(0)[None]
+        partial = step_any & ~full
+        bm = block_mask_from_tiles(partial, full, (seq, kv_len), mask_mod)
+        masks.append(TTTMask(bm, mask_mod, partial, full, kv_len))
+    return masks
+
+
+def _ttt_flex(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+    """Same attention with a flex-attention block mask over [K0 | K1 | ... | Kk] (no L x L
+    tensor); the masks of all steps are built at the first step of the forward."""
+    if cache.block_masks is None or len(cache.block_masks) < cache.step:
+        cache.block_masks = ttt_block_masks(cache.key_padding_BL, cache.step)
+    block = cache.block_masks[cache.step - 1].block_mask
     k = torch.cat(cache.keys, dim=2)
     v = torch.cat(cache.values, dim=2)
-    return _compiled_flex()(q_BNLD, k, v, block_mask=block)
+    gqa = k.shape[1] != q_BNLD.shape[1]  # flex repeats the kv heads itself
+    if q_BNLD.is_cuda:
+        return _compiled_flex()(q_BNLD, k, v, block_mask=block, enable_gqa=gqa)
+    from torch.nn.attention.flex_attention import flex_attention  # CPU: forward only (tests)
+
+    return flex_attention(q_BNLD, k, v, block_mask=block, enable_gqa=gqa)
 
 
 _FLEX = None
@@ -317,9 +420,14 @@ class Attention(nn.Module):
         rep = self.num_heads // self.num_kv_heads
         if isinstance(cache, TTTCache):
             q, k = apply_rope(q, k, self.inv_freq, position_ids_BL + cache.step)
-            cache.keys.append(_repeat_kv(k, rep))
-            cache.values.append(_repeat_kv(v, rep))
-            out = _ttt_flex(q, cache) if cache.attention == "flex" else _ttt_eager(q, cache)
+            if cache.attention == "flex":  # grouped-query attention inside the kernel
+                cache.keys.append(k)
+                cache.values.append(v)
+                out = _ttt_flex(q, cache)
+            else:
+                cache.keys.append(_repeat_kv(k, rep))
+                cache.values.append(_repeat_kv(v, rep))
+                out = _ttt_eager(q, cache)
         else:
             q, k = apply_rope(q, k, self.inv_freq, position_ids_BL)
             past = cache.length
@@ -351,7 +459,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -473,6 +581,8 @@ class LlamaEagle3Draft(nn.Module):
         position_ids = torch.arange(input_ids_BL.shape[1], device=input_ids_BL.device)[None]
         hidden = self.project(hidden_states_BL3H.to(self.fc.weight.dtype))
         cache = TTTCache(key_padding_BL=attention_mask_BL, attention=attention)
+        if attention == "flex":  # every step's block mask, once per forward
+            cache.block_masks = ttt_block_masks(attention_mask_BL, ttt_length)
         logits = []
         ids = input_ids_BL
         for k in range(ttt_length):

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from specbus.core.config import StrategyConfig
 from specbus.core.errors import ConfigError
-from specbus.core.models.dflash import DFlashConfig, DFlashDraft
+from specbus.core.models.dflash import DFlashConfig, DFlashDraft, flex_blocks
+from specbus.core.models.kernels import compiled
 from specbus.core.models.target import TargetHeads, TargetInfo
 from specbus.core.strategies.base import (
     FeatureContract,
@@ -143,7 +144,10 @@ def draft_blocks(
         ],
         dim=1,
     )
-    allow = block_mask(anchors_BN, keep_BN, seq, block_size)
+    if attention == "flex":  # a tile-level BlockMask, no dense [B, Q, S] mask
+        allow = flex_blocks(anchors_BN, keep_BN, seq, block_size)
+    else:
+        allow = block_mask(anchors_BN, keep_BN, seq, block_size)
     hidden = model(noise_BQH, hidden_states_BLA, positions, allow, attention)
     return hidden.view(b, n, block_size, -1)
 
@@ -181,15 +185,17 @@ def accept_prefix(pred_BNK, target_BNK, valid_BNK) -> torch.Tensor:
 
 
 def _position_metrics(metrics: Metrics, correct_K, denom_K, ce_K, first: int) -> None:
-    """Per drafted position j = k - first: correct_j, denom_j, acc_j, ploss_j; sim_accept_len."""
-    accs = []
-    for j, k in enumerate(range(first, correct_K.shape[0])):
-        metrics[f"correct_{j}"] = correct_K[k]
-        metrics[f"denom_{j}"] = denom_K[k]
-        metrics[f"acc_{j}"] = correct_K[k] / denom_K[k].clamp_min(1e-6)
-        metrics[f"ploss_{j}"] = ce_K[k] / denom_K[k].clamp_min(1e-6)
-        accs.append(metrics[f"acc_{j}"])
-    metrics["sim_accept_len"] = torch.stack(accs).cumprod(0).sum()
+    """Per drafted position j = k - first: correct_j, denom_j, acc_j, ploss_j; sim_accept_len.
+    Computed for all positions at once (a few kernels, not a few per position)."""
+    denom = denom_K[first:].clamp_min(1e-6)
+    acc_J = correct_K[first:] / denom
+    ploss_J = ce_K[first:] / denom
+    for j in range(acc_J.shape[0]):
+        metrics[f"correct_{j}"] = correct_K[first + j]
+        metrics[f"denom_{j}"] = denom_K[first + j]
+        metrics[f"acc_{j}"] = acc_J[j]
+        metrics[f"ploss_{j}"] = ploss_J[j]
+    metrics["sim_accept_len"] = acc_J.cumprod(0).sum()
 
 
 def _logits(hidden: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
@@ -202,6 +208,97 @@ def _ce(logits_BNKV: torch.Tensor, target_BNK: torch.Tensor) -> torch.Tensor:
         target_BNK.reshape(-1),
         reduction="none",
     ).view_as(target_BNK)
+
+
+class _FusedHead(torch.autograd.Function):
+    """Chunked vocabulary head whose gradient is computed in the forward (`fused_head`)."""
+
+    @staticmethod
+    def forward(ctx, terms, lm_head_VH, chunk, h, e, m2, *per_block):
+        n = h.shape[1]
+        step = chunk or n
+        grad_h = torch.empty_like(h)
+        grad_e = torch.empty_like(e) if e is not None else None
+        grad_m2 = torch.zeros_like(m2, dtype=torch.float32) if m2 is not None else None
+        sums, rows = None, []
+        for start in range(0, n, step):
+            sl = slice(start, start + step)
+            hc = h[:, sl]
+            z = F.linear(hc.to(lm_head_VH.dtype), lm_head_VH)
+            if e is not None:
+                z = z + F.linear(e[:, sl], m2)
+            # contiguous chunks: one compiled graph for every chunk (no stride guards)
+            chunk_args = (t[:, sl].contiguous() if t is not None else None for t in per_block)
+            grad_z, c_sums, c_rows = terms(z, *chunk_args)
+            grad_z = grad_z.to(z.dtype)
+            grad_h[:, sl] = torch.matmul(grad_z, lm_head_VH.to(grad_z.dtype)).to(h.dtype)
+            if e is not None:
+                grad_e[:, sl] = torch.matmul(grad_z, m2.to(grad_z.dtype)).to(e.dtype)
+                flat = grad_z.reshape(-1, grad_z.shape[-1])
+                grad_m2 += (flat.T @ e[:, sl].reshape(-1, e.shape[-1]).to(flat.dtype)).float()
+            del z, grad_z
+            if sums is None:  # distinct outputs even where terms returned one tensor twice
+                sums = tuple(t.clone() for t in c_sums)
+            else:
+                sums = tuple(a + b for a, b in zip(sums, c_sums, strict=True))
+            rows.append(c_rows)
+        ctx.save_for_backward(grad_h, grad_e, grad_m2)
+        ctx.m2_dtype = m2.dtype if m2 is not None else None
+        ctx.num_per_block = len(per_block)
+        out = (*sums, *(torch.cat(parts, dim=1) for parts in zip(*rows, strict=True)))
+        ctx.mark_non_differentiable(*out[1:])
+        return out
+
+    @staticmethod
+    def backward(ctx, g_obj, *_):
+        grad_h, grad_e, grad_m2 = ctx.saved_tensors
+        return (
+            None, None, None, grad_h * g_obj,
+            grad_e * g_obj if grad_e is not None else None,
+            (grad_m2 * g_obj).to(ctx.m2_dtype) if grad_m2 is not None else None,
+            *([None] * ctx.num_per_block),
+        )  # fmt: skip
+
+
+def fused_head(terms, lm_head_VH, chunk, h, *per_block, markov=None):
+    """Sum `terms` over chunks of `chunk` blocks like `chunked_sum`, but with the logits'
+    gradient computed right away: per chunk, z = lm_head(h) (+ the low-rank Markov bias
+    `e @ M2^T`, `markov = (e_BNKR, M2_VR)`), then `terms(z, *per_block chunk)` returns
+    `(dobj/dz, sums, rows)` where `sums[0]` is the objective; the hidden's (and the Markov
+    inputs') gradient is one matmul of dobj/dz per chunk, kept until the backward (which
+    scales it). No logits are kept or recomputed: one vocabulary matmul per chunk for the
+    logits and one for the gradient, instead of three under activation checkpointing.
+    Returns `(objective, *sums[1:], *rows concatenated on dim 1)`; only the objective has a
+    gradient (to `h`, `e`, `M2`)."""
+    e, m2 = markov if markov is not None else (None, None)
+    return _FusedHead.apply(terms, lm_head_VH, chunk, h, e, m2, *per_block)
+
+
+def fused_ce_grad(z: torch.Tensor, tgt: torch.Tensor, w: torch.Tensor):
+    """`(ce, d sum(ce * w) / dz)` of logits `z`: ce as `_ce` computes it (cross_entropy =
+    nll of log_softmax), the gradient (exp(log_softmax) - onehot) * w as log_softmax's
+    backward does, in place in one fp32 buffer."""
+    logp = torch.log_softmax(z.float(), dim=-1)
+    ce = -logp.gather(-1, tgt[..., None]).squeeze(-1)
+    grad = logp.exp_().mul_(w[..., None])
+    grad.scatter_add_(-1, tgt[..., None], -w[..., None])
+    return ce, grad
+
+
+@compiled
+def dflash_chunk_terms(z, tgt, m, w):
+    """DFlash's terms of one chunk of blocks from its logits `z [B, n, K, V]`: the gradient
+    of sum(ce * w) w.r.t. z, then the sums `dflash_loss` pools (compiled on CUDA)."""
+    ce, grad = fused_ce_grad(z, tgt, w)
+    pred = z.argmax(-1)
+    hit = ((pred == tgt) & (m > 0.5)).float()
+    acc_len = accept_prefix(pred, tgt, m > 0)
+    blocks = (m > 0).any(-1).float()
+    return (
+        grad, (ce * w).sum(), w.sum(), hit.sum(), m.sum(),
+        hit.sum((0, 1)), m.sum((0, 1)), (ce * m).sum((0, 1)),
+        ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,9 +323,11 @@ def dflash_loss(
     attention: str = "sdpa",
     den_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     world_size: int = 1,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """The DFlash objective (module docstring). `anchors` = (anchors_BN, keep_BN) or sampled
-    with `generator`; `den_reduce` sums the weight total over data-parallel ranks."""
+    with `generator`; `den_reduce` sums the weight total over data-parallel ranks; `fused`:
+    the logits' gradient in the forward (`fused_head`), else activation checkpointing."""
     anchors_BN, keep_BN = anchors or sample_anchors(loss_mask_BL, num_anchors, generator)
     hidden = draft_blocks(
         model, input_ids_BL=input_ids_BL, hidden_states_BLA=hidden_states_BLA,
@@ -260,9 +359,18 @@ def dflash_loss(
             ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
         )  # fmt: skip
 
-    num, den, correct, acc_den, correct_K, den_K, ce_K, acc_num, blocks = chunked_sum(
-        terms, hidden, target, mask, weights, chunk=chunk_blocks
-    )
+    def fused_terms(z, tgt, m, w):
+        grad, *sums = dflash_chunk_terms(z, tgt, m, w)
+        return grad, tuple(sums), ()
+
+    if fused:
+        num, den, correct, acc_den, correct_K, den_K, ce_K, acc_num, blocks = fused_head(
+            fused_terms, lm_head_VH, chunk_blocks, hidden, target, mask, weights
+        )
+    else:
+        num, den, correct, acc_den, correct_K, den_K, ce_K, acc_num, blocks = chunked_sum(
+            terms, hidden, target, mask, weights, chunk=chunk_blocks
+        )
     total = den_reduce(den.detach().clone()) if den_reduce is not None else den.detach()
     loss = world_size * num / total.clamp_min(1e-12)
     metrics: Metrics = {
@@ -389,9 +497,12 @@ def dspark_loss(
     attention: str = "sdpa",
     den_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     world_size: int = 1,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """The DSpark objective (module docstring); `target_BLH` is the captured post-norm final
-    hidden state (the teacher for L1 and the confidence target)."""
+    hidden state (the teacher for L1 and the confidence target). `fused`: CE and L1 with their
+    logits' gradient in the forward (`fused_head`; a vanilla or no Markov head), else
+    activation checkpointing."""
     draft = unwrap(model)
     anchors_BN, keep_BN = anchors or sample_anchors(loss_mask_BL, num_anchors, generator)
     hidden = draft_blocks(
@@ -470,13 +581,30 @@ def dspark_loss(
             ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
         )  # fmt: skip
 
-    (ce_num, l1_num, conf_num, conf_err, correct, eval_den, ce_K, correct_K, den_K, agree, t_top1,
-     d_top1, tau_num, tau_den, rate_K, acc_num, blocks) = chunked_sum(
-        terms, hidden, prev, target, weights, eval_mask, teacher_h, chunk=chunk_blocks
-    )  # fmt: skip
+    markov = draft.markov_head
+    if fused and (markov is None or markov.kind == "vanilla"):
+        teacher = teacher_h
+        if need_teacher and b * seq <= b * n * block_size:
+            # positions repeat across overlapping blocks: the teacher's logits once per position
+            # of the sequence, gathered per block row (fewer rows through the vocabulary matmul)
+            with torch.no_grad():
+                teacher = TeacherTable(
+                    _logits(target_BLH, lm_head_VH), (safe - 1).clamp(min=0).view(b, n, -1)
+                )
+        objective, *sums = _dspark_fused(
+            draft, lm_head_VH, chunk_blocks, hidden, prev, target, weights, eval_mask, teacher,
+            ce_alpha=ce_alpha, l1_alpha=l1_alpha, confidence_alpha=confidence_alpha,
+        )  # fmt: skip
+        (ce_num, l1_num, conf_num, conf_err, correct, eval_den, ce_K, correct_K, den_K, agree,
+         t_top1, d_top1, tau_num, tau_den, rate_K, acc_num, blocks) = sums  # fmt: skip
+    else:
+        (ce_num, l1_num, conf_num, conf_err, correct, eval_den, ce_K, correct_K, den_K, agree,
+         t_top1, d_top1, tau_num, tau_den, rate_K, acc_num, blocks) = chunked_sum(
+            terms, hidden, prev, target, weights, eval_mask, teacher_h, chunk=chunk_blocks
+        )  # fmt: skip
+        objective = ce_alpha * ce_num + l1_alpha * l1_num + confidence_alpha * conf_num
     den = weights.sum()
     total = den_reduce(den.detach().clone()) if den_reduce is not None else den.detach()
-    objective = ce_alpha * ce_num + l1_alpha * l1_num + confidence_alpha * conf_num
     loss = world_size * objective / total.clamp_min(1e-12)
     d = den.clamp_min(1e-12)
     e = eval_den.clamp_min(1.0)
@@ -499,6 +627,107 @@ def dspark_loss(
             metrics[f"acceptance_rate_{j}"] = rate_K[j] / den_K[j].clamp_min(1e-6)
     _position_metrics(metrics, correct_K, den_K, ce_K, first=0)
     return loss, metrics
+
+
+@compiled
+def dspark_chunk_terms(z, t_logits, tgt, w, ev, ce_alpha: float, l1_alpha: float):
+    """DSpark's terms of one chunk from its logits `z [B, n, K, V]` (base + Markov bias) and
+    the teacher's logits (None: no L1 term): `(d objective / dz, accept, objective, <the
+    checkpointed path's sums>)`, objective = ce_alpha * sum(ce * w) + l1_alpha * sum(l1 * w).
+    Compiled on CUDA."""
+    evf = ev.float()
+    logp = torch.log_softmax(z.float(), dim=-1)
+    ce = -logp.gather(-1, tgt[..., None]).squeeze(-1)
+    pred = z.argmax(-1)
+    hit = ((pred == tgt) & ev).float()
+    zero = ce.new_zeros(())
+    l1_num = agree = t_top1 = d_top1 = tau_num = tau_den = zero
+    rate_K = ce.new_zeros(ce.shape[-1])
+    accept = torch.zeros_like(ce)
+    blocks = ev.any(-1).float()
+    if t_logits is not None:
+        t_prob = torch.softmax(t_logits.float(), dim=-1)
+        t_ids = t_logits.argmax(-1)
+        p = torch.softmax(z.float(), dim=-1)
+        t_top1 = (t_prob.max(-1).values * evf).sum()
+        diff = p - t_prob
+        del t_prob
+        l1 = diff.abs().sum(-1)
+        accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
+        l1_num = (l1 * w).sum()
+        agree = ((pred == t_ids).float() * evf).sum()
+        d_top1 = (p.max(-1).values * evf).sum()
+        tau_num = (((accept * evf).cumprod(-1).sum(-1) + 1.0) * blocks).sum()
+        tau_den = blocks.sum()
+        rate_K = (accept * evf).sum((0, 1))
+        # d|p - t|_1 / dz = p * (sign - <sign, p>): softmax's backward of the sign
+        grad = diff.sign_().mul_(p)
+        grad.sub_(p * grad.sum(-1, keepdim=True)).mul_((l1_alpha * w)[..., None])
+        if ce_alpha:
+            grad.add_(logp.exp_().mul_((ce_alpha * w)[..., None]))
+        del p
+    else:
+        grad = logp.exp_().mul_((ce_alpha * w)[..., None])
+    if ce_alpha:
+        grad.scatter_add_(-1, tgt[..., None], -(ce_alpha * w)[..., None])
+    acc_len = accept_prefix(pred, tgt, ev)
+    return (
+        grad, accept, ce_alpha * (ce * w).sum() + l1_alpha * l1_num,
+        (ce * w).sum(), l1_num, hit.sum(), evf.sum(),
+        (ce * evf).sum((0, 1)), hit.sum((0, 1)), evf.sum((0, 1)),
+        agree, t_top1, d_top1, tau_num, tau_den, rate_K,
+        ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TeacherTable:
+    """The teacher's logits `[B, L, V]` once per sequence position, and the position of each
+    block row `[B, N, K]` (instead of the captured hidden state gathered per block row)."""
+
+    logits_BLV: torch.Tensor
+    index_BNK: torch.Tensor
+
+
+def _dspark_fused(draft, lm_head_VH, chunk, hidden, prev, target, weights, eval_mask, teacher,
+                  *, ce_alpha, l1_alpha, confidence_alpha):  # fmt: skip
+    """DSpark's chunked terms through `fused_head`: the CE and L1 gradients w.r.t. the logits
+    (base + vanilla Markov bias) are formed in the forward; the confidence head (one linear
+    layer) runs afterwards over every block with plain autograd, against the L1 acceptance.
+    `teacher`: the captured final hidden state per block row `[B, N, K, H]`, a `TeacherTable`,
+    or None (no L1 / confidence target). Returns `(objective, ce_num, l1_num, conf_num,
+    conf_err, <the metric sums of the checkpointed path, in its order>)`."""
+    markov = draft.markov_head
+    use_teacher = teacher is not None
+    table = teacher if isinstance(teacher, TeacherTable) else None
+    teacher_h = teacher.index_BNK if table is not None else teacher
+
+    def terms(z, prv, tgt, w, ev, th):
+        if table is not None:  # th: the chunk's positions [B, n, K]
+            rows = torch.arange(th.shape[0], device=th.device)[:, None, None]
+            t_logits = table.logits_BLV[rows, th]
+        else:
+            t_logits = _logits(th, lm_head_VH) if use_teacher else None
+        grad, accept, *sums = dspark_chunk_terms(z, t_logits, tgt, w, ev, ce_alpha, l1_alpha)
+        return grad, tuple(sums), (accept,)
+
+    m = (markov.prev_embeddings(prev), markov.markov_w2.weight) if markov is not None else None
+    (obj, ce_num, l1_num, correct, eval_den, ce_K, correct_K, den_K, agree, t_top1, d_top1,
+     tau_num, tau_den, rate_K, acc_num, blocks, accept) = fused_head(
+        terms, lm_head_VH, chunk, hidden, prev, target, weights, eval_mask, teacher_h, markov=m
+    )  # fmt: skip
+    conf_num = conf_err = obj.new_zeros(())
+    conf = draft.confidence_logits(hidden, prev)
+    if conf is not None and confidence_alpha > 0:
+        if not use_teacher:
+            raise ConfigError("DSpark's confidence loss needs the target's final hidden state")
+        bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
+        conf_num = (bce * weights).sum()
+        with torch.no_grad():
+            conf_err = ((conf.float().sigmoid() - accept).abs() * weights).sum()
+    objective = obj + confidence_alpha * conf_num
+    return (objective, ce_num, l1_num, conf_num, conf_err, correct, eval_den, ce_K, correct_K,
+            den_K, agree, t_top1, d_top1, tau_num, tau_den, rate_K, acc_num, blocks)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,10 +788,6 @@ class DFlashFamilyStrategy:
             raise ConfigError(
                 f"strategy.draft.hidden_size={cfg.draft.hidden_size}: a {self.name} draft shares the "
                 f"target's embedding and lm_head, so its width is the target's ({target.hidden_size})"
-            )
-        if cfg.attention == "flex":
-            raise ConfigError(
-                f"strategy.attention=flex is not built for {self.name} (use auto or sdpa)"
             )
         self.aux_layers = (
             list(aux_layers)
@@ -742,16 +967,26 @@ class DFlashFamilyStrategy:
         )  # fmt: skip
 
     def resolve_attention(self, device: torch.device) -> str:
-        """ "auto": SDPA on CUDA (the memory-efficient kernel with the block mask), the
-        reference's eager arithmetic on CPU; "sdpa": SDPA everywhere."""
+        """ "auto": flex attention on CUDA (a tile-level block mask: the context tiles below
+        each query tile's anchors and its own blocks' tiles, no dense mask), the reference's
+        eager arithmetic on CPU; "sdpa": SDPA with the dense boolean mask everywhere; "flex":
+        flex everywhere (on the CPU the same tiles as a dense SDPA: a test path)."""
         if self.cfg.attention == "auto":
-            return "sdpa" if torch.device(device).type == "cuda" else "eager"
-        return "sdpa"
+            return "flex" if torch.device(device).type == "cuda" else "eager"
+        return self.cfg.attention
+
+    @staticmethod
+    def fused(batch: TrainBatch) -> bool:
+        """The fused vocabulary head (`fused_head`) on CUDA; the reference's checkpointed
+        chunks on the CPU (bitwise the reference's arithmetic)."""
+        return batch.tensors["input_ids"].device.type == "cuda"
 
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None
     ) -> tuple[torch.Tensor, Metrics]:
-        return dflash_loss(model, **self.loss_kwargs(batch, step), **_rank_pooling())
+        return dflash_loss(
+            model, **self.loss_kwargs(batch, step), **_rank_pooling(), fused=self.fused(batch)
+        )
 
     def export(self, model: nn.Module, out_dir, dtype: str = "bfloat16"):
         from specbus.core.export.dflash import export_dflash
@@ -803,7 +1038,7 @@ class DSparkStrategy(DFlashFamilyStrategy):
         return dspark_loss(
             model, **self.loss_kwargs(batch, step), target_BLH=batch.tensors["target"],
             ce_alpha=d.ce_alpha, l1_alpha=d.l1_alpha, confidence_alpha=d.confidence_alpha,
-            **_rank_pooling(),
+            **_rank_pooling(), fused=self.fused(batch),
         )  # fmt: skip
 
 
