@@ -61,27 +61,34 @@ fi
 
 if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, each bounded
   floor=.gpu/floor.py; [ -f "$floor" ] || floor=../shared/bench/floor.py
-  stage() {  # name timeout_s command...: log to $OUT/<name>.log, note the time and exit code
+  # The device returns at most 8 files from $OUT: the stages write to $PERF and, after each
+  # stage, everything is packed into $OUT/perf.tgz (so a call cut by its limit still returns
+  # what the finished stages wrote); summary.txt is copied beside it.
+  PERF=${PERF:-/tmp/specbus-perf}; rm -rf "$PERF"; mkdir -p "$PERF"; cp "$OUT/env.txt" "$PERF/"
+  pack() { tar czf "$OUT/.perf.tgz" -C "$PERF" . && mv "$OUT/.perf.tgz" "$OUT/perf.tgz"; }
+  stage() {  # name timeout_s command...: log to $PERF/<name>.log, note the time and exit code
     local name=$1 limit=$2; shift 2
     local t0=$(date +%s)
-    timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1  # the whole process group
+    timeout -k 10 "$limit" "$@" > "$PERF/$name.log" 2>&1  # the whole process group
     local rc=$?
-    echo "stage $name exit $rc in $(( $(date +%s) - t0 ))s (total $(( $(date +%s) - started ))s)" | tee -a "$OUT/stages.txt"
-    tail -n "${TAIL:-12}" "$OUT/$name.log"
+    echo "stage $name exit $rc in $(( $(date +%s) - t0 ))s (total $(( $(date +%s) - started ))s)" | tee -a "$PERF/stages.txt"
+    tail -n "${TAIL:-12}" "$PERF/$name.log"
+    pack
     return $rc
   }
   # the one-step profiles first: they compile every kernel once; the pipeline processes after
   # them load the compiled graphs from the on-disk inductor/triton caches
   stage floor 90 python3 "$floor"
   stage profile 150 python3 -m specbus.ops.bench.step_profile --strategies eagle3,dspark,dflash \
-    --seqs 2048,4096 --reps 5 --warmup 3 --out "$OUT/step_profile.json" --out-dir "$OUT/profiles"
+    --seqs 2048,4096 --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles"
   stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --steps 24 \
-    --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$OUT/gpu_pipeline.json"
+    --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$PERF/gpu_pipeline.json"
   stage dflash 170 python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
-    --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$OUT/gpu_dflash.json"
+    --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$PERF/gpu_dflash.json"
   stage gputests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/test_gpu_perf.py tests/test_eagle3_gpu.py
-  python3 -m specbus.ops.bench.perf_summary "$OUT" 2>&1 | tee "$OUT/summary.txt"
+  python3 -m specbus.ops.bench.perf_summary "$PERF" 2>&1 | tee "$PERF/summary.txt"
+  cp "$PERF/summary.txt" "$OUT/"; pack
   echo "total $(( $(date +%s) - started ))s"
   exit 0
 elif [ "${BENCH:-pipeline}" = multi ]; then  # several GPUs: ops/bench/gpu_multi.py
