@@ -34,7 +34,7 @@ from specbus.bus.topology import RunKV
 from specbus.core.config import RunConfig
 from specbus.core.contracts import PromptTask
 from specbus.core.data.datasets import load_source, split_holdout
-from specbus.core.data.tokenize import TokenizedSample
+from specbus.core.data.tokenize import TokenizedSample, tokenize_records
 from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
 from specbus.core.errors import ConfigError, RecordError
 from specbus.core.models.target import (
@@ -45,7 +45,6 @@ from specbus.core.models.target import (
     target_fingerprint,
     tokenizer_fingerprint,
 )
-from specbus.core.training import tokenize_records
 
 log = logging.getLogger("specbus.feeder")
 
@@ -79,7 +78,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise ConfigError(
             f"target {cfg.target.model!r} has no tokenizer: data.source must be pre-tokenised (input_ids)"
         )
-    samples = tokenize_records(train, tokenizer, cfg)  # the single-process loop's rule too
+    samples = tokenize_records(train, tokenizer, cfg.data)
     if not samples:
         raise ConfigError(
             f"data.source {cfg.data.source!r}: no record has a supervised (assistant) token"

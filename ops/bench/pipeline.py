@@ -1,6 +1,6 @@
 """Pipeline throughput: disaggregated vs colocated vs a single-process loop, one run, same data.
 
-- loop: `core.training.train_local` in this process: capture -> collate -> step, no bus, no
+- loop: `ops.bench.local_loop.train_local` in this process: capture -> collate -> step, no bus, no
   store (the baseline);
 - colocated: one trainer rank process capturing its own tasks through the broker;
 - disaggregated: one producer process + one trainer process through the broker and shm.
@@ -76,7 +76,7 @@ def config_for(run: str, work: Path, target: Path, data: Path, mode: str, args) 
 
 
 def run_loop(cfg) -> dict:
-    from specbus.core.training import train_local
+    from specbus.ops.bench.local_loop import train_local
     from specbus.producers.engines.registry import build_engine
 
     engine = build_engine(cfg.target)
