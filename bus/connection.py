@@ -25,7 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from specbus.bus.outage import Outage, ride
 from specbus.core.config import BusConfig
-from specbus.core.errors import BusError
+from specbus.core.errors import BusError, ConfigError
 
 log = logging.getLogger("specbus.bus")
 
@@ -128,7 +128,7 @@ def _tls_context(cfg: BusConfig) -> ssl.SSLContext | None:
     if not (cfg.tls_ca or cfg.tls_cert):
         return None
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
-        raise BusError("bus.tls_cert and bus.tls_key must be set together (mutual TLS)")
+        raise ConfigError("bus.tls_cert and bus.tls_key must be set together (mutual TLS)")
     ctx = ssl.create_default_context(
         ssl.Purpose.SERVER_AUTH, cafile=str(cfg.tls_ca) if cfg.tls_ca else None
     )
@@ -138,10 +138,11 @@ def _tls_context(cfg: BusConfig) -> ssl.SSLContext | None:
 
 
 async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus") -> Bus:
-    """Connect to `url` (default `cfg.url`). Raises `BusError` if no broker answers in time."""
+    """Connect to `url` (default `cfg.url`). Raises `BusError` if no broker answers in time,
+    `ConfigError` for a missing URL or unusable auth settings."""
     url = url or cfg.url
     if not url:
-        raise BusError("no broker URL: pass --url, set bus.url, or start one with `specbus up`")
+        raise ConfigError("no broker URL: pass --url, set bus.url, or start one with `specbus up`")
     quiet = _QuietErrors(name)
     # The first connection is bounded (a typo in the URL must fail, not hang); reconnects are not.
     initial_attempts = max(1, int(cfg.connect_timeout_s / cfg.reconnect_wait_s))
@@ -162,7 +163,7 @@ async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus")
         options["token"] = cfg.token
     if cfg.creds_file is not None:
         if not cfg.creds_file.exists():
-            raise BusError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
+            raise ConfigError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
         options["user_credentials"] = str(cfg.creds_file)
     try:
         nc = await nats.connect(**options)

@@ -26,12 +26,11 @@ import asyncio
 from dataclasses import asdict, dataclass
 
 import orjson
-from nats.js.errors import NotFoundError
 from specbus.bus.connection import Bus
 from specbus.bus.outage import ride
 from specbus.bus.replay import Stored, get, replay
 from specbus.bus.subjects import TRAINERS, Group, Names
-from specbus.core.errors import BusError
+from specbus.core.errors import BusNotFound
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,9 @@ async def lag(
         info = await ride(
             bus, f"reading the lag of {stream}/{group}", lambda: bus.js.consumer_info(stream, group)
         )
-    except NotFoundError as e:
-        raise BusError(f"consumer {stream}/{group} not found: is the run declared?") from e
+    except BusNotFound as e:
+        raise BusNotFound(f"consumer {stream}/{group} not found: is the run declared?",
+                          code=e.code, err_code=e.err_code, stream=stream) from e  # fmt: skip
     pending, ack_pending = info.num_pending or 0, info.num_ack_pending or 0
     messages = pending + ack_pending
     lo = (info.ack_floor.stream_seq if info.ack_floor else 0) + 1

@@ -39,7 +39,6 @@ from collections.abc import Iterable
 
 import orjson
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
 from opentelemetry.context import Context
 from specbus.bus import headers as H
 from specbus.bus.connection import Bus
@@ -49,7 +48,7 @@ from specbus.bus.publisher import Publisher
 from specbus.bus.pull import Puller
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Group, Names
 from specbus.core.contracts import MAX_RECORD_BYTES, PromptTask, Record, SampleRef
-from specbus.core.errors import BusError, ConfigError, RecordError
+from specbus.core.errors import BusError, BusNotFound, ConfigError, RecordError
 
 log = logging.getLogger("specbus.bus")
 
@@ -385,11 +384,12 @@ async def _consumer_info(bus: Bus, stream: str, group: str, what: str):
     """The durable consumer's info, riding through an outage; `BusError` if it does not exist."""
     try:
         return await ride(bus, what, lambda: bus.js.consumer_info(stream, group))
-    except NotFoundError as e:
-        raise BusError(
+    except BusNotFound as e:
+        raise BusNotFound(
             f"consumer {stream}/{group} not found while {what}: declare the run's topology "
-            f"first, or join again after a reposition ({e})"
-        ) from e
+            f"first, or join again after a reposition ({e})",
+            code=e.code, err_code=e.err_code, stream=stream,
+        ) from e  # fmt: skip
 
 
 class _Confirm:
@@ -405,11 +405,13 @@ class _Confirm:
     async def run(self) -> None:
         try:
             await ride(self.bus, self.what, self._attempt)
-        except NotFoundError as e:
-            raise BusError(
+        except BusNotFound as e:
+            raise BusNotFound(
                 f"{len(self.left)} acks on {self.group.stream}/{self.group.group} are void: "
-                f"the consumer is gone (deleted or repositioned) ({e})"
-            ) from e
+                f"the consumer is gone (deleted or repositioned) ({e})",
+                code=e.code, err_code=e.err_code, stream=self.group.stream,
+                seq=self.left[0].seq if self.left else None,
+            ) from e  # fmt: skip
 
     async def _attempt(self) -> None:
         nc, reconnects = self.bus.nc, self.bus.reconnects

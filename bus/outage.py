@@ -19,10 +19,10 @@ confirmed acks) or `send` (fire-and-forget publishes: acks, naks, heartbeats). G
   outage began (the connection loss or the first failure, whichever came first): then every
   operation that hits it raises `BrokerUnavailable` (a `BusError`) naming the broker, what it
   was doing and for how long, with the last transport error as `__cause__`.
-- Errors that are not transient propagate at once (not found, bad request, a rejected
-  publish). A connection closed on purpose (`Bus.close`) raises `BusError`; one the client
-  closed after its reconnect attempts ran out (`bus.max_reconnect_attempts`) raises
-  `BrokerUnavailable`.
+- Errors that are not transient propagate at once, as `BusError`s keeping the server's codes
+  (`BusNotFound`, `BusRejected`, ...: bus/errors.py). A connection closed on purpose
+  (`Bus.close`) raises `BusError`; one the client closed after its reconnect attempts ran out
+  (`bus.max_reconnect_attempts`) raises `BrokerUnavailable`.
 
 An operation retried by `ride` must be safe to repeat: reads are; publishes carry their dedup
 id (`Nats-Msg-Id`), which the broker drops inside the stream's duplicate window
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import nats.errors
 import nats.js.errors
+from specbus.bus.errors import wrap
 from specbus.core.errors import BrokerUnavailable, BusError
 
 if TYPE_CHECKING:
@@ -195,7 +196,8 @@ async def ride(bus: Bus, what: str, op: Callable[[], Awaitable[T]], *, buffered:
     `what` says what is being done ("reading KV key 'x'"), for the log and the error. `op` is
     called again after a transient failure, so it must be safe to repeat (and it may keep
     state across attempts, e.g. what is left to confirm). Raises `BrokerUnavailable` after
-    `bus.outage_give_up_s`, or the first non-transient error of `op` as is.
+    `bus.outage_give_up_s`, or the first non-transient error of `op`: a nats error as the
+    `BusError` that keeps its codes (`bus.errors.wrap`), anything else as is.
 
     `buffered=True` is for an `op` that only hands messages to the client (a plain publish):
     it is tried even while the connection is down (the client buffers it), and its success
@@ -215,7 +217,10 @@ async def ride(bus: Bus, what: str, op: Callable[[], Awaitable[T]], *, buffered:
                         result = await op()
             except Exception as e:
                 if not is_transient(e):
-                    raise
+                    wrapped = wrap(e, what)
+                    if wrapped is e:
+                        raise
+                    raise wrapped from e
                 error = e
             else:
                 if not buffered:
@@ -251,13 +256,17 @@ async def send(
 ) -> None:
     """Publish one fire-and-forget message (an ack, nak, term, heartbeat). While the
     connection is down the client buffers it and sends it on reconnect; only a full buffer
-    (or a client state that refuses publishes) makes it wait, through `ride`."""
+    (or a client state that refuses publishes) makes it wait, through `ride`. Raises a
+    `BusError` (a closed connection, a bad subject), `BrokerUnavailable` after the give-up."""
     publish = bus.nc.publish
     try:  # the hot path (an ack per message) pays for no closure and no loop
         await publish(subject, payload, reply=reply, headers=headers)
         return
     except _TRANSIENT:
         pass
+    except nats.errors.Error as e:
+        _check_open(bus, what)
+        raise wrap(e, what) from e
     await ride(
         bus,
         what,

@@ -12,7 +12,7 @@ through broker outages (`bus.outage`): nothing is sent while the connection is d
 is missing is re-sent with backoff until the broker answers, so a batch is stored exactly
 once (within the stream's duplicate window) or, after `bus.outage_give_up_s`, raises
 `BrokerUnavailable`. A publish the broker rejects (no stream on the subject, a stream
-limit) raises `BusError` at once. A `RecordError` (oversize record) is raised before
+limit) raises `BusRejected` at once, with the server's codes. A `RecordError` (oversize record) is raised before
 anything of the batch is sent.
 """
 
@@ -30,7 +30,7 @@ from specbus.bus import headers as H
 from specbus.bus.connection import Bus
 from specbus.bus.outage import NoAnswer, ride
 from specbus.core.contracts import MAX_RECORD_BYTES, Record
-from specbus.core.errors import BusError, RecordError
+from specbus.core.errors import BusRejected, RecordError
 
 log = logging.getLogger("specbus.bus")
 
@@ -45,7 +45,11 @@ class Ack:
 
 
 class _Rejected(Exception):
-    """The broker answered a publish with an error (not retryable)."""
+    """The broker answered a publish with an error (not retryable): its `error` object."""
+
+    def __init__(self, description: str, code: int | None = None, err_code: int | None = None):
+        super().__init__(description)
+        self.description, self.code, self.err_code = description, code, err_code
 
 
 class _NoResponders(Exception):
@@ -114,7 +118,7 @@ class Publisher:
         err = resp.get("error")
         if err:
             fut.set_exception(
-                _Rejected(f"{err.get('description', err)} (code {err.get('err_code')})")
+                _Rejected(str(err.get("description", err)), err.get("code"), err.get("err_code"))
             )
         else:
             fut.set_result(Ack(resp["stream"], resp["seq"], bool(resp.get("duplicate", False))))
@@ -169,8 +173,13 @@ class Publisher:
                     elif isinstance(fut.exception(), _NoResponders):
                         missing.append(i)
                         unserved.add(items[i][0])
-                    elif isinstance(fut.exception(), _Rejected):
-                        raise BusError(f"publish to {items[i][0]} rejected: {fut.exception()}")
+                    elif isinstance(rejected := fut.exception(), _Rejected):
+                        raise BusRejected(
+                            f"publish to {items[i][0]} rejected: {rejected.description} "
+                            f"(code {rejected.code}, err_code {rejected.err_code})",
+                            code=rejected.code, err_code=rejected.err_code,
+                            description=rejected.description,
+                        )  # fmt: skip
                     else:
                         acks[i] = fut.result()
                 self._pending = {t: f for t, f in self._pending.items() if not f.done()}
@@ -184,13 +193,14 @@ class Publisher:
         return acks  # type: ignore[return-value]
 
     async def _stream_of(self, subject: str) -> str:
-        """The stream listening on `subject`; `BusError` if none (JetStream answers this
+        """The stream listening on `subject`; `BusRejected` if none (JetStream answers this
         while a publish to it is still refused: the refusal is then transient)."""
-        try:
+        try:  # inside `publish_payloads`' ride: a transient failure retries the attempt
             return await self.bus.js.find_stream_name_by_subject(subject)
         except NotFoundError as e:
-            raise BusError(
-                f"publish to {subject} rejected: no stream listens on the subject (503 no responders)"
+            raise BusRejected(
+                f"publish to {subject} rejected: no stream listens on the subject (503 no responders)",
+                code=503,
             ) from e
 
     async def publish_many(

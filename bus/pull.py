@@ -37,8 +37,8 @@ from collections import deque
 import orjson
 from nats.aio.msg import Msg
 from specbus.bus.connection import Bus
+from specbus.bus.errors import status_error, wrap
 from specbus.bus.outage import is_transient
-from specbus.core.errors import BusError
 
 _STATUS = "Status"
 _DESCRIPTION = "Description"
@@ -60,7 +60,7 @@ class Puller:
         self._sub = None
         self._rid = 0
         self._ended: int = 0  # id of the newest request the server ended with a status
-        self._error: str | None = None
+        self._error: tuple[str, str] | None = None  # (status, description) of a failed pull
         self._wakeup: asyncio.Future | None = None
         self.answered = False  # the server answered the last fetch (a delivery or a status)
         self.unavailable = False  # ... with "503 No Responders"
@@ -99,7 +99,7 @@ class Puller:
                 self._ended = rid
             description = headers.get(_DESCRIPTION, "")
             if status not in ("404", "408", "409", "503") or "deleted" in description.lower():
-                self._error = f"{status} {description}".strip()
+                self._error = (status, description)
         else:
             self._buffer.append(msg)
         w = self._wakeup
@@ -172,11 +172,12 @@ class Puller:
             rid = await self._request(n - len(out), remaining - _EXPIRES_MARGIN_S if wait else None)
         except Exception as e:  # lost the connection just now (full reconnect buffer)
             if not is_transient(e):
-                raise
+                raise wrap(e, f"pulling from {self.stream}/{self.consumer}") from e
             return out
         await self._wait(rid, n - len(out), deadline)
         self._take(n, out)
         if self._error:
-            error, self._error = self._error, None
-            raise BusError(f"pull from {self.stream}/{self.consumer} failed: {error}")
+            (status, description), self._error = self._error, None
+            raise status_error(f"pull from {self.stream}/{self.consumer} failed", status,
+                               description, stream=self.stream)  # fmt: skip
         return out

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from nats.js.errors import NotFoundError
 from specbus.bus.connection import Bus
 from specbus.bus.dead import list_dead
 from specbus.bus.lag import lag
 from specbus.bus.outage import ride
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
 from specbus.bus.topology import open_kv
+from specbus.core.errors import BusNotFound
 
 
 async def _stream(bus: Bus, name: str) -> dict[str, Any] | None:
     try:
         info = await ride(bus, f"reading stream {name}", lambda: bus.js.stream_info(name))
-    except NotFoundError:
+    except BusNotFound:
         return None
     s = info.state
     return {
@@ -41,7 +41,7 @@ async def _consumer(bus: Bus, stream: str, group: str) -> dict[str, Any] | None:
         info = await ride(
             bus, f"reading consumer {stream}/{group}", lambda: bus.js.consumer_info(stream, group)
         )
-    except NotFoundError:
+    except BusNotFound:
         return None
     c = info.config
     return {

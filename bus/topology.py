@@ -14,7 +14,7 @@
 Declaring again with the same config changes nothing. With a changed config, what the server
 can change in place is updated and logged (stream: subjects, max_age, duplicate_window,
 replicas, allow_direct; consumer: ack_wait, max_deliver, max_ack_pending); what it cannot
-(storage, retention, ack policy) raises `BusError` naming the stream and field. A consumer's
+(storage, retention, ack policy) raises `BusRejected` naming the stream and field. A consumer's
 start position is never touched by `declare` (`bus.replay.reposition` owns it), so
 re-declaring after a resume keeps the resumed position.
 
@@ -40,13 +40,12 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from specbus.bus.connection import Bus
 from specbus.bus.outage import ride
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
 from specbus.core.config import BusConfig
-from specbus.core.errors import BusError
+from specbus.core.errors import BrokerUnavailable, BusError, BusNotFound, BusRejected
 
 log = logging.getLogger("specbus.bus")
 
@@ -107,7 +106,7 @@ def _reconcile(what: str, have: Any, want: Any, fixed, mutable) -> dict[str, tup
     differences to `have` and return them as {field: (old, new)}."""
     for field in fixed:
         if _differs(getattr(have, field), getattr(want, field)):
-            raise BusError(
+            raise BusRejected(
                 f"{what} exists with {field}={getattr(have, field)}, the config wants "
                 f"{getattr(want, field)}; the server cannot change it in place (use another run name)"
             )
@@ -126,24 +125,29 @@ async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
     stream_info = lambda: bus.js.stream_info(want.name)  # noqa: E731
     try:
         info = await ride(bus, what, stream_info)
-    except NotFoundError:
+    except BusNotFound:
         try:
             await ride(bus, what, lambda: bus.js.add_stream(want))
             log.info("declared stream %s", want.name)
             return
-        except APIError as e:  # another process won the race: compare with what it created
+        except BrokerUnavailable:
+            raise
+        except BusError as e:  # another process won the race: compare with what it created
             try:
                 info = await ride(bus, what, stream_info)
-            except NotFoundError:
-                raise BusError(f"cannot create stream {want.name}: {e}") from e
+            except BusNotFound:
+                raise BusError(f"cannot create stream {want.name}: {e}", stream=want.name) from e
     have = info.config
     changes = _reconcile(f"stream {want.name}", have, want, _FIXED_STREAM, _MUTABLE_STREAM)
     if not changes:
         return
     try:
         await ride(bus, what, lambda: bus.js.update_stream(have))
-    except APIError as e:
-        raise BusError(f"cannot update stream {want.name} ({changes}): {e}") from e
+    except BrokerUnavailable:
+        raise
+    except BusError as e:
+        raise BusRejected(f"cannot update stream {want.name} ({changes}): {e}",
+                          code=e.code, err_code=e.err_code, stream=want.name) from e  # fmt: skip
     log.warning(
         "updated stream %s: %s",
         want.name,
@@ -155,12 +159,15 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
     what = f"declaring consumer {stream}/{want.durable_name}"
     try:
         info = await ride(bus, what, lambda: bus.js.consumer_info(stream, want.durable_name))
-    except NotFoundError:
+    except BusNotFound:
         try:
             await ride(bus, what, lambda: bus.js.add_consumer(stream, want))
             log.info("declared consumer %s on %s", want.durable_name, stream)
-        except APIError as e:
-            raise BusError(f"cannot create consumer {want.durable_name} on {stream}: {e}") from e
+        except BrokerUnavailable:
+            raise
+        except BusError as e:
+            raise BusError(f"cannot create consumer {want.durable_name} on {stream}: {e}",
+                           code=e.code, err_code=e.err_code, stream=stream) from e  # fmt: skip
         return
     have = info.config
     changes = _reconcile(
@@ -170,10 +177,13 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
         return
     try:  # create-or-update; keeps the start position
         await ride(bus, what, lambda: bus.js.add_consumer(stream, have))
-    except APIError as e:
-        raise BusError(
-            f"cannot update consumer {stream}/{want.durable_name} ({changes}): {e}"
-        ) from e
+    except BrokerUnavailable:
+        raise
+    except BusError as e:
+        raise BusRejected(
+            f"cannot update consumer {stream}/{want.durable_name} ({changes}): {e}",
+            code=e.code, err_code=e.err_code, stream=stream,
+        ) from e  # fmt: skip
     log.warning(
         "updated consumer %s/%s: %s",
         stream,
@@ -198,22 +208,13 @@ class RunKV:
 
     async def _put(self, key: str, value: Any) -> int:
         data = orjson.dumps(value)
-        try:
-            return await ride(self.bus, f"writing KV key {key!r}", lambda: self.kv.put(key, data))
-        except BusError:
-            raise
-        except Exception as e:
-            raise BusError(f"cannot write KV key {key!r}: {e}") from e
+        return await ride(self.bus, f"writing KV key {key!r}", lambda: self.kv.put(key, data))
 
     async def _get(self, key: str) -> Any:
         try:
             entry = await ride(self.bus, f"reading KV key {key!r}", lambda: self.kv.get(key))
-        except KeyNotFoundError:
+        except BusNotFound:
             return None
-        except BusError:
-            raise
-        except Exception as e:
-            raise BusError(f"cannot read KV key {key!r}: {e}") from e
         return orjson.loads(entry.value) if entry.value else None
 
     async def put_manifest(self, manifest: dict[str, Any]) -> int:
@@ -239,16 +240,11 @@ class RunKV:
         """A resumed run trains again: producers must not stop on the old marker."""
         if await self.train_complete() is None:
             return
-        try:
-            await ride(
-                self.bus,
-                f"deleting KV key {KEY_TRAIN_COMPLETE!r}",
-                lambda: self.kv.delete(KEY_TRAIN_COMPLETE),
-            )
-        except BusError:
-            raise
-        except Exception as e:
-            raise BusError(f"cannot delete KV key {KEY_TRAIN_COMPLETE!r}: {e}") from e
+        await ride(
+            self.bus,
+            f"deleting KV key {KEY_TRAIN_COMPLETE!r}",
+            lambda: self.kv.delete(KEY_TRAIN_COMPLETE),
+        )
 
     async def train_complete(self) -> dict[str, Any] | None:
         return await self._get(KEY_TRAIN_COMPLETE)
@@ -269,7 +265,7 @@ async def open_kv(
     open_bucket = lambda: bus.js.key_value(names.kv_bucket)  # noqa: E731
     try:
         return RunKV(await ride(bus, what, open_bucket), bus)
-    except (BucketNotFoundError, NotFoundError):
+    except BusNotFound:
         if not create:
             return None
     cfg = cfg or bus.cfg
@@ -283,10 +279,12 @@ async def open_kv(
     )
     try:
         return RunKV(await ride(bus, what, lambda: bus.js.create_key_value(kv_cfg)), bus)
-    except APIError as e:
+    except BrokerUnavailable:
+        raise
+    except BusError as e:
         try:  # created concurrently by another process (or by this one, the answer lost)
             return RunKV(await ride(bus, what, open_bucket), bus)
-        except NotFoundError:
+        except BusNotFound:
             raise BusError(f"cannot create KV bucket {names.kv_bucket}: {e}") from e
 
 

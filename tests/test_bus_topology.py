@@ -176,3 +176,26 @@ def test_run_names_that_are_not_subject_tokens_are_refused():
 
     with pytest.raises(ConfigError, match="run name"):
         Names("a.b")
+
+
+def test_bus_errors_keep_the_servers_codes(nats_server, run_id, bus_cfg):
+    """A refusal reaches the caller as a specbus error that keeps what the server said (status,
+    JetStream error code, the stream) with the nats exception as its cause."""
+    from specbus.bus.connection import connect
+    from specbus.bus.replay import get
+    from specbus.core.errors import BusNotFound, BusRejected
+
+    async def body():
+        bus = await connect(bus_cfg, nats_server.url, name=f"test-{run_id}")
+        with pytest.raises(BusNotFound) as e:
+            await lag(bus, run_id)  # never declared
+        assert e.value.code == 404 and e.value.err_code == 10059 and e.value.__cause__ is not None
+        bus2, topo = await open_run(nats_server.url, bus_cfg, run_id)
+        assert await get(bus2, topo.names.tasks_stream, 99) is None  # absent: None, not an error
+        with pytest.raises(BusRejected) as e:
+            await Publisher(bus2).publish(f"nowhere.{run_id}", make_task(run_id, 1))
+        assert e.value.code == 503
+        await bus.close()
+        await bus2.close()
+
+    asyncio.run(body())
