@@ -31,7 +31,6 @@ from specbus.bus.connection import connect
 from specbus.bus.lag import lag
 from specbus.bus.lease import Leases
 from specbus.bus.replay import reposition
-from specbus.bus.subjects import PRODUCERS, TRAINERS
 from specbus.bus.topology import declare
 from specbus.consumers.bus_source import BusSource
 from specbus.consumers.checkpoint import CheckpointManager
@@ -45,11 +44,13 @@ from specbus.consumers.trainer import Trainer, TrainResult, TrainState
 from specbus.core.config import RunConfig
 from specbus.core.errors import CheckpointError, ConfigError
 from specbus.core.models.target import load_target_heads, load_target_info, resolve_target_dir
+from specbus.core.registry import MODES
 from specbus.core.store import open_store
 from specbus.core.strategies.base import build_strategy
 from specbus.core.telemetry import setup_tracing
 from specbus.core.training import build_optimizer, build_scheduler
-from specbus.producers.colocated import ColocatedSource, join_island, validate_colocated
+from specbus.ops.modes import COLOCATED
+from specbus.producers.colocated import ColocatedSource, join_island
 from specbus.producers.engines.registry import build_engine
 from specbus.producers.feeder import vocab_from_manifest
 
@@ -180,13 +181,11 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
     rank, world, local_rank = dist_env()
     if cfg.telemetry.otel:
         setup_tracing(f"{cfg.telemetry.service_name}-trainer")
-    islands = None
-    if cfg.deployment.mode == "colocated":  # refuse an impossible setup before anything starts
-        islands = validate_colocated(
-            cfg,
-            load_target_info(resolve_target_dir(cfg.target.model), name=cfg.target.model),
-            world,
-        )
+    mode = MODES.get(cfg.deployment.mode)
+    # refuse an impossible setup before anything starts
+    islands = mode.check(
+        cfg, load_target_info(resolve_target_dir(cfg.target.model), name=cfg.target.model), world
+    )
     device = init_distributed(cfg, rank, world, local_rank)
     torch.manual_seed(cfg.training.seed)
     loop = LoopThread(f"specbus-bus-r{rank}")
@@ -217,8 +216,8 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
             total_steps = min(total_steps, cfg.training.max_steps)
         scheduler = build_scheduler(optimizer, cfg.training, total_steps)
 
-        colocated = cfg.deployment.mode == "colocated"
-        group_name = PRODUCERS if colocated else TRAINERS
+        colocated = mode is COLOCATED
+        group_name = mode.group
         ckpt_dir = cfg.training.checkpoint_dir or (cfg.resolved_run_dir / "checkpoints")
         checkpoints = CheckpointManager(
             ckpt_dir, plan_of_training(cfg, manifest), keep=cfg.training.keep_checkpoints
@@ -236,7 +235,9 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
             if rank == 0:  # everything above the floor comes again; the ledger skips what is in
                 loop.call(reposition(bus, cfg.run, group_name, ledger.cursor.floor + 1))
                 loop.call(topo.kv.clear_train_complete())  # producers capture again
-                if not colocated:  # releases a killed rank had queued: re-derived, before prefetch
+                if (
+                    mode.sweeps_store
+                ):  # releases a killed rank had queued: re-derived, before prefetch
                     sweep_trained(cfg, ledger, timeout_s=0)
         elif checkpoints.resolve("latest") is not None:
             raise CheckpointError(
@@ -307,7 +308,7 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
             profile_dir=cfg.resolved_run_dir / "profile",
         )
         result = trainer.fit()
-        if rank == 0 and not colocated:  # nothing trained stays in the store
+        if rank == 0 and mode.sweeps_store:  # nothing trained stays in the store
             sweep_trained(cfg, ledger)
         if result.stopped:
             log.warning(

@@ -51,65 +51,14 @@ from specbus.bus.publisher import Publisher
 from specbus.bus.subjects import PRODUCERS, Names
 from specbus.bus.topology import RunKV
 from specbus.consumers.source import GroupSettlement, Item, Trained, Upstream
-from specbus.core.config import BusConfig, RunConfig
+from specbus.core.config import BusConfig
 from specbus.core.contracts import PromptTask
-from specbus.core.errors import ConfigError
 from specbus.core.islands import IslandPlan
-from specbus.core.models.target import TargetInfo
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import tracer
 from specbus.producers.capture import capture_isolated, sample_id_of, settle_failure
-from specbus.producers.engines.tp import check_tp_shapes
 
 log = logging.getLogger("specbus.colocated")
-
-
-def validate_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPlan:
-    """Fail fast, by name, on a colocated setup that cannot work. Returns the island plan."""
-    for key in ("sequence_parallel", "target_dp", "target_ep"):
-        value = getattr(cfg.deployment, key)
-        if value > 1:
-            raise ConfigError(
-                f"deployment.{key}={value} is not supported in colocated mode (use 1)"
-            )
-    context = cfg.target.context_length or info.max_position_embeddings
-    if cfg.data.max_length > context:
-        raise ConfigError(
-            f"data.max_length={cfg.data.max_length} leaves no headroom in the target's context of {context} tokens"
-        )
-    plan = IslandPlan(world=world, tp=cfg.target.tp_size, micro_batch=cfg.training.micro_batch,
-                      accumulation=cfg.training.accumulation)  # fmt: skip
-    if cfg.target.tp_size > 1:
-        if cfg.target.engine != "hf":
-            raise ConfigError(
-                f"target.tp_size={cfg.target.tp_size} in colocated mode runs on the hf engine, "
-                f"not target.engine={cfg.target.engine!r}"
-            )
-        if cfg.deployment.colocated_prefetch:
-            raise ConfigError(
-                f"deployment.colocated_prefetch={cfg.deployment.colocated_prefetch} needs "
-                f"target.tp_size=1 (an island captures in step with its peers): use 0"
-            )
-        if cfg.training.wrap == "fsdp" and world > 1:
-            # FSDP's checkpoint gathers are NCCL collectives on the training thread; they
-            # could interleave with the island's TP capture on its worker thread.
-            raise ConfigError(
-                f"target.tp_size={cfg.target.tp_size} with training.wrap='fsdp' is not supported "
-                "in colocated mode: use training.wrap=ddp"
-            )
-        check_tp_shapes(
-            cfg.target.tp_size,
-            num_attention_heads=info.num_attention_heads,
-            num_key_value_heads=info.num_key_value_heads,
-            intermediate_size=info.intermediate_size,
-        )
-    need = plan.island_batch * cfg.data.max_length
-    if cfg.target.max_total_tokens is not None and cfg.target.max_total_tokens < need:
-        raise ConfigError(
-            f"target.max_total_tokens={cfg.target.max_total_tokens} cannot hold one island batch "
-            f"({plan.island_batch} samples x data.max_length {cfg.data.max_length} = {need} tokens)"
-        )
-    return plan
 
 
 @dataclass

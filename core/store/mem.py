@@ -162,3 +162,10 @@ class MemStore(StoreBase):
                     freed += sample.nbytes
             sh.resident -= freed
         return freed
+
+
+def open_mem(cfg: StoreConfig, store_id: str, path: str | None, query: dict[str, str]) -> MemStore:
+    """`mem://<store_id>[?option=value]` (`core.registry.STORES`)."""
+    from specbus.core.store import query_options
+
+    return MemStore(query_options(cfg, query), store_id)

@@ -56,6 +56,7 @@ import torch
 from specbus.core.config import MooncakeConfig, StoreConfig
 from specbus.core.contracts import FeatureSpec
 from specbus.core.errors import (
+    ConfigError,
     FeatureMissing,
     IntegrityError,
     StoreError,
@@ -823,3 +824,16 @@ def _close_open_handles() -> None:
     for store in list(_open_handles):
         with contextlib.suppress(Exception):  # best effort at interpreter exit
             store.close()
+
+
+def open_mooncake(
+    cfg: StoreConfig, store_id: str, path: str | None, query: dict[str, str]
+) -> MooncakeStore:
+    """`mooncake://<store_id>?master=H:P&metadata=P2P&admin=H:P&protocol=tcp`
+    (`core.registry.STORES`): the query overrides `cfg.mooncake`. Raises `ConfigError` for an
+    option that is not a MooncakeConfig field."""
+    unknown = set(query) - set(MooncakeConfig.model_fields)
+    if unknown:
+        raise ConfigError(f"store.uri {cfg.uri!r}: unknown mooncake option(s) {sorted(unknown)}")
+    mc = MooncakeConfig.model_validate({**cfg.mooncake.model_dump(), **query})
+    return MooncakeStore(cfg, store_id, mc)

@@ -60,7 +60,13 @@ from pathlib import Path
 import torch
 from specbus.core.config import StoreConfig
 from specbus.core.contracts import FeatureSpec
-from specbus.core.errors import FeatureMissing, IntegrityError, StoreFull, StoreNoSpace
+from specbus.core.errors import (
+    ConfigError,
+    FeatureMissing,
+    IntegrityError,
+    StoreFull,
+    StoreNoSpace,
+)
 from specbus.core.store import mapped, procs
 from specbus.core.store.base import (
     DTYPES,
@@ -905,3 +911,13 @@ def _close_open_handles() -> None:
     for store in list(_open_handles):
         with contextlib.suppress(Exception):  # best effort at interpreter exit
             store.close()
+
+
+def open_shm(cfg: StoreConfig, store_id: str, path: str | None, query: dict[str, str]) -> ShmStore:
+    """`shm://<store_id>` or `shm:///abs/dir?store_id=x` (`core.registry.STORES`); a query may
+    set StoreConfig fields. Raises `ConfigError` for a relative directory."""
+    from specbus.core.store import query_options
+
+    if path is not None and not Path(path).is_absolute():
+        raise ConfigError(f"store.uri {cfg.uri!r}: a shm directory must be absolute")
+    return ShmStore(query_options(cfg, query), store_id, Path(path) if path else None)

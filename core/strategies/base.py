@@ -18,8 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from specbus.core.config import StrategyConfig
-from specbus.core.errors import CaptureError, ConfigError
+from specbus.core.errors import CaptureError
 from specbus.core.models.target import TargetHeads, TargetInfo
+from specbus.core.registry import STRATEGIES
 from torch import nn
 
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
@@ -142,21 +143,21 @@ class Strategy(Protocol):
 
 
 StrategyFactory = Callable[..., Strategy]
-_STRATEGIES: dict[str, StrategyFactory] = {}
 
 
 def register_strategy(name: str) -> Callable[[StrategyFactory], StrategyFactory]:
+    """Decorator: register a strategy factory `(cfg, target, *, heads, aux_layers)` under
+    `name` (`core.registry.STRATEGIES`; built-ins are listed there)."""
+
     def wrap(factory: StrategyFactory) -> StrategyFactory:
-        if name in _STRATEGIES:
-            raise ConfigError(f"strategy {name!r} is already registered")
-        _STRATEGIES[name] = factory
+        STRATEGIES.register(name, factory)
         return factory
 
     return wrap
 
 
 def available_strategies() -> list[str]:
-    return sorted(_STRATEGIES)
+    return STRATEGIES.names()
 
 
 def build_strategy(
@@ -172,12 +173,7 @@ def build_strategy(
     that recompute the teacher; `aux_layers` overrides the strategy's default capture layers.
     Raises `ConfigError` for an unregistered name.
     """
-    try:
-        factory = _STRATEGIES[cfg.name]
-    except KeyError as e:
-        raise ConfigError(
-            f"strategy.name {cfg.name!r} is not registered; known: {available_strategies()}"
-        ) from e
+    factory = STRATEGIES.get(cfg.name)
     return factory(cfg, target, heads=heads, aux_layers=aux_layers)
 
 

@@ -52,7 +52,6 @@ from specbus.core.strategies.base import (
     StepContext,
     TrainBatch,
     pad_right,
-    register_strategy,
 )
 from specbus.core.strategies.eagle3 import unwrap
 from torch import nn
@@ -806,13 +805,6 @@ class DSparkStrategy(DFlashFamilyStrategy):
             **_rank_pooling(),
         )  # fmt: skip
 
-
-for _cls in (DFlashFamilyStrategy, DominoStrategy, DSparkStrategy):
-    register_strategy(_cls.projector)(
-        lambda cfg, target, *, heads=None, aux_layers=None, _cls=_cls: _cls(
-            cfg, target, heads=heads, aux_layers=aux_layers
-        )
-    )
 
 __all__ = [
     "DFlashFamilyStrategy",

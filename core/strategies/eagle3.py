@@ -36,7 +36,6 @@ from specbus.core.strategies.base import (
     StepContext,
     TrainBatch,
     pad_right,
-    register_strategy,
 )
 from torch import nn
 
@@ -314,10 +313,3 @@ class Eagle3Strategy:
             step_weight=self.cfg.step_weight,
             attention=self.resolve_attention(device, t["input_ids"].shape[1]),
         )
-
-
-@register_strategy("eagle3")
-def _eagle3(
-    cfg: StrategyConfig, target: TargetInfo, *, heads=None, aux_layers=None
-) -> Eagle3Strategy:
-    return Eagle3Strategy(cfg, target, heads=heads, aux_layers=aux_layers)
