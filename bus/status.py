@@ -75,7 +75,7 @@ async def run_status(bus: Bus, run: str) -> dict[str, Any]:
     if kv is not None:
         manifest = await kv.get_manifest()
         markers = {
-            "manifest": None if manifest is None else sorted(manifest),
+            "manifest": None if manifest is None else sorted(manifest.model_dump()),
             "feed_complete": await kv.feed_complete(),
             "train_complete": await kv.train_complete(),
             "checkpoint": await kv.get_checkpoint(),

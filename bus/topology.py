@@ -45,6 +45,7 @@ from specbus.bus.connection import Bus
 from specbus.bus.outage import ride
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
 from specbus.core.config import BusConfig
+from specbus.core.contracts import Manifest
 from specbus.core.errors import BrokerUnavailable, BusError, BusNotFound, BusRejected
 
 log = logging.getLogger("specbus.bus")
@@ -193,8 +194,8 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
 
 
 class RunKV:
-    """The run's KV bucket (JSON values): manifest, feed-complete marker (task count),
-    train-complete marker, latest checkpoint pointer.
+    """The run's KV bucket: manifest (a `Manifest` record), feed-complete marker (task count),
+    train-complete marker, latest checkpoint pointer (JSON values).
 
     `get_*` return None when the key was never written. Every put overwrites (history 5), so
     a put retried after a lost answer writes the same value again. Reads and writes ride
@@ -206,22 +207,31 @@ class RunKV:
         self.kv = kv
         self.bus = bus
 
-    async def _put(self, key: str, value: Any) -> int:
-        data = orjson.dumps(value)
+    async def _put_bytes(self, key: str, data: bytes) -> int:
         return await ride(self.bus, f"writing KV key {key!r}", lambda: self.kv.put(key, data))
 
-    async def _get(self, key: str) -> Any:
+    async def _get_bytes(self, key: str) -> bytes | None:
         try:
             entry = await ride(self.bus, f"reading KV key {key!r}", lambda: self.kv.get(key))
         except BusNotFound:
             return None
-        return orjson.loads(entry.value) if entry.value else None
+        return entry.value or None
 
-    async def put_manifest(self, manifest: dict[str, Any]) -> int:
-        return await self._put(KEY_MANIFEST, manifest)
+    async def _put(self, key: str, value: Any) -> int:
+        return await self._put_bytes(key, orjson.dumps(value))
 
-    async def get_manifest(self) -> dict[str, Any] | None:
-        return await self._get(KEY_MANIFEST)
+    async def _get(self, key: str) -> Any:
+        data = await self._get_bytes(key)
+        return None if data is None else orjson.loads(data)
+
+    async def put_manifest(self, manifest: Manifest) -> int:
+        return await self._put_bytes(KEY_MANIFEST, manifest.to_bytes())
+
+    async def get_manifest(self) -> Manifest | None:
+        """The run's manifest; None before the feeder wrote it. Raises `RecordError` for one
+        of another schema version (a run fed by another specbus)."""
+        data = await self._get_bytes(KEY_MANIFEST)
+        return None if data is None else Manifest.from_bytes(data)
 
     async def mark_feed_complete(self, task_count: int) -> int:
         """The feeder is done: `task_count` tasks were published for this run."""

@@ -42,6 +42,8 @@ from specbus.consumers.parallel import broadcast_parameters, shard
 from specbus.consumers.shutdown import stop_on_signals
 from specbus.consumers.trainer import Trainer, TrainResult, TrainState
 from specbus.core.config import RunConfig
+from specbus.core.contracts import Manifest
+from specbus.core.data.vocab import VocabMapping
 from specbus.core.errors import CheckpointError, ConfigError
 from specbus.core.models.target import load_target_heads, load_target_info, resolve_target_dir
 from specbus.core.registry import MODES
@@ -52,7 +54,6 @@ from specbus.core.training import build_optimizer, build_scheduler
 from specbus.ops.modes import COLOCATED
 from specbus.producers.colocated import ColocatedSource, join_island
 from specbus.producers.engines.registry import build_engine
-from specbus.producers.feeder import vocab_from_manifest
 
 log = logging.getLogger("specbus.train")
 
@@ -92,7 +93,7 @@ def autocast_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def plan_of_training(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]:
+def plan_of_training(cfg: RunConfig, manifest: Manifest) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed by this run.
 
     The world size is not part of it: a checkpoint holds the full model and optimizer state
@@ -100,7 +101,7 @@ def plan_of_training(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]
     trainer ranks (elastic restart). The schedule is re-planned for the new world size from the
     step reached."""
     return {
-        "manifest_plan": manifest["plan_hash"],
+        "manifest_plan": manifest.plan_hash,
         "strategy": cfg.strategy.model_dump(mode="json"),
         "micro_batch": cfg.training.micro_batch,
         "accumulation": cfg.training.accumulation,
@@ -112,7 +113,7 @@ def plan_of_training(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]
 
 def wait_for_manifest(
     loop: LoopThread, kv, run: str, timeout_s: float, stop: threading.Event
-) -> dict[str, Any] | None:
+) -> Manifest | None:
     """The run's manifest, once the feeder wrote it; None if a stop was asked for first."""
     deadline = time.monotonic() + timeout_s
     said = False
@@ -197,21 +198,22 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
         if manifest is None:
             log.warning("stopped before the run's manifest appeared: nothing trained")
             return None
-        if manifest["strategy"] != cfg.strategy.name:
+        if manifest.strategy != cfg.strategy.name:
             raise ConfigError(
-                f"run {cfg.run!r} was fed for strategy {manifest['strategy']!r}, not {cfg.strategy.name!r}"
+                f"run {cfg.run!r} was fed for strategy {manifest.strategy!r}, not {cfg.strategy.name!r}"
             )
         path = resolve_target_dir(cfg.target.model)
         info = load_target_info(path, name=cfg.target.model)
         heads = load_target_heads(path)
         strategy = build_strategy(cfg.strategy, info, heads=heads, aux_layers=cfg.target.aux_layers)
-        model = strategy.build_model(info, heads, vocab_from_manifest(manifest)).to(device)
+        vocab = VocabMapping.from_d2t(manifest.vocab.d2t, manifest.vocab.target_vocab_size)
+        model = strategy.build_model(info, heads, vocab).to(device)
         broadcast_parameters(model)
         if cfg.training.wrap == "fsdp" and world > 1:
             model = shard(model, device)
         optimizer = build_optimizer(model, cfg.training)
         per_step = world * cfg.training.micro_batch * cfg.training.accumulation
-        total_steps = cfg.training.total_steps or max(1, manifest["planned_tasks"] // per_step)
+        total_steps = cfg.training.total_steps or max(1, manifest.planned_tasks // per_step)
         if cfg.training.max_steps:
             total_steps = min(total_steps, cfg.training.max_steps)
         scheduler = build_scheduler(optimizer, cfg.training, total_steps)
@@ -270,8 +272,8 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
                 bus, cfg.run, group, topo.kv,
                 strategy=strategy.name,
                 features=contract.names,
-                target_fingerprint=manifest["target"]["fingerprint"],
-                tokenizer_fingerprint=manifest["target"]["tokenizer_fingerprint"],
+                target_fingerprint=manifest.target.fingerprint,
+                tokenizer_fingerprint=manifest.target.tokenizer_fingerprint,
                 trained=ledger,
             )  # fmt: skip
             prefetch = cfg.training.prefetch

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import torch
 from specbus.bus.connection import Bus
 from specbus.bus.lag import lag
 from specbus.bus.publisher import Publisher
@@ -32,7 +31,7 @@ from specbus.bus.replay import last
 from specbus.bus.subjects import PRODUCERS, Names
 from specbus.bus.topology import RunKV
 from specbus.core.config import RunConfig
-from specbus.core.contracts import PromptTask
+from specbus.core.contracts import Manifest, ManifestTarget, PromptTask, VocabTable
 from specbus.core.data.datasets import load_source, split_holdout
 from specbus.core.data.tokenize import TokenizedSample, tokenize_records
 from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
@@ -126,35 +125,27 @@ def plan_hash(plan: dict[str, Any]) -> str:
     return hashlib.sha256(orjson.dumps(plan, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-def manifest_of(cfg: RunConfig, prepared: Prepared) -> dict[str, Any]:
+def manifest_of(cfg: RunConfig, prepared: Prepared) -> Manifest:
+    """The run's manifest: its plan (see `plan_of`), task count, target and vocab table."""
     plan = plan_of(cfg, prepared)
-    return {
-        "run": cfg.run,
-        "plan": plan,
-        "plan_hash": plan_hash(plan),
-        "planned_tasks": len(prepared.samples) * cfg.data.epochs,
-        "target": {
-            "model": cfg.target.model,
-            "fingerprint": prepared.target_fingerprint,
-            "tokenizer_fingerprint": prepared.tokenizer_fingerprint,
-            "num_layers": prepared.info.num_layers,
-            "hidden_size": prepared.info.hidden_size,
-            "vocab_size": prepared.info.vocab_size,
-        },
-        "strategy": cfg.strategy.name,
-        # t2d is derived: t2d[i + d2t[i]] = True for every draft id i.
-        "vocab": {
-            "d2t": prepared.vocab.d2t.tolist(),
-            "target_vocab_size": prepared.info.vocab_size,
-        },
-    }
-
-
-def vocab_from_manifest(manifest: dict[str, Any]) -> VocabMapping:
-    d2t = torch.tensor(manifest["vocab"]["d2t"], dtype=torch.long)
-    t2d = torch.zeros(int(manifest["vocab"]["target_vocab_size"]), dtype=torch.bool)
-    t2d[torch.arange(d2t.numel()) + d2t] = True
-    return VocabMapping(d2t=d2t, t2d=t2d)
+    return Manifest(
+        run=cfg.run,
+        plan=plan,
+        plan_hash=plan_hash(plan),
+        planned_tasks=len(prepared.samples) * cfg.data.epochs,
+        target=ManifestTarget(
+            model=cfg.target.model,
+            fingerprint=prepared.target_fingerprint,
+            tokenizer_fingerprint=prepared.tokenizer_fingerprint,
+            num_layers=prepared.info.num_layers,
+            hidden_size=prepared.info.hidden_size,
+            vocab_size=prepared.info.vocab_size,
+        ),
+        strategy=cfg.strategy.name,
+        vocab=VocabTable(
+            d2t=tuple(prepared.vocab.d2t.tolist()), target_vocab_size=prepared.info.vocab_size
+        ),
+    )
 
 
 async def _resume_point(bus: Bus, names: Names) -> tuple[int, int] | None:
@@ -186,10 +177,10 @@ async def feed(
         return done
     manifest = manifest_of(cfg, prepared)
     existing = await kv.get_manifest()
-    if existing is not None and existing.get("plan_hash") != manifest["plan_hash"]:
+    if existing is not None and existing.plan_hash != manifest.plan_hash:
         raise ConfigError(
-            f"run {cfg.run!r} already has a manifest of another plan ({existing.get('plan_hash')} != "
-            f"{manifest['plan_hash']}): use another run name, or the original data/strategy settings"
+            f"run {cfg.run!r} already has a manifest of another plan ({existing.plan_hash} != "
+            f"{manifest.plan_hash}): use another run name, or the original data/strategy settings"
         )
     if existing is None:
         await kv.put_manifest(manifest)

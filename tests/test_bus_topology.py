@@ -11,6 +11,7 @@ from specbus.bus.lease import Leases
 from specbus.bus.publisher import Publisher
 from specbus.bus.status import run_status
 from specbus.bus.topology import declare
+from specbus.core.contracts import Manifest, ManifestTarget, VocabTable
 from specbus.core.errors import BusError, ConfigError
 
 from tests.fixtures.nats import make_ref, make_task, open_run
@@ -100,12 +101,18 @@ def test_kv_markers_round_trip(nats_server, run_id, bus_cfg):
             None,
             None,
         )
-        await kv.put_manifest({"config_hash": "abc", "features": ["hidden_states"]})
+        manifest = Manifest(
+            run=run_id, plan={"strategy": {"name": "eagle3"}}, plan_hash="abc", planned_tasks=4,
+            target=ManifestTarget(model="m", fingerprint="fp", tokenizer_fingerprint="tfp",
+                                  num_layers=2, hidden_size=8, vocab_size=16),
+            strategy="eagle3", vocab=VocabTable(d2t=(0, 1, 3), target_vocab_size=16),
+        )  # fmt: skip
+        await kv.put_manifest(manifest)
         await kv.mark_feed_complete(1234)
         await kv.put_checkpoint({"step": 10, "path": "/ckpt/10", "floor": 80})
         await kv.put_checkpoint({"step": 20, "path": "/ckpt/20", "floor": 160})
         await kv.mark_train_complete({"steps": 20})
-        assert await kv.get_manifest() == {"config_hash": "abc", "features": ["hidden_states"]}
+        assert await kv.get_manifest() == manifest
         assert await kv.feed_complete() == 1234
         assert await kv.get_checkpoint() == {"step": 20, "path": "/ckpt/20", "floor": 160}
         assert await kv.train_complete() == {"steps": 20}

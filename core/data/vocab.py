@@ -27,6 +27,14 @@ class VocabMapping:
     d2t: torch.Tensor
     t2d: torch.Tensor
 
+    @classmethod
+    def from_d2t(cls, d2t: list[int] | tuple[int, ...], target_vocab_size: int) -> VocabMapping:
+        """The mapping from its offsets (a manifest's `VocabTable`): t2d[i + d2t[i]] = True."""
+        offsets = torch.tensor(d2t, dtype=torch.long)
+        t2d = torch.zeros(int(target_vocab_size), dtype=torch.bool)
+        t2d[torch.arange(offsets.numel()) + offsets] = True
+        return cls(d2t=offsets, t2d=t2d)
+
     @property
     def draft_vocab_size(self) -> int:
         return int(self.d2t.numel())
