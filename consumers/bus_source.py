@@ -29,18 +29,19 @@ from specbus.bus.lag import lag
 from specbus.bus.lease import Lease, Leases
 from specbus.bus.publisher import Publisher
 from specbus.bus.replay import get as get_stored
+from specbus.bus.settlement import LeaseSettlement
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
 from specbus.bus.topology import RunKV
-from specbus.consumers.source import GroupSettlement, Item, Trained, Upstream
 from specbus.core.contracts import PromptTask, SampleRef
 from specbus.core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
+from specbus.core.source import Item, Trained, Upstream
 from specbus.core.store import open_store
 from specbus.core.telemetry import extract_link
 
 log = logging.getLogger("specbus.loader")
 
 
-class BusSource(GroupSettlement):
+class BusSource(LeaseSettlement):
     def __init__(
         self,
         bus: Bus,

@@ -31,8 +31,8 @@ from typing import Any
 from specbus.consumers.ledger import Key, Ledger, plan_round
 from specbus.consumers.lockstep import Decision, Status, agree, gather_objects, rank
 from specbus.consumers.loop_thread import LoopThread
-from specbus.consumers.source import Item, Source, Upstream
 from specbus.core.errors import BrokerUnavailable, BusError
+from specbus.core.source import Item, Source, Upstream
 
 log = logging.getLogger("specbus.loader")
 

@@ -48,12 +48,13 @@ from specbus.bus.connection import Bus
 from specbus.bus.lag import lag
 from specbus.bus.lease import Lease, Leases, parse_record
 from specbus.bus.publisher import Publisher
+from specbus.bus.settlement import LeaseSettlement
 from specbus.bus.subjects import PRODUCERS, Names
 from specbus.bus.topology import RunKV
-from specbus.consumers.source import GroupSettlement, Item, Trained, Upstream
 from specbus.core.config import BusConfig
 from specbus.core.contracts import PromptTask
 from specbus.core.islands import IslandPlan
+from specbus.core.source import Item, Trained, Upstream
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import tracer
 from specbus.producers.capture import capture_isolated, sample_id_of, settle_failure
@@ -157,7 +158,7 @@ class _IslandWorker(threading.Thread):
                 return
 
 
-class ColocatedSource(GroupSettlement):
+class ColocatedSource(LeaseSettlement):
     def __init__(
         self,
         bus: Bus,

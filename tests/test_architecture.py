@@ -59,6 +59,17 @@ def test_core_imports_no_bus_and_no_store_client_at_module_level():
     assert offenders == []
 
 
+def test_producers_do_not_import_consumers():
+    """Producers and consumers meet at core's protocols (`core.source.Source`), not each other."""
+    offenders = [
+        f"{p.relative_to(ROOT)}: {m}"
+        for p in (ROOT / "producers").rglob("*.py")
+        for m, _ in _imports(p)
+        if _root(m) == "consumers"
+    ]
+    assert offenders == []
+
+
 def test_importing_core_loads_neither_nats_nor_mooncake():
     code = (
         "import sys, pkgutil, importlib, specbus.core as core\n"
