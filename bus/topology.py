@@ -1,6 +1,7 @@
 """The broker objects of a run, declared idempotently from the bus config.
 
-`await declare(bus, cfg, run)` makes sure these exist and returns a `Topology`:
+`await declare(bus, cfg, run)` makes sure these exist and returns the run's `RunBus`
+(bus/run.py):
 - streams TASKS, SAMPLES, DEAD: limits retention, file storage, `cfg.replicas`, a duplicate
   window of `cfg.duplicate_window_s`, direct get allowed (replay, lag sampling, dead-letter
   recovery read single messages); SAMPLES also ages out after `cfg.samples_max_age_s`.
@@ -27,8 +28,7 @@ re-declaring after a resume keeps the resumed position.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from nats.js.api import (
@@ -47,6 +47,9 @@ from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
 from specbus.core.config import BusConfig
 from specbus.core.contracts import Manifest
 from specbus.core.errors import BrokerUnavailable, BusError, BusNotFound, BusRejected
+
+if TYPE_CHECKING:
+    from specbus.bus.run import RunBus
 
 log = logging.getLogger("specbus.bus")
 
@@ -298,14 +301,12 @@ async def open_kv(
             raise BusError(f"cannot create KV bucket {names.kv_bucket}: {e}") from e
 
 
-@dataclass
-class Topology:
-    names: Names
-    kv: RunKV
+async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> RunBus:
+    """Declare the run's streams, consumers and KV bucket (idempotent; see module doc) and
+    return the run's facade. Raises `BusRejected` for an existing object the server cannot
+    change in place, `BrokerUnavailable` after an outage of `bus.outage_give_up_s`."""
+    from specbus.bus.run import RunBus  # it builds on lag/replay, which build on this module
 
-
-async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> Topology:
-    """Declare the run's streams, consumers and KV bucket (idempotent; see module doc)."""
     cfg = cfg or bus.cfg
     names = Names(run)
     for stream in stream_configs(names, cfg):
@@ -314,4 +315,4 @@ async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> Topology:
         await _ensure_consumer(bus, names.stream_of(group), consumer_config(group, cfg))
     kv = await open_kv(bus, run, create=True, cfg=cfg)
     assert kv is not None
-    return Topology(names, kv)
+    return RunBus(bus, names, kv)

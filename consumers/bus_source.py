@@ -23,15 +23,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from specbus.bus.connection import Bus
-from specbus.bus.dead import dead_letter
-from specbus.bus.lag import lag
 from specbus.bus.lease import Lease, Leases
-from specbus.bus.publisher import Publisher
-from specbus.bus.replay import get as get_stored
+from specbus.bus.run import RunBus
 from specbus.bus.settlement import LeaseSettlement
-from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
-from specbus.bus.topology import RunKV
+from specbus.bus.subjects import TRAINERS
 from specbus.core.contracts import PromptTask, SampleRef
 from specbus.core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
 from specbus.core.source import Item, Trained, Upstream
@@ -42,12 +37,14 @@ log = logging.getLogger("specbus.loader")
 
 
 class BusSource(LeaseSettlement):
+    """The disaggregated `core.source.Source`: `group` is this rank's member of the run's
+    "trainers" group; refs of another strategy/target/tokenizer or missing a `features` name
+    are dead-lettered; `trained` (the loader's ledger) skips refs already in the model."""
+
     def __init__(
         self,
-        bus: Bus,
-        run: str,
+        run: RunBus,
         group: Leases,
-        kv: RunKV,
         *,
         strategy: str,
         features: tuple[str, ...],
@@ -56,9 +53,7 @@ class BusSource(LeaseSettlement):
         trained: Trained | None = None,
         open_store_fn: Callable[[str], Any] = open_store,
     ):
-        self.bus, self.run, self.group, self.kv = bus, run, group, kv
-        self.names = Names(run)
-        self.publisher = Publisher(bus)
+        self.runbus, self.bus, self.run, self.group = run, run.bus, run.run, group
         self.strategy, self.features = strategy, tuple(features)
         self.target_fingerprint, self.tokenizer_fingerprint = (
             target_fingerprint,
@@ -68,7 +63,6 @@ class BusSource(LeaseSettlement):
         self._open_store_fn = open_store_fn
         self._stores: dict[str, Any] = {}
         self._retired: list[int] = []
-        self._feed_count: int | None = None
         self.stats = {"recaptures": 0, "dead_letters": 0, "skipped": 0}
 
     # -- helpers -----------------------------------------------------------------------
@@ -101,13 +95,13 @@ class BusSource(LeaseSettlement):
 
     async def _dead(self, lease: Lease, reason: str, detail: str) -> None:
         log.warning("dead-lettering sample seq %d: %s: %s", lease.seq, reason, detail)
-        await dead_letter(self.publisher, self.names, lease, reason, detail)
+        await self.runbus.dead_letter(lease, reason, detail)
         self.stats["dead_letters"] += 1
         self._retired.append(lease.seq)
 
     async def _recapture(self, lease: Lease, why: Exception) -> None:
         ref: SampleRef = lease.record
-        stored = await get_stored(self.bus, self.names.tasks_stream, ref.task_seq)
+        stored = await self.runbus.task(ref.task_seq)
         if stored is None:
             await self._dead(
                 lease,
@@ -123,7 +117,7 @@ class BusSource(LeaseSettlement):
             )
             return
         again = task.model_copy(update={"generation": ref.generation + 1, "source": "recapture"})
-        await self.publisher.publish(self.names.tasks, again)
+        await self.runbus.publisher.publish(self.runbus.names.tasks, again)
         log.info(
             "recapture of %s requested (g%d -> g%d): %s",
             ref.sample_id,
@@ -180,30 +174,12 @@ class BusSource(LeaseSettlement):
         return items
 
     async def upstream(self) -> Upstream:
-        """Done when the feed is complete, no task is pending or in work at the producers, no
-        ref is undelivered and none is buffered here. (Checked after an empty `take`: nothing
-        can come to this rank any more except a recapture, which makes the producers' lag
-        non-zero again.) `ack_pending` is the trainers' delivered-and-unacked count."""
+        """The trainers' group drained (`RunBus.drained`) and no delivery buffered here.
+        (Checked after an empty `take`: nothing can come to this rank any more except a
+        recapture, which makes the producers' lag non-zero again.)"""
         if self.group.buffered:
             return Upstream(False, waiting_for="deliveries buffered here")
-        if self._feed_count is None:
-            self._feed_count = await self.kv.feed_complete()
-            if self._feed_count is None:
-                return Upstream(False, waiting_for="the feeder (feed not complete)")
-        upstream = await lag(self.bus, self.run, PRODUCERS)
-        if upstream.messages:
-            idle = (
-                "; no producer is capturing: are they running?" if not upstream.ack_pending else ""
-            )
-            return Upstream(
-                False,
-                waiting_for=f"producers: {upstream.pending} tasks pending, "
-                f"{upstream.ack_pending} in capture{idle}",
-            )
-        mine = await lag(self.bus, self.run, TRAINERS)
-        if mine.pending:
-            return Upstream(False, mine.ack_pending, f"{mine.pending} refs not delivered yet")
-        return Upstream(True, mine.ack_pending)
+        return await self.runbus.drained(TRAINERS)
 
     def release(self, items: list[Item]) -> None:
         for item in items:

@@ -29,8 +29,6 @@ import torch
 import torch.distributed as dist
 from specbus.bus.connection import connect
 from specbus.bus.lag import lag
-from specbus.bus.lease import Leases
-from specbus.bus.replay import reposition
 from specbus.bus.topology import declare
 from specbus.consumers.bus_source import BusSource
 from specbus.consumers.checkpoint import CheckpointManager
@@ -235,7 +233,7 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
                     rank, state.step, ledger.cursor.floor, len(ledger),
                 )  # fmt: skip
             if rank == 0:  # everything above the floor comes again; the ledger skips what is in
-                loop.call(reposition(bus, cfg.run, group_name, ledger.cursor.floor + 1))
+                loop.call(topo.reposition(group_name, ledger.cursor.floor + 1))
                 loop.call(topo.kv.clear_train_complete())  # producers capture again
                 if (
                     mode.sweeps_store
@@ -249,7 +247,7 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
         if dist.is_initialized():
             dist.barrier(group=control_group())
 
-        group = loop.call(Leases.join(bus, cfg.run, group_name))
+        group = loop.call(topo.join(group_name))
         contract = strategy.feature_contract(info)
         if colocated:
             # Target-TP islands: every rank builds the TP mesh and the island groups here, at
@@ -261,7 +259,7 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
             )
             store = open_store(cfg.store.model_copy(update={"uri": "mem://"}))
             source = ColocatedSource(
-                bus, cfg.run, group, topo.kv, engine, contract, store, cfg.bus, trained=ledger,
+                topo, group, engine, contract, store, trained=ledger,
                 capture_device=device if device.type == "cuda" else None, island=island,
             )  # fmt: skip
             # 0: capture the next window only after the last one is released (one window
@@ -269,7 +267,7 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
             prefetch = cfg.deployment.colocated_prefetch
         else:
             source = BusSource(
-                bus, cfg.run, group, topo.kv,
+                topo, group,
                 strategy=strategy.name,
                 features=contract.names,
                 target_fingerprint=manifest.target.fingerprint,

@@ -44,14 +44,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from specbus.bus.connection import Bus
-from specbus.bus.lag import lag
 from specbus.bus.lease import Lease, Leases, parse_record
-from specbus.bus.publisher import Publisher
+from specbus.bus.run import RunBus
 from specbus.bus.settlement import LeaseSettlement
-from specbus.bus.subjects import PRODUCERS, Names
-from specbus.bus.topology import RunKV
-from specbus.core.config import BusConfig
+from specbus.bus.subjects import PRODUCERS
 from specbus.core.contracts import PromptTask
 from specbus.core.islands import IslandPlan
 from specbus.core.source import Item, Trained, Upstream
@@ -159,28 +155,29 @@ class _IslandWorker(threading.Thread):
 
 
 class ColocatedSource(LeaseSettlement):
+    """The colocated `core.source.Source`: `group` is this rank's member of the run's
+    "producers" group; tasks are captured with `engine` into `store` (a `mem://` one);
+    `trained` (the loader's ledger) skips tasks already in the model; `island` is this rank's
+    target-TP island (None or tp == 1: none)."""
+
     def __init__(
         self,
-        bus: Bus,
-        run: str,
+        run: RunBus,
         group: Leases,
-        kv: RunKV,
         engine,
         contract: FeatureContract,
         store,
-        bus_cfg: BusConfig,
         *,
         trained: Trained | None = None,
         capture_device=None,
         island: Island | None = None,
     ):
-        self.bus, self.run, self.group, self.kv = bus, run, group, kv
+        self.runbus, self.bus, self.run, self.group = run, run.bus, run.run, group
         # On a GPU rank the features stay where the target computed them: the trainer reads
         # them from the mem:// store on the same device (no host round trip).
         self.capture_device = capture_device
-        self.engine, self.contract, self.store, self.bus_cfg = engine, contract, store, bus_cfg
-        self.names = Names(run)
-        self.publisher = Publisher(bus)
+        self.engine, self.contract, self.store = engine, contract, store
+        self.bus_cfg = run.bus.cfg
         self.trained = trained
         self._retired: list[int] = []
         self._tracer = tracer("specbus.colocated")
@@ -246,7 +243,7 @@ class ColocatedSource(LeaseSettlement):
         )
 
     async def _failed(self, lease: Lease, error: Exception) -> None:
-        if await settle_failure(lease, error, self.publisher, self.names, self.bus_cfg):
+        if await settle_failure(self.runbus, lease, error):
             self.stats["dead_letters"] += 1
             self._retired.append(lease.seq)
         else:  # nak'd with a delay: the data is not over before it comes back (see upstream)
@@ -325,12 +322,7 @@ class ColocatedSource(LeaseSettlement):
             return Upstream(False, waiting_for=f"{len(self._retrying)} failed captures to retry")
         if self.group.buffered:
             return Upstream(False, waiting_for="deliveries buffered here")
-        if await self.kv.feed_complete() is None:
-            return Upstream(False, waiting_for="the feeder (feed not complete)")
-        tasks = await lag(self.bus, self.run, PRODUCERS)
-        if tasks.pending:
-            return Upstream(False, tasks.ack_pending, f"{tasks.pending} tasks not delivered yet")
-        return Upstream(True, tasks.ack_pending)
+        return await self.runbus.drained(PRODUCERS)
 
     def release(self, items: list[Item]) -> None:
         for item in items:

@@ -24,13 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from specbus.bus.connection import Bus
-from specbus.bus.lag import lag
-from specbus.bus.publisher import Publisher
 from specbus.bus.replay import last
-from specbus.bus.subjects import PRODUCERS, Names
-from specbus.bus.topology import RunKV
-from specbus.core.config import RunConfig
+from specbus.bus.run import RunBus
+from specbus.bus.subjects import PRODUCERS
+from specbus.core.config import DataConfig, RunConfig
 from specbus.core.contracts import Manifest, ManifestTarget, PromptTask, VocabTable
 from specbus.core.data.datasets import load_source, split_holdout
 from specbus.core.data.tokenize import TokenizedSample, tokenize_records
@@ -148,9 +145,9 @@ def manifest_of(cfg: RunConfig, prepared: Prepared) -> Manifest:
     )
 
 
-async def _resume_point(bus: Bus, names: Names) -> tuple[int, int] | None:
+async def _resume_point(run: RunBus) -> tuple[int, int] | None:
     """(epoch, task index) of the last dataset task in TASKS, or None if there is none."""
-    stored = await last(bus, names.tasks_stream, names.tasks)
+    stored = await last(run.bus, run.names.tasks_stream, run.names.tasks)
     if stored is None:
         return None
     try:
@@ -161,35 +158,37 @@ async def _resume_point(bus: Bus, names: Names) -> tuple[int, int] | None:
 
 
 async def feed(
-    bus: Bus,
-    kv: RunKV,
-    cfg: RunConfig,
+    run: RunBus,
     prepared: Prepared,
+    manifest: Manifest,
+    data: DataConfig,
     *,
     batch: int = 256,
     max_pending: int | None = None,
 ) -> int:
-    """Publish the run's tasks (see module doc); returns the task count. Idempotent."""
-    names = Names(cfg.run)
+    """Publish the run's tasks, `data.epochs` seeded permutations of `prepared.samples` (see
+    module doc), holding the producers' lag under `max_pending` (default 4 x
+    `bus.max_ack_pending`); returns the task count. Idempotent: resumes after the last task
+    published, returns at once once the feed is complete. Raises `ConfigError` when the run
+    already has a manifest of another plan."""
+    kv = run.kv
     done = await kv.feed_complete()
     if done is not None:
-        log.info("feed of run %s already complete (%d tasks)", cfg.run, done)
+        log.info("feed of run %s already complete (%d tasks)", run.run, done)
         return done
-    manifest = manifest_of(cfg, prepared)
     existing = await kv.get_manifest()
     if existing is not None and existing.plan_hash != manifest.plan_hash:
         raise ConfigError(
-            f"run {cfg.run!r} already has a manifest of another plan ({existing.plan_hash} != "
+            f"run {run.run!r} already has a manifest of another plan ({existing.plan_hash} != "
             f"{manifest.plan_hash}): use another run name, or the original data/strategy settings"
         )
     if existing is None:
         await kv.put_manifest(manifest)
-    max_pending = max_pending or 4 * cfg.bus.max_ack_pending
-    publisher = Publisher(bus)
-    resume = await _resume_point(bus, names)
+    max_pending = max_pending or 4 * run.bus.cfg.max_ack_pending
+    resume = await _resume_point(run)
     total = 0
-    for epoch in range(cfg.data.epochs):
-        order = epoch_order(len(prepared.samples), cfg.data.seed, epoch)
+    for epoch in range(data.epochs):
+        order = epoch_order(len(prepared.samples), data.seed, epoch)
         start = 0
         if resume is not None:
             r_epoch, r_index = resume
@@ -200,7 +199,7 @@ async def feed(
                 start = order.index(r_index) + 1
                 total += start
         for lo in range(start, len(order), batch):
-            while (await lag(bus, cfg.run, PRODUCERS)).messages >= max_pending:
+            while (await run.lag(PRODUCERS)).messages >= max_pending:
                 await asyncio.sleep(0.2)
             tasks = []
             for index in order[lo : lo + batch]:
@@ -208,15 +207,15 @@ async def feed(
                 tasks.append(
                     PromptTask(
                         task_id=f"t{index}",
-                        run_id=cfg.run,
+                        run_id=run.run,
                         epoch=epoch,
                         index=index,
                         input_ids=tuple(s.input_ids.tolist()),
                         loss_mask=tuple(s.loss_mask.tolist()),
                     )
                 )
-            await publisher.publish_many(names.tasks, tasks)
+            await run.publisher.publish_many(run.names.tasks, tasks)
             total += len(tasks)
     await kv.mark_feed_complete(total)
-    log.info("fed %d tasks to run %s", total, cfg.run)
+    log.info("fed %d tasks to run %s", total, run.run)
     return total

@@ -74,16 +74,9 @@ class Run:
         self.logs: dict[str, Path] = {}
 
     def feed(self) -> None:
-        from specbus.bus.connection import connect
-        from specbus.bus.topology import declare
-        from specbus.producers.feeder import feed, prepare
+        from specbus.ops.produce import run_feeder
 
-        async def go():
-            async with await connect(self.cfg.bus, self.server.url) as bus:
-                topo = await declare(bus, self.cfg.bus, self.cfg.run)
-                return await feed(bus, topo.kv, self.cfg, prepare(self.cfg))
-
-        asyncio.run(go())
+        asyncio.run(run_feeder(self.cfg, bus_url=self.server.url))
 
     def phase(self, tag: str, procs: list[Proc], timeout_s: float) -> float:
         """Start `procs`, wait for every trainer rank, then the producers. Returns wall s."""

@@ -196,9 +196,7 @@ def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: s
 
 
 def run_mode(cfg, work: Path, mode: str, warmup: int, timeout_s: float) -> dict:
-    from specbus.bus.connection import connect
-    from specbus.bus.topology import declare
-    from specbus.producers.feeder import feed, prepare
+    from specbus.ops.produce import run_feeder
 
     server = NatsServer(work / f"nats-{cfg.run}").start()
     config_path = work / f"{cfg.run}.yaml"
@@ -208,13 +206,7 @@ def run_mode(cfg, work: Path, mode: str, warmup: int, timeout_s: float) -> dict:
     procs: dict[str, subprocess.Popen] = {}
     logs = {}
     try:
-
-        async def do_feed():
-            async with await connect(cfg.bus, server.url) as bus:
-                topo = await declare(bus, cfg.bus, cfg.run)
-                return await feed(bus, topo.kv, cfg, prepare(cfg))
-
-        asyncio.run(do_feed())
+        asyncio.run(run_feeder(cfg, bus_url=server.url))
         common = ["--config", str(config_path), "--url", server.url]
         roles = (["produce"] if mode == "disaggregated" else []) + ["train"]
         for role in roles:

@@ -97,9 +97,7 @@ def run_loop(cfg) -> dict:
 
 
 def run_pipeline(cfg, work: Path, mode: str) -> dict:
-    from specbus.bus.connection import connect
-    from specbus.bus.topology import declare
-    from specbus.producers.feeder import feed, prepare
+    from specbus.ops.produce import run_feeder
 
     server = NatsServer(work / f"nats-{mode}").start()
     config_path = work / f"{cfg.run}.yaml"
@@ -107,13 +105,7 @@ def run_pipeline(cfg, work: Path, mode: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1"}
     procs = []
     try:
-
-        async def do_feed():
-            async with await connect(cfg.bus, server.url) as bus:
-                topo = await declare(bus, cfg.bus, cfg.run)
-                return await feed(bus, topo.kv, cfg, prepare(cfg))
-
-        asyncio.run(do_feed())
+        asyncio.run(run_feeder(cfg, bus_url=server.url))
         base = [sys.executable, "-m", "specbus.ops.cli", "--log-level", "WARNING"]
         common = ["--config", str(config_path), "--url", server.url]
         if mode == "disaggregated":

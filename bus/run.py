@@ -1,0 +1,104 @@
+"""One run on one broker connection: what the processes of a run use of the bus.
+
+`await bus.topology.declare(bus, cfg, run)` returns a `RunBus`: the run's names, its KV
+markers, a publisher, joining a consumer group, lag, dead letters, repositioning, and
+`drained(group)`: the one definition of "no more data can come to this group" that the
+trainers' sources and the producers' idle check all use. Semantics: docs/bus.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specbus.bus.connection import Bus
+from specbus.bus.dead import Delivery, dead_letter
+from specbus.bus.lag import Lag, lag
+from specbus.bus.lease import Leases
+from specbus.bus.publisher import Ack, Publisher
+from specbus.bus.replay import Stored, get, reposition
+from specbus.bus.subjects import PRODUCERS, TRAINERS, Group, Names
+from specbus.core.contracts import Record
+from specbus.core.source import Upstream
+
+if TYPE_CHECKING:
+    from specbus.bus.topology import RunKV
+
+
+class RunBus:
+    """The run `names.run` on the connection `bus` (declared: streams, consumers, KV exist).
+
+    Every call rides through broker outages like the rest of `bus/` (`BrokerUnavailable`
+    after `bus.outage_give_up_s`); other failures raise `BusError`s."""
+
+    def __init__(self, bus: Bus, names: Names, kv: RunKV):
+        self.bus, self.names, self.kv = bus, names, kv
+        self._publisher: Publisher | None = None
+        self._feed_count: int | None = None
+
+    @property
+    def run(self) -> str:
+        return self.names.run
+
+    @property
+    def publisher(self) -> Publisher:
+        """This run's publisher (one per `RunBus`: dedup ids, windowed PubAcks)."""
+        if self._publisher is None:
+            self._publisher = Publisher(self.bus)
+        return self._publisher
+
+    async def join(self, group: Group, record_cls: type[Record] | None = None) -> Leases:
+        """Become a member of the run's consumer `group` (see `bus.lease.Leases`)."""
+        return await Leases.join(self.bus, self.run, group, record_cls)
+
+    async def lag(self, group: Group = TRAINERS, *, scan: bool = False) -> Lag:
+        """`group`'s published-and-not-consumed messages and bytes (see `bus.lag`)."""
+        return await lag(self.bus, self.run, group, scan=scan)
+
+    async def feed_complete(self) -> int | None:
+        """The task count once the feeder marked the feed complete, else None (remembered
+        once seen: the marker is never taken back)."""
+        if self._feed_count is None:
+            self._feed_count = await self.kv.feed_complete()
+        return self._feed_count
+
+    async def drained(self, group: Group) -> Upstream:
+        """Whether more data can still be delivered to `group`; the one definition of end of
+        data. Done when the feed is complete, no group upstream of `group` holds work (for the
+        trainers: no task pending or in capture at the producers) and nothing is undelivered
+        in `group`. `ack_pending` is `group`'s delivered-and-unacked count: the data is not
+        over before every one of those is held by a member (a lost ack or a dead member's
+        lease comes back). What a process holds itself (buffered deliveries, captures it will
+        retry) is for its caller to add."""
+        if await self.feed_complete() is None:
+            return Upstream(False, waiting_for="the feeder (feed not complete)")
+        if group == TRAINERS:
+            upstream = await self.lag(PRODUCERS)
+            if upstream.messages:
+                idle = (
+                    "; no producer is capturing: are they running?"
+                    if not upstream.ack_pending
+                    else ""
+                )
+                return Upstream(
+                    False,
+                    waiting_for=f"producers: {upstream.pending} tasks pending, "
+                    f"{upstream.ack_pending} in capture{idle}",
+                )
+        mine = await self.lag(group)
+        if mine.pending:
+            what = "refs" if group == TRAINERS else "tasks"
+            return Upstream(False, mine.ack_pending, f"{mine.pending} {what} not delivered yet")
+        return Upstream(True, mine.ack_pending)
+
+    async def dead_letter(self, item: Delivery, reason: str, detail: str = "") -> Ack | None:
+        """Copy a delivery into the run's DEAD stream with `reason`, then terminate it (see
+        `bus.dead.dead_letter`; idempotent for a lease)."""
+        return await dead_letter(self.publisher, self.names, item, reason, detail)
+
+    async def task(self, seq: int) -> Stored | None:
+        """The TASKS message stored at `seq` (None once it is gone)."""
+        return await get(self.bus, self.names.tasks_stream, seq)
+
+    async def reposition(self, group: Group, start_seq: int) -> None:
+        """Make `group` deliver from `start_seq` (resume = replay; see `bus.replay`)."""
+        await reposition(self.bus, self.run, group, start_seq)
