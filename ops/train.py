@@ -50,8 +50,9 @@ from specbus.core.strategies.base import build_strategy
 from specbus.core.telemetry import setup_tracing
 from specbus.core.training import build_optimizer, build_scheduler
 from specbus.ops.modes import COLOCATED
-from specbus.producers.colocated import ColocatedSource, join_island
+from specbus.producers.colocated import ColocatedSource
 from specbus.producers.engines.registry import build_engine
+from specbus.producers.island import join_island
 
 log = logging.getLogger("specbus.train")
 

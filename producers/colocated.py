@@ -1,157 +1,32 @@
-"""The colocated source: a trainer rank that is its own producer.
+"""The colocated source: a trainer rank that is its own producer (`deployment.mode: colocated`).
 
 It leases PromptTasks from the run's "producers" group, captures them with the rank's own
-target engine into a `mem://` store, and hands them to the same loader, lockstep windows,
-trainer and checkpoints as the disaggregated path; the tasks are acked at the optimizer
-boundary (the TASKS sequence is the cursor). The loader runs it with
-`prefetch=deployment.colocated_prefetch`: with the default 0 the capture of the next window
-starts only after the previous window was committed and its tensors released (residency never
-exceeds one window, long-sequence features never overlap); with 1 the next window is
-captured while the step runs (two windows resident). No SAMPLES stream and no remote store
-are involved.
-
-A task whose capture fails is nak'd with a delay or dead-lettered on its last delivery
-(the same rule as the capture worker); a task the checkpoint already holds is acked and
-skipped without being captured.
-
-Target-TP islands (`target.tp_size = tp > 1`, `core/islands.py`): the island's ranks run one
-sharded target, so they must capture the same tasks in the same order.
-- Only the island leader leases: per take it fetches up to `tp * n` tasks, captures the
-  largest multiple of `tp` of them and keeps the rest leased for its next take (a nak would
-  count toward `max_deliver`). It sends the batch (each task's reply subject, record bytes and
-  headers) to its peers over the island's gloo group, even an empty one (then with its view of
-  the end of data), so every island rank's take returns in step.
-- Every island rank captures the whole batch on its island worker thread (FIFO, one job per
-  leader message, independent of the bus loop's tasks: a take cancelled at the end of data
-  cannot leave a peer alone in a collective). Poison isolation (`capture_isolated`) is
-  deterministic, so all ranks see the same failures.
-- Settlement: failures are settled once, by the leader (nak with delay / dead letter). The
-  good captures are cut into `tp` equal contiguous slices; peer `i` keeps slice `i` in its
-  `mem://` store and adopts those leases (`Leases.adopt`: it heartbeats and acks them through
-  its own connection); the leader hands the peers' leases over (`Leases.hand_over`). A
-  remainder of good captures beyond a multiple of `tp` goes back to the leader's kept leases
-  (captured again next take). Equal slices keep every rank's loader room, and so its number
-  of takes, the same as its leader's.
+engine into a `mem://` store and hands them to the same loader, trainer and checkpoints as the
+disaggregated path; tasks are acked at the optimizer boundary. A failed capture is nak'd with
+a delay or dead-lettered on its last delivery (as by the capture worker); a task the ledger
+holds is acked without capture. With target-TP islands (producers/island.py) the island
+leader leases and every island rank captures the same batch, keeping its slice. The full
+semantics (residency, prefetch, islands): docs/architecture.md, "Colocated" and
+"Target-TP islands".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from dataclasses import dataclass
-from typing import Any
 
-import torch
-import torch.distributed as dist
-from specbus.bus.lease import Lease, Leases, parse_record
+from specbus.bus.lease import Lease, Leases
 from specbus.bus.run import RunBus
 from specbus.bus.settlement import LeaseSettlement
 from specbus.bus.subjects import PRODUCERS
 from specbus.core.contracts import PromptTask
-from specbus.core.islands import IslandPlan
 from specbus.core.source import Item, Trained, Upstream
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import tracer
 from specbus.producers.capture import capture_isolated, sample_id_of, settle_failure
+from specbus.producers.island import Island, IslandWorker
 
 log = logging.getLogger("specbus.colocated")
-
-
-@dataclass
-class Island:
-    """This rank's place in its target-TP island: the TP mesh its engine shards over and the
-    gloo group its leader sends tasks on (None for both when tp == 1)."""
-
-    plan: IslandPlan
-    rank: int
-    tp_mesh: Any = None
-    group: Any = None
-
-    @property
-    def tp(self) -> int:
-        return self.plan.tp
-
-    @property
-    def leader(self) -> int:
-        return self.plan.leader_of(self.rank)
-
-    @property
-    def is_leader(self) -> bool:
-        return self.plan.is_leader(self.rank)
-
-    @property
-    def peer(self) -> int:
-        """This rank's index in its island (0 = the leader)."""
-        return self.rank - self.leader
-
-
-def join_island(plan: IslandPlan, rank: int, device_type: str) -> Island:
-    """Build the island groups. Every rank calls it at the same point (groups are matched by
-    creation order): per island, a TP group (the default backend: NCCL on GPU, gloo on CPU)
-    as the engine's 1-D mesh, and a gloo group for the leader's task messages (small,
-    host-side, off the GPU streams). The TP group is always a new one, never the default
-    group (a DeviceMesh over the whole world would reuse it): the capture thread's
-    collectives must not interleave with the training thread's."""
-    if plan.tp == 1:
-        return Island(plan, rank)
-    from torch.distributed.device_mesh import DeviceMesh
-
-    tp_groups = [dist.new_group(plan.ranks_of(i)) for i in range(plan.num_islands)]
-    task_groups = [
-        dist.new_group(plan.ranks_of(i), backend="gloo") for i in range(plan.num_islands)
-    ]
-    island = plan.island_of(rank)
-    mesh = DeviceMesh.from_group(tp_groups[island], device_type, mesh_dim_names=("tp",))
-    return Island(plan, rank, mesh, task_groups[island])
-
-
-class _IslandWorker(threading.Thread):
-    """One job per leader message, in order, on every island rank: the leader broadcasts the
-    message, peers receive it, then every rank captures the batch (the sharded forward's
-    collectives match). Results go to the bus loop's queue as `(message, results)`; an error
-    (a dead island rank) as the exception. `None` is the closing message."""
-
-    def __init__(self, island: Island, capture, loop: asyncio.AbstractEventLoop, device):
-        super().__init__(name=f"specbus-island-r{island.rank}", daemon=True)
-        self.island, self.capture, self.loop, self.device = island, capture, loop, device
-        self.results: asyncio.Queue = asyncio.Queue()
-        self._jobs: list = []
-        self._ready = threading.Condition()
-
-    def submit(self, message: dict | None) -> None:
-        """Leader only: queue a message (None closes the island)."""
-        with self._ready:
-            self._jobs.append(message)
-            self._ready.notify()
-
-    def _next(self) -> dict | None:
-        if self.island.is_leader:
-            with self._ready:
-                self._ready.wait_for(lambda: self._jobs)
-                message = self._jobs.pop(0)
-        else:
-            message = None
-        box = [message]
-        dist.broadcast_object_list(box, src=self.island.leader, group=self.island.group)
-        return box[0]
-
-    def run(self) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            try:
-                message = self._next()
-                if message is None:
-                    return
-                tasks = [parse_record(PromptTask, data) for _, data, _ in message["tasks"]]
-                results = self.capture(tasks) if tasks else []
-                out: Any = (message, results)
-            except BaseException as e:  # surfaced by the next take on the bus loop
-                out = e
-            self.loop.call_soon_threadsafe(self.results.put_nowait, out)
-            if isinstance(out, BaseException):
-                return
 
 
 class ColocatedSource(LeaseSettlement):
@@ -183,7 +58,7 @@ class ColocatedSource(LeaseSettlement):
         self._tracer = tracer("specbus.colocated")
         self.stats = {"capture_s": 0.0, "captured": 0, "dead_letters": 0, "skipped": 0}
         self.island = island if island is not None and island.tp > 1 else None
-        self._worker: _IslandWorker | None = None
+        self._worker: IslandWorker | None = None
         self._beat = None  # leader: the heartbeat of everything it holds
         self._kept: list[Lease] = []  # leader: leased, not captured yet (beyond a multiple of tp)
         self._upstream = Upstream(False)  # island: the leader's view, as of the last take
@@ -259,7 +134,7 @@ class ColocatedSource(LeaseSettlement):
     async def _take_island(self, n: int, timeout_s: float) -> list[Item]:
         island = self.island
         if self._worker is None:
-            self._worker = _IslandWorker(
+            self._worker = IslandWorker(
                 island, self._capture, asyncio.get_running_loop(), self.capture_device
             )
             self._worker.start()
