@@ -1,22 +1,52 @@
 """Deployment modes: how a trainer rank gets its data (`deployment.mode`).
 
 A `Mode` names the consumer group trainer ranks lease from, whether trained samples sit in the
-run's shared store (swept at resume and at the end), and the refusals that need the target
-and the world size (those known from the config alone are `RunConfig` validators). Modes are
-registered in `core.registry.MODES`; docs/architecture.md describes each.
+run's shared store (swept at resume and at the end), the refusals that need the target and
+the world size (those known from the config alone are `RunConfig` validators), and how a rank
+builds its `Source`. Modes are registered in `core.registry.MODES`; a new mode (live) is a
+`Mode` and a line there. docs/architecture.md describes each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+from specbus.bus.run import RunBus
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Group
+from specbus.consumers.bus_source import BusSource
+from specbus.consumers.loop_thread import LoopThread
 from specbus.core.config import RunConfig
+from specbus.core.contracts import Manifest
 from specbus.core.errors import ConfigError
 from specbus.core.islands import IslandPlan
 from specbus.core.models.target import TargetInfo
+from specbus.core.source import Source, Trained
+from specbus.core.strategies.base import Strategy
+from specbus.producers.colocated import ColocatedSource
+from specbus.producers.engines.registry import build_engine
 from specbus.producers.engines.tp import check_tp_shapes
+from specbus.producers.island import join_island
+
+
+@dataclass
+class RankContext:
+    """What a mode needs to build one trainer rank's source: the run config, the rank and its
+    device, the run's bus and loop, the built strategy and target, the manifest, the loader's
+    ledger, and the mode's plan (`Mode.check`'s result)."""
+
+    cfg: RunConfig
+    rank: int
+    device: torch.device
+    run: RunBus
+    loop: LoopThread
+    strategy: Strategy
+    info: TargetInfo
+    manifest: Manifest
+    trained: Trained
+    plan: Any = None
 
 
 def _no_check(cfg: RunConfig, info: TargetInfo, world: int) -> None:
@@ -30,9 +60,47 @@ class Mode:
     name: str
     group: Group  # the consumer group trainer ranks lease from
     sweeps_store: bool  # trained samples sit in the run's store: swept at resume and at the end
+    # (ctx) -> (the rank's source, its prefetch in windows); joins `group` itself
+    source: Callable[[RankContext], tuple[Source, int]]
     # Refuse, by name, what cannot run with this target and world (ConfigError); returns the
     # mode's rank plan, if it has one.
     check: Callable[[RunConfig, TargetInfo, int], IslandPlan | None] = _no_check
+
+
+def disaggregated_source(ctx: RankContext) -> tuple[Source, int]:
+    """SampleRefs from the "trainers" group, tensors from the store each ref names."""
+    group = ctx.loop.call(ctx.run.join(TRAINERS))
+    target = ctx.manifest.target
+    source = BusSource(
+        ctx.run, group,
+        strategy=ctx.strategy.name,
+        features=ctx.strategy.feature_contract(ctx.info).names,
+        target_fingerprint=target.fingerprint,
+        tokenizer_fingerprint=target.tokenizer_fingerprint,
+        trained=ctx.trained,
+    )  # fmt: skip
+    return source, ctx.cfg.training.prefetch
+
+
+def colocated_source(ctx: RankContext) -> tuple[Source, int]:
+    """PromptTasks from the "producers" group, captured by this rank's engine into `mem://`.
+    Every rank builds its island's groups here, at the same point (groups are matched by
+    creation order), then its engine shard."""
+    cfg, device = ctx.cfg, ctx.device
+    group = ctx.loop.call(ctx.run.join(PRODUCERS))
+    island = join_island(ctx.plan, ctx.rank, device.type)
+    engine = build_engine(
+        cfg.target.model_copy(update={"device": str(device)}),
+        **({"tp_mesh": island.tp_mesh} if island.tp > 1 else {}),
+    )
+    source = ColocatedSource(
+        ctx.run, group, engine, ctx.strategy.feature_contract(ctx.info),
+        cfg.store.build(uri="mem://"), trained=ctx.trained,
+        capture_device=device if device.type == "cuda" else None, island=island,
+    )  # fmt: skip
+    # 0: capture the next window only after the last one is released (one window resident);
+    # > 0: the capture of the next window overlaps this step
+    return source, cfg.deployment.colocated_prefetch
 
 
 def check_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPlan:
@@ -69,5 +137,7 @@ def check_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPlan:
     return plan
 
 
-DISAGGREGATED = Mode("disaggregated", TRAINERS, sweeps_store=True)
-COLOCATED = Mode("colocated", PRODUCERS, sweeps_store=False, check=check_colocated)
+DISAGGREGATED = Mode("disaggregated", TRAINERS, sweeps_store=True, source=disaggregated_source)
+COLOCATED = Mode(
+    "colocated", PRODUCERS, sweeps_store=False, source=colocated_source, check=check_colocated
+)

@@ -105,3 +105,17 @@ def test_no_flat_imports_remain():
         if m.split(".")[0] in PACKAGES
     ]
     assert offenders == []
+
+
+def _function(path: Path, name: str) -> ast.FunctionDef:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"{name} not found in {path}")
+
+
+def test_the_composition_root_reads_in_a_screen_and_the_trainer_takes_built_parts():
+    root = _function(ROOT / "ops" / "train.py", "run_trainer")
+    assert root.end_lineno - root.lineno + 1 <= 60
+    init = _function(ROOT / "consumers" / "trainer.py", "__init__")
+    assert len(init.args.args) + len(init.args.kwonlyargs) <= 8
