@@ -177,6 +177,11 @@ class ShmStore(ShmSweep, StoreBase):
                         f"{self.uri}: putting sample {sample_id!r} ({nbytes} B) would exceed "
                         f"the budget ({st.resident} of {self.cfg.budget_bytes} B in use)"
                     )
+                # Counted before its directory exists: a writer killed from here on has its
+                # reservation counted until a gc recounts (as one killed mid-write does).
+                st.resident += nbytes
+                st.count += 1
+                self._lock.write(st)
                 try:
                     try:
                         os.mkdir(tmp)
@@ -188,14 +193,15 @@ class ShmStore(ShmSweep, StoreBase):
                     shutil.rmtree(tmp, ignore_errors=True)
                     with contextlib.suppress(OSError):
                         os.rmdir(sdir)  # fails while other generations or puts remain
+                    st.resident -= nbytes
+                    st.count -= 1
+                    self._lock.write(st)
                     if e.errno in _NO_SPACE:
                         raise no_space(
                             self.uri, self.root, self.cfg, self.store_id, sample_id, nbytes, e
                         ) from e
                     raise
                 recycled = self._files.take(tmp, kept, st)
-                st.resident += nbytes
-                st.count += 1
                 trash += self._files.trim(st, self.cfg.budget_bytes - st.resident)
                 self._lock.write(st)
         except BaseException:
