@@ -119,3 +119,14 @@ def test_the_composition_root_reads_in_a_screen_and_the_trainer_takes_built_part
     assert root.end_lineno - root.lineno + 1 <= 60
     init = _function(ROOT / "consumers" / "trainer.py", "__init__")
     assert len(init.args.args) + len(init.args.kwonlyargs) <= 8
+
+
+def test_no_library_file_is_above_500_lines():
+    """One concern per file: a file past 500 lines in the layers is split by concern."""
+    offenders = [
+        f"{p.relative_to(ROOT)}: {n}"
+        for pkg in ("core", "bus", "consumers", "producers")
+        for p in (ROOT / pkg).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    ]
+    assert offenders == []
