@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -30,7 +27,7 @@ from pathlib import Path
 
 import torch
 from specbus.core.config import build_config, dump_config
-from specbus.ops.services.common import stop_pid
+from specbus.ops.launch import Launcher
 from specbus.ops.services.nats import NatsServer
 
 
@@ -102,25 +99,21 @@ def run_pipeline(cfg, work: Path, mode: str) -> dict:
     server = NatsServer(work / f"nats-{mode}").start()
     config_path = work / f"{cfg.run}.yaml"
     config_path.write_text(dump_config(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1"}
-    procs = []
+    procs = Launcher(work / f"{cfg.run}-logs", env={"OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1"})
     try:
         asyncio.run(run_feeder(cfg, bus_url=server.url))
-        base = [sys.executable, "-m", "specbus.ops.cli", "--log-level", "WARNING"]
-        common = ["--config", str(config_path), "--url", server.url]
+        common = ["--log-level", "WARNING"]
+        args = ["--config", str(config_path), "--url", server.url]
         if mode == "disaggregated":
-            procs.append(
-                subprocess.Popen([*base, "produce", *common], env=env, stdout=subprocess.DEVNULL)
-            )
-        trainer = subprocess.Popen([*base, "train", *common], env=env, stdout=subprocess.DEVNULL)
-        procs.append(trainer)
-        if trainer.wait(timeout=1800) != 0:
-            raise RuntimeError(f"{mode} trainer failed ({trainer.returncode})")
-        for p in procs[:-1]:
-            p.wait(timeout=60)
+            procs.start("produce", [*common, "produce", *args])
+        procs.start("train", [*common, "train", *args])
+        code = procs.wait("train", timeout=1800)["train"]
+        if code != 0:
+            raise RuntimeError(f"{mode} trainer failed ({code}): {procs.log('train')[-2000:]}")
+        if "produce" in procs.procs:
+            procs.wait("produce", timeout=60)
     finally:
-        for p in procs:
-            stop_pid(p)
+        procs.stop()
         server.stop()
     ckpt = cfg.resolved_run_dir / "checkpoints"
     state = torch.load(
