@@ -1,17 +1,9 @@
 """A connection to the broker: NATS core + JetStream, with reconnect, quiet errors and auth.
 
-`await connect(cfg)` returns a `Bus`. Guarantees:
-- the first connection is tried for about `cfg.connect_timeout_s`, then `BusError`;
-- once connected, a lost broker is reconnected to forever (`cfg.max_reconnect_attempts=-1`),
-  a restarted broker is a normal event; pending publishes are buffered meanwhile (nats-py's
-  2 MiB reconnect buffer), and every bus operation rides through the outage (`bus.outage`:
-  retries with backoff, gives up with `BrokerUnavailable` after `cfg.outage_give_up_s`);
-- an outage is logged by `bus.outage` as two WARNING lines (gone, back); the connection's
-  own events (disconnected, reconnected, each failed reconnect attempt) are INFO/DEBUG;
-- other client errors are logged as one WARNING line each (repeats of the same error at
-  DEBUG), never as a traceback per reconnect attempt;
-- auth comes from the config: user/password, token, a creds file (JWT + nkey), TLS (CA, and a
-  client cert/key for mutual TLS). Secrets are never logged.
+`await connect(cfg, url, name=)` returns a `Bus`: the first connection is bounded by
+`cfg.connect_timeout_s` (`BusError`), then a lost broker is reconnected to forever; client
+errors are one line each; auth (user/password, token, creds file, TLS, mutual TLS) comes from
+the config (`ConfigError` for unusable settings). docs/bus.md, "Connection".
 """
 
 from __future__ import annotations

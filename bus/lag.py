@@ -1,23 +1,9 @@
 """Lag of a consumer group: what is published and not yet consumed, in messages and bytes.
 
-`messages = num_pending + num_ack_pending` of the durable consumer (not yet delivered +
-delivered and not acked), exact, from one consumer-info request. This is the backpressure
-signal: producers compare it (and the bytes) with the store budget before leasing more
-tasks, the live intake answers 429 above it.
-
-Bytes are the tensor bytes the lagging records name (`SampleRef.nbytes`, read from the
-stored payloads; no per-message header, which would cost every consumer on every message).
-Two methods, both honest about what they are:
-- "sampled" (default, cheap: one consumer info + up to `sample` direct gets issued together):
-  the mean `nbytes` of records spread evenly over the unconsumed window (ack floor .. last
-  delivered + pending) times `messages`. Exact when all refs have the same size
-  (fixed-length capture), an estimate otherwise.
-- "scan" (`scan=True`, reads every header in the window through `bus.replay`): the sum over
-  the window. Exact for the not-yet-delivered part; an upper bound for the delivered part,
-  since refs acked above the ack floor (out of order) are still counted.
-
-It rides through broker outages (`bus.outage`): a producer polling it waits for the broker
-instead of dying, until `bus.outage_give_up_s` (`BrokerUnavailable`).
+`lag(bus, run, group)`: `messages = num_pending + num_ack_pending` of the durable consumer,
+exact; `bytes` the tensor bytes the lagging records name, sampled (default: an estimate, exact
+for uniform refs) or scanned. The backpressure signal of producers and the live intake.
+docs/bus.md, "Lag".
 """
 
 from __future__ import annotations

@@ -6,27 +6,10 @@
         ...
     await group.ack_all(leases)                              # optimizer boundary: confirmed acks
 
-Guarantees (the broker's, surfaced here):
-- A fetched message is leased to this member for the consumer's `ack_wait`; unless acked,
-  nak'd, termed or kept alive (`in_progress`, `heartbeat`), it is redelivered to a member of
-  the group (maybe another one) after that. Delivery is at-least-once.
-- `fetch(n)` asks for at most the remaining ack credit: `max_ack_pending` of the consumer
-  minus the leases this member holds unsettled. With no credit left it returns `[]`
-  immediately instead of waiting out its timeout for credit only its own acks can free.
-  (Other members share the same credit; the broker never delivers beyond it.)
-- Records that fail to parse (`RecordError`: garbage bytes, another schema version, a tensor
-  inside, oversize, invalid fields) never reach the caller: they are dead-lettered with the
-  reason (`bus.dead`) and terminated, and the fetch goes on with the next messages.
-- Settling (ack / nak / term) is idempotent: the first settlement wins, later ones are no-ops.
-  `ack_all(confirm=True)` waits for the server to confirm every ack (double ack); a plain
-  `ack()` is fire-and-forget (the server may lose it if it dies within ~0.1 s; the message is
-  then redelivered, which consumers must tolerate anyway).
-- Every call rides through a broker outage (`bus.outage`): `join` and `ack_all` wait for the
-  broker, `fetch` returns `[]` after its timeout, fire-and-forget settlements and heartbeats
-  are buffered by the client and sent on reconnect; only `bus.outage_give_up_s` ends it
-  (`BrokerUnavailable`). Leases held across an outage keep their state here; one that
-  expired at the broker meanwhile is redelivered (maybe to another member), which
-  consumers tolerate like any redelivery.
+A fetched message is leased for the consumer's `ack_wait` and redelivered unless settled or
+kept alive (at-least-once); `fetch` asks for at most the member's remaining credit; records
+that fail to parse are dead-lettered, never returned; settlement is idempotent; confirmed
+acks are retried until the broker answered for each. docs/bus.md, "Leases".
 """
 
 from __future__ import annotations

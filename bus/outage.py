@@ -1,33 +1,11 @@
 """Riding through broker outages: the one retry loop every bus operation goes through.
 
-A broker that is down, restarting or not answering is a normal event (DESIGN.md,
-"Ride-through"): the connection reconnects by itself (`bus.connection`), and every broker
-interaction of `bus/` goes through `ride` (requests, JetStream API calls, awaited PubAcks,
-confirmed acks) or `send` (fire-and-forget publishes: acks, naks, heartbeats). Guarantees:
-
-- A transient failure (no connection, a request timed out, no responders / JetStream
-  unavailable, the client's outbound buffer is full, `NoAnswer`) is retried with backoff:
-  0.05 s at first, doubling, capped at 1 s. While the connection is down, `ride` waits for it
-  instead of issuing requests that cannot be answered (a request buffered by the client would
-  reach the restarted broker late, and repeated). `send` hands its message to the client
-  even while disconnected: nats-py buffers it (2 MiB) and sends it after the reconnect.
-- One outage is logged as exactly two WARNING lines per connection however many operations
-  wait on it: when it begins (the connection dropped while an operation was waiting for the
-  broker, or an operation found it gone: what it was doing, that it retries, until when),
-  and when an operation gets an answer again (how long the broker was gone).
-- It ends only by the broker answering, or by `bus.outage_give_up_s` passing after the
-  outage began (the connection loss or the first failure, whichever came first): then every
-  operation that hits it raises `BrokerUnavailable` (a `BusError`) naming the broker, what it
-  was doing and for how long, with the last transport error as `__cause__`.
-- Errors that are not transient propagate at once, as `BusError`s keeping the server's codes
-  (`BusNotFound`, `BusRejected`, ...: bus/errors.py). A connection closed on purpose
-  (`Bus.close`) raises `BusError`; one the client closed after its reconnect attempts ran out
-  (`bus.max_reconnect_attempts`) raises `BrokerUnavailable`.
-
-An operation retried by `ride` must be safe to repeat: reads are; publishes carry their dedup
-id (`Nats-Msg-Id`), which the broker drops inside the stream's duplicate window
-(`bus.duplicate_window_s`: an outage longer than that can store a retried message twice,
-which consumers tolerate, delivery being at-least-once anyway); acks are idempotent.
+`ride(bus, what, op)` awaits a request until the broker answers: transient failures are
+retried with backoff (0.05 s doubling to 1 s, cut short by the reconnect), nothing is
+requested while the connection is down, and after `bus.outage_give_up_s` it raises
+`BrokerUnavailable`; other nats failures are raised as `BusError`s (bus/errors.py). `send`
+publishes fire-and-forget messages (acks, naks, heartbeats), buffered while disconnected.
+One outage is two WARNING lines per connection. docs/bus.md, "Ride-through".
 """
 
 from __future__ import annotations

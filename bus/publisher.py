@@ -1,19 +1,10 @@
 """Publishing records to JetStream: dedup ids, trace headers, async PubAcks, safe retries.
 
-Every message carries `Nats-Msg-Id` (the record's `msg_id` unless given): a retry inside the
-stream's duplicate window is dropped by the broker and reported as `duplicate=True`. The
-current OpenTelemetry context is injected into the headers (nothing when no span is active).
-No other header rides on every message: each one costs the consumer a few microseconds.
-
-`publish_many` sends a window of messages without waiting (`bus.publish_window` PubAcks
-outstanding at most), then awaits their PubAcks; messages whose PubAck did not come within
-`ack_timeout_s`, or was lost to a reconnect, are sent again with the same id. It rides
-through broker outages (`bus.outage`): nothing is sent while the connection is down, what
-is missing is re-sent with backoff until the broker answers, so a batch is stored exactly
-once (within the stream's duplicate window) or, after `bus.outage_give_up_s`, raises
-`BrokerUnavailable`. A publish the broker rejects (no stream on the subject, a stream
-limit) raises `BusRejected` at once, with the server's codes. A `RecordError` (oversize record) is raised before
-anything of the batch is sent.
+Every message carries `Nats-Msg-Id` (the record's `msg_id`): a retry inside the duplicate
+window is dropped by the broker (`Ack.duplicate`). `publish_many` sends windows of messages
+and re-sends what got no PubAck with the same ids until the broker answered: stored exactly
+once, or `BrokerUnavailable`; a refused publish raises `BusRejected` with the server's codes.
+docs/bus.md, "Publishing".
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """The JetStream pull protocol, done cheaply: one inbox, one request per fetch, no task per message.
 
-nats-py's `PullSubscription.fetch` waits for each message with its own task and timer, which
-costs more than the message itself at thousands of messages per second. `Puller` subscribes
-once to `<inbox>.*`, names every pull request `<inbox>.<n>`, and collects deliveries in a
-deque fed by the subscription callback; a fetch only sleeps when nothing is buffered.
-
-A fetch of n takes what is already buffered (deliveries that arrived after an earlier fetch
-returned: they are leased to this member, so they are handed out, never dropped), then sends
-one request `{"batch": rest, "no_wait": true, "expires": timeout}`. The server (2.10+, checked
-against 2.15) answers it as follows:
-- messages available: delivers up to `rest` at once, then "404 No Messages" if it ran out;
-- nothing available: waits up to `expires` and ends the request right after the first
-  delivery ("404") or at expiry ("408");
-- the consumer's `max_ack_pending` is reached (other members hold the credit): delivers as
-  acks free credit until `expires`. Here the fetch returns once deliveries pause for
-  `linger_s`, and later deliveries of that request wait in the buffer for the next fetch.
-So a fetch returns as soon as something is available and never outlives its timeout; a
-request never outlives its `expires` (a `no_wait` request *without* `expires` would stay
-parked on the server while credit is exhausted, so every waiting request carries one).
-
-During a broker outage a fetch sends nothing (a request buffered by the client would reach
-the restarted broker late, and one per fetch would pile up): it waits for the connection
-until its timeout and returns what is buffered. "503 No Responders" (JetStream not loaded
-yet, or no such consumer) ends a fetch like a status, but it is no answer about the
-consumer: whether the server answered the last fetch (`answered`: a delivery or a status)
-and whether it said 503 (`unavailable`) is left to the caller (`Leases.fetch`, `replay`),
-which tells an outage from an empty stream and paces its retries.
+`Puller` subscribes once to `<inbox>.*`, names every pull request `<inbox>.<n>` (`no_wait`,
+with `expires`) and collects deliveries in a deque; a fetch returns as soon as something is
+available and never outlives its timeout. Deliveries that land after a fetch returned are
+handed out by the next one. During an outage it sends nothing; whether the server answered
+(`answered`) or said 503 (`unavailable`) is the caller's to interpret. docs/bus.md, "Leases".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Reading a stream back, and repositioning a durable consumer (resume = replay).
 
-- `replay(bus, stream, start_seq)` iterates stored messages from `start_seq` through an
-  ephemeral, ack-less, memory-backed consumer: the durable groups ("producers", "trainers")
-  are untouched. It stops at the end of the stream as seen by the last delivery (or at
-  `end_seq`) instead of waiting for new messages.
-- `get(bus, stream, seq)` reads one message by sequence (direct get), None if it is gone.
-- `reposition(bus, run, group, start_seq)` makes a durable consumer deliver from `start_seq`:
-  it is deleted and recreated with `DeliverPolicy.BY_START_SEQUENCE`, keeping its ack_wait,
-  max_deliver and max_ack_pending. Call it while no member is working (a trainer world
-  restarting from a checkpoint): leases of the old consumer become void, acks to them are
-  ignored, and members must `Leases.join` again.
-
-All three ride through broker outages (`bus.outage`): they wait for the broker and carry on
-(`BrokerUnavailable` after `bus.outage_give_up_s`). A replay interrupted by an outage goes on
-from the sequence after the last one it yielded, through a new ephemeral consumer (the old
-one, memory-backed, does not survive a broker restart): nothing is skipped or yielded twice,
-and an outage is never mistaken for the end of the stream.
+`replay(bus, stream, start_seq)` iterates stored messages through an ephemeral, ack-less
+consumer (the durable groups are untouched) and survives an outage without skipping or
+repeating; `get`/`last` read one message; `reposition(bus, run, group, start_seq)` recreates a
+durable consumer at a sequence (its old leases become void). docs/bus.md, "Replay and resume".
 """
 
 from __future__ import annotations

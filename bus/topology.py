@@ -1,28 +1,10 @@
 """The broker objects of a run, declared idempotently from the bus config.
 
-`await declare(bus, cfg, run)` makes sure these exist and returns the run's `RunBus`
-(bus/run.py):
-- streams TASKS, SAMPLES, DEAD: limits retention, file storage, `cfg.replicas`, a duplicate
-  window of `cfg.duplicate_window_s`, direct get allowed (replay, lag sampling, dead-letter
-  recovery read single messages); SAMPLES also ages out after `cfg.samples_max_age_s`.
-  DEAD listens on the run's explicit dead-letter subjects and on the server's max-deliveries
-  and termination advisories for TASKS and SAMPLES;
-- durable pull consumers "producers" (TASKS) and "trainers" (SAMPLES): explicit ack,
-  `ack_wait`, `max_deliver`, `max_ack_pending` from the config, deliver all;
-- the run's KV bucket (`RunKV`): manifest, feed-complete and train-complete markers,
-  checkpoint pointer.
-
-Declaring again with the same config changes nothing. With a changed config, what the server
-can change in place is updated and logged (stream: subjects, max_age, duplicate_window,
-replicas, allow_direct; consumer: ack_wait, max_deliver, max_ack_pending); what it cannot
-(storage, retention, ack policy) raises `BusRejected` naming the stream and field. A consumer's
-start position is never touched by `declare` (`bus.replay.reposition` owns it), so
-re-declaring after a resume keeps the resumed position.
-
-`declare`, `open_kv` and every `RunKV` read and write ride through broker outages
-(`bus.outage`): they wait for the broker and carry on, until `bus.outage_give_up_s`
-(`BrokerUnavailable`). A create whose answer was lost is found done on the retry (the
-"already exists" path compares it with the config, as for a concurrent creator).
+`await declare(bus, cfg, run)` makes sure the run's streams (TASKS, SAMPLES, DEAD), durable
+consumers ("producers", "trainers") and KV bucket exist, and returns the run's `RunBus`
+(bus/run.py). Declaring again changes nothing; what the server can change in place is
+updated and logged, what it cannot raises `BusRejected`; a consumer's start position is never
+touched. `RunKV` is the bucket's typed markers. docs/bus.md, "Topology".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The disaggregated source: SampleRefs leased from the trainers' group, tensors from the store.
 
-`take(n)` fetches up to `n` refs and, for each:
-- already in the model (the ledger holds it: a replay after a resume, a redelivery) -> acked
-  and released, skipped (an early skip that saves the store read; the loader's filter after
-  the lockstep gather is what guarantees exactly once);
-- of another strategy, target or tokenizer, or missing a feature the strategy needs ->
-  dead-lettered with the reason (the run goes on);
-- tensors missing or corrupt in the store (released after an earlier ack, a dead store node,
-  a failed CRC) -> a recapture: the task is read back from TASKS by the ref's `task_seq` and
-  republished with the next generation (its dedup id makes concurrent requests one), and the
-  stale ref is acked as superseded; if the task is gone too, the ref is dead-lettered;
-- otherwise returned as an `Item` with its tensors and a trace link to its capture.
-Refs retired here (superseded, dead) are reported by `drain_retired()` so the cursor can pass
-them.
+`take(n)` fetches refs and returns `Item`s with their tensors; a ref already trained is acked
+and skipped, one of another strategy/target/tokenizer is dead-lettered, one whose tensors are
+gone triggers a recapture (its task republished with the next generation, the stale ref acked
+as superseded). Retired sequences are reported by `drain_retired()`. docs/architecture.md,
+"Tensors are a cache".
 """
 
 from __future__ import annotations

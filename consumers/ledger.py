@@ -1,17 +1,9 @@
 """The trainer's record of what is in the model: the single truth behind exactly-once.
 
-The broker delivers at least once: a lapsed lease, a broker restart whose consumer state went
-back (nats-server persists it asynchronously), a replay after a resume or a duplicate capture
-all bring a ref again, sometimes to another rank while the first copy is still held. The
-`Ledger` decides, not the broker. It holds
-- the SAMPLES cursor (`SamplesCursor`): the stream sequence floor below which everything is
-  done, plus the done sequences above it (bounded: the set drains into the floor as gaps fill);
-- the trained sample ids (a set, for duplicates under another sequence: a recapture, a
-  second capture of a redelivered task) and the lineage (the ids in training order).
-
-The loader owns it (a `Stateful`: `state_dict()` / `load_state_dict()` go into every
-checkpoint) and filters every lockstep window against it after the gather and before the
-step, identically on every rank (`plan_round`); recording is idempotent.
+The `Ledger` holds the SAMPLES cursor (floor + done sequences above it), the trained sample
+ids and the lineage (ids in training order). The loader owns it (a `Stateful` saved in every
+checkpoint) and filters every lockstep window against it identically on every rank
+(`plan_round`); recording is idempotent. docs/architecture.md, "Exactly once into the model".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The loader: leased items -> full lockstep windows, filtered against the ledger -> micro-batches.
 
-One loader per trainer rank. A prefetch task on the bus loop keeps up to
-`need * (1 + prefetch)` items leased and their tensors loaded (prefetch=0: one window), and a
-heartbeat task keeps every held lease alive while steps run. `next_window()` blocks until all
-ranks agree (consumers/lockstep.py) and returns a `Window` of exactly
-`micro_batch * accumulation` items, or None at the end of data (partial windows nak'd, never
-trained) or when asked to stop. `commit(window)` records the window in the ledger, acks its
-items, then releases their tensors.
-
-Exactly once is decided here, not by the broker. The loader owns the `Ledger`
-(consumers/ledger.py, a `Stateful` that goes into every checkpoint). Before each step the
-ranks gather their candidate windows and filter them identically (`plan_round`): an item the
-ledger holds is acked and released, never trained (a redelivery after a lapsed lease or a
-broker restart, a replay after a resume, a second capture of one task); an item duplicating
-another rank's candidate is parked until the commit; the step runs only when every rank still
-has a full window. The source's early skip (`Trained.contains` at take time) only saves work.
+One loader per trainer rank. On the bus loop it prefetches `need * (1 + prefetch)` items and
+heartbeats their leases; `next_window()` returns a `Window` of exactly `micro_batch *
+accumulation` items once every rank holds one (consumers/lockstep.py), after gathering the
+candidates and filtering them against the ledger (`plan_round`), or None at the end of the data
+or on a stop; `commit(window)` records, acks, then releases. It owns the `Ledger` (a
+`Stateful`). docs/architecture.md, "Exactly once into the model" and "Lockstep".
 """
 
 from __future__ import annotations

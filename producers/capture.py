@@ -1,18 +1,10 @@
 """The capture worker: a member of the "producers" group turning PromptTasks into SampleRefs.
 
-Loop: wait while the store is over its budget (backpressure: the trainers' lag and the
-store's residency), lease up to `target.capture_batch` tasks, run the target engine with the
-leases kept alive, `store.put` each sample, publish one SampleRef per task (dedup id = sample
-id + generation, the capture span's context in the headers), then ack the tasks.
-
-Failure semantics:
-- a kill at any point loses nothing: an unacked task is redelivered to a live producer, its
-  re-put overwrites the same keys, and its re-publish is dropped by the broker's dedup;
-- a batch whose capture fails is retried one task at a time, so one poisoned task cannot
-  sink its neighbours; a failing task is nak'd with a delay and, on its last delivery,
-  dead-lettered with the error as the reason;
-- the worker exits when the trainers marked the run complete, or (with `exit_when_idle`)
-  when the feed is complete and no task is pending.
+Loop: wait while the store or the trainers' lag is over budget (backpressure), lease up to
+`capture_batch` tasks, capture them with the engine (leases kept alive), `store.put` each
+sample, publish its SampleRef (awaited), then ack the tasks: a kill at any point loses
+nothing. A failing task is retried alone, nak'd with a delay, and dead-lettered on its last
+delivery. docs/architecture.md, "Producers".
 """
 
 from __future__ import annotations

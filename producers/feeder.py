@@ -1,16 +1,10 @@
 """The feeder: a dataset -> PromptTasks on the run's TASKS stream, once, in a seeded order.
 
-`prepare(cfg)` loads and tokenises the training records (chat template + assistant-span loss
-masks; pre-tokenised JSONL is taken as is), holds back `data.holdout` records for evaluation,
-and derives the EAGLE3 vocab mapping from the supervised tokens (deterministic for the same
-prompts). `feed()` then writes the run manifest (plan, target fingerprints, vocab mapping),
-publishes one task per record per epoch in a permutation seeded by `data.seed + epoch`
-(dedup ids carry the epoch), and finally marks the feed complete with the task count.
-
-It never floods: before each batch it waits while the producers' group has more than
-`max_pending` tasks not yet done. A restarted feeder resumes after the last task it
-published (the order is a pure function of the seed), and does nothing once the feed is
-marked complete. A manifest of another plan under the same run name is refused.
+`prepare(cfg)` tokenises the training records and derives the vocab mapping; `feed(...)`
+writes the run `Manifest`, publishes one task per record per epoch (permutation seeded by
+`data.seed + epoch`, bounded by the producers' lag), then marks the feed complete. A restart
+resumes after the last task published; a manifest of another plan is refused.
+docs/architecture.md, "Feeder".
 """
 
 from __future__ import annotations
