@@ -39,6 +39,7 @@ class Bus:
 
     @property
     def connected(self) -> bool:
+        """True while the connection to the broker is up."""
         return self.nc.is_connected
 
     @property

@@ -21,6 +21,9 @@ from specbus.core.errors import BusNotFound
 
 @dataclass(frozen=True)
 class Lag:
+    """The lag of one consumer group (see the module doc); `first_unacked_seq`..`last_seq` is the
+    unconsumed window."""
+
     group: str
     pending: int  # published, not yet delivered to any member
     ack_pending: int  # delivered, not acked yet
@@ -31,6 +34,7 @@ class Lag:
     last_seq: int
 
     def as_dict(self) -> dict:
+        """A JSON-able dict of the fields."""
         return asdict(self)
 
 

@@ -85,6 +85,7 @@ class Lease:
 
     @property
     def headers(self) -> dict[str, str]:
+        """The delivered message's headers ({} when it has none)."""
         return self.msg.headers or {}
 
     @property
@@ -214,10 +215,13 @@ class Leases:
 
     @property
     def credit(self) -> int:
+        """Deliveries this member may still ask for: `max_ack_pending` minus what it holds or has
+        buffered."""
         return max(0, self.max_ack_pending - self.outstanding)
 
     @property
     def held(self) -> frozenset[Lease]:
+        """The leases handed out and not settled yet."""
         return frozenset(self._held)
 
     def _release(self, lease: Lease) -> None:
@@ -340,6 +344,7 @@ class Leases:
         return len(todo)
 
     async def nak_all(self, leases: Iterable[Lease], delay_s: float | None = None) -> None:
+        """Nak every lease (see `Lease.nak`); already settled ones are skipped."""
         for lease in leases:
             await lease.nak(delay_s)
 
@@ -455,10 +460,12 @@ class Heartbeat:
         self._task: asyncio.Task | None = None
 
     def add(self, leases: Iterable[Lease]) -> None:
+        """Keep these leases alive too (a heartbeat over all held leases needs no adding)."""
         if self.leases is not None:
             self.leases.extend(leases)
 
     async def beat(self) -> None:
+        """Send one `in_progress` for every unsettled lease now."""
         targets = self.group._held if self.leases is None else self.leases
         for lease in list(targets):
             await lease.in_progress()

@@ -81,6 +81,7 @@ class Outage:
 
     @property
     def active(self) -> bool:
+        """True while an outage is in progress (the broker was seen gone and has not answered since)."""
         return self.since is not None
 
     @contextlib.contextmanager

@@ -67,6 +67,8 @@ def common_headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def msg_id_of(record: Record, msg_id: str | None = None) -> str:
+    """The dedup id of `record`: `msg_id` if given, else the record's own; `RecordError` when it has
+    none."""
     if msg_id is None:
         msg_id = getattr(record, "msg_id", None)
         if msg_id is None:
@@ -222,6 +224,7 @@ class Publisher:
         return (await self.publish_payloads([item]))[0]
 
     async def close(self) -> None:
+        """Unsubscribe from the PubAck inbox; PubAcks still in flight are dropped."""
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None

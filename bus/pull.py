@@ -50,6 +50,7 @@ class Puller:
         return len(self._buffer)
 
     async def start(self) -> Puller:
+        """Subscribe to this puller's inbox (once; later calls do nothing)."""
         if self._sub is None:
             self._inbox = self.bus.nc.new_inbox()
             self._sub = await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)

@@ -37,6 +37,7 @@ class RunBus:
 
     @property
     def run(self) -> str:
+        """The run's name."""
         return self.names.run
 
     @property

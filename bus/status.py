@@ -60,6 +60,8 @@ async def _consumer(bus: Bus, stream: str, group: str) -> dict[str, Any] | None:
 
 
 async def run_status(bus: Bus, run: str) -> dict[str, Any]:
+    """What `specbus status` shows for `run` as a JSON-able dict (see the module doc); pieces of a run
+    never declared are None, not errors."""
     names = Names(run)
     streams = {
         n: await _stream(bus, n)

@@ -48,6 +48,7 @@ KEY_TRAIN_COMPLETE = "train_complete"
 
 
 def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
+    """The run's TASKS, SAMPLES and DEAD stream configs (see the module doc)."""
     common = dict(
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
@@ -68,6 +69,8 @@ def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
 
 
 def consumer_config(group: str, cfg: BusConfig) -> ConsumerConfig:
+    """The durable pull consumer `group`: explicit ack, `ack_wait`, `max_deliver`, `max_ack_pending`,
+    deliver all."""
     return ConsumerConfig(
         name=group,
         durable_name=group,
@@ -210,6 +213,7 @@ class RunKV:
         return None if data is None else orjson.loads(data)
 
     async def put_manifest(self, manifest: Manifest) -> int:
+        """Write the run's manifest (overwrites; the feeder refuses another plan before calling it)."""
         return await self._put_bytes(KEY_MANIFEST, manifest.to_bytes())
 
     async def get_manifest(self) -> Manifest | None:
@@ -242,12 +246,15 @@ class RunKV:
         )
 
     async def train_complete(self) -> dict[str, Any] | None:
+        """The trainers' summary once they marked the run complete, else None."""
         return await self._get(KEY_TRAIN_COMPLETE)
 
     async def put_checkpoint(self, pointer: dict[str, Any]) -> int:
+        """Point at the latest durable checkpoint."""
         return await self._put(KEY_CHECKPOINT, pointer)
 
     async def get_checkpoint(self) -> dict[str, Any] | None:
+        """The latest checkpoint pointer, None when none was written."""
         return await self._get(KEY_CHECKPOINT)
 
 

@@ -59,6 +59,7 @@ class BusSource(LeaseSettlement):
 
     # -- helpers -----------------------------------------------------------------------
     def store(self, uri: str):
+        """The store a ref's `store_uri` names, opened once (training thread)."""
         if uri not in self._stores:
             self._stores[uri] = self._open_store_fn(uri)
         return self._stores[uri]
@@ -123,6 +124,8 @@ class BusSource(LeaseSettlement):
 
     # -- Source protocol -----------------------------------------------------------------
     async def take(self, n: int, timeout_s: float) -> list[Item]:
+        """Up to `n` items with their tensors loaded (see the module doc for what is skipped,
+        dead-lettered or recaptured); [] after `timeout_s` when nothing came."""
         items: list[Item] = []
         for lease in await self.group.fetch(n, timeout_s):
             ref: SampleRef = lease.record
@@ -174,6 +177,7 @@ class BusSource(LeaseSettlement):
         return await self.runbus.drained(TRAINERS)
 
     def release(self, items: list[Item]) -> None:
+        """Free the items' tensors in their stores (after ack)."""
         for item in items:
             self.store(item.stored.store_uri).release(item.stored)
 
@@ -182,9 +186,11 @@ class BusSource(LeaseSettlement):
         return next(iter(self._stores.values())).usage() if self._stores else None
 
     def drain_retired(self) -> list[int]:
+        """Sequences retired here (dead-lettered, superseded) since the last call."""
         out, self._retired = self._retired, []
         return out
 
     def close(self) -> None:
+        """Close every store opened; the leases are the loader's to give back first."""
         for store in self._stores.values():
             store.close()

@@ -32,6 +32,9 @@ class RoundPlan:
 
 @dataclass
 class Ledger:
+    """What is in the model: the SAMPLES cursor, the trained sample ids and the lineage (see the module
+    doc). Queries are safe from the bus thread; updates belong to the training thread."""
+
     cursor: SamplesCursor = field(default_factory=SamplesCursor)
     lineage: list[str] = field(default_factory=list)
     _ids: set[str] = field(default_factory=set, repr=False)
@@ -45,6 +48,7 @@ class Ledger:
         return self.cursor.is_done(seq) or sample_id in self._ids
 
     def trained_sample(self, sample_id: str) -> bool:
+        """True when a sample with this id is in the model (whatever its sequence or generation)."""
         return sample_id in self._ids
 
     def __len__(self) -> int:
@@ -71,9 +75,11 @@ class Ledger:
 
     # -- Stateful ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's `cursor` and `lineage`."""
         return {"cursor": self.cursor.to_dict(), "lineage": list(self.lineage)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (or a checkpoint holding those keys)."""
         self.cursor = SamplesCursor.from_dict(state["cursor"])
         self.lineage = list(state["lineage"])
         self._ids = set(self.lineage)

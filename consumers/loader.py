@@ -30,6 +30,9 @@ log = logging.getLogger("specbus.loader")
 
 @dataclass
 class Window:
+    """One optimizer step's data on this rank: its items, their collated micro-batches, every rank's
+    keys of the step (recorded at commit) and how long the rank waited for it."""
+
     items: list[Item]
     micro_batches: list[Any]
     keys: list[Key] = field(default_factory=list)  # every rank's items of this step
@@ -41,6 +44,11 @@ class Window:
 
 
 class Loader:
+    """One trainer rank's loader over `source` (see the module doc): windows of `micro_batch *
+    accumulation` items, `prefetch` windows ahead (0: one window in flight), heartbeats every
+    `heartbeat_s`; `stop_after_s` ends the data after that long; `stop` (set by a signal) stops
+    every rank at the next step."""
+
     def __init__(
         self,
         source: Source,
@@ -83,9 +91,11 @@ class Loader:
 
     # -- Stateful: the ledger is the loader's position in the data ---------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The ledger's state: the loader's position in the data (a `Stateful`)."""
         return self.ledger.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the ledger from a checkpoint."""
         self.ledger.load_state_dict(state)
 
     # -- bus-loop side ---------------------------------------------------------------

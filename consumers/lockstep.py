@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 
 class Status(enum.IntEnum):
+    """What one rank reports before a step."""
+
     ENDED = 0  # window not full and the data is over (as this rank sees it)
     WAITING = 1  # window not full, more may come
     FULL = 2
@@ -25,6 +27,8 @@ class Status(enum.IntEnum):
 
 
 class Decision(enum.Enum):
+    """What every rank does next, the same on all of them."""
+
     TRAIN = "train"
     WAIT = "wait"
     REBALANCE = "rebalance"
@@ -68,6 +72,7 @@ def decide(
 
 
 def distributed() -> bool:
+    """True in a process group of more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -122,6 +127,7 @@ def agree(
 
 
 def rank() -> int:
+    """This process's rank (0 when not distributed)."""
     return dist.get_rank() if distributed() else 0
 
 

@@ -124,6 +124,7 @@ class Trainer:
 
     @property
     def samples(self) -> int:
+        """Samples in the model (the ledger's lineage)."""
         return len(self.loader.ledger)
 
     # -- state -------------------------------------------------------------------------

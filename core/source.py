@@ -31,6 +31,7 @@ class Item:
 
     @property
     def key(self) -> tuple[int, str]:
+        """(stream sequence, sample id): what the ledger records and filters on."""
         return self.seq, self.sample_id
 
 
@@ -51,10 +52,15 @@ class Upstream:
 class Trained(Protocol):
     """The trainer's record of what is in the model (`consumers.ledger.Ledger`)."""
 
-    def contains(self, seq: int, sample_id: str) -> bool: ...
+    def contains(self, seq: int, sample_id: str) -> bool:
+        """True when the item with this sequence or sample id is already in the model."""
 
 
 class Source(Protocol):
+    """Where a trainer rank's items come from (see the module doc); the loader's only view of upstream.
+    `take`, `upstream`, `keepalive`, `ack`, `nak`, `give_back` run on the bus loop; `release`,
+    `unsettled`, `drain_retired`, `usage` are safe from the training thread."""
+
     stats: dict[str, float]
 
     async def take(self, n: int, timeout_s: float) -> list[Item]:

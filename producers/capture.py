@@ -30,6 +30,8 @@ log = logging.getLogger("specbus.producer")
 
 @dataclass
 class CaptureStats:
+    """What one capture worker did (counts, seconds, tokens)."""
+
     tasks: int = 0
     samples: int = 0
     failures: int = 0
@@ -129,10 +131,13 @@ class CaptureWorker:
         self._lag_bytes = 0
 
     def stop(self) -> None:
+        """Ask `run()` to return after the batch in progress."""
         self._stop.set()
 
     # -- loop ----------------------------------------------------------------------------
     async def run(self) -> CaptureStats:
+        """Capture until the run is marked trained, `stop()`, or (with `exit_when_idle`) nothing is
+        left; returns the stats."""
         while not self._stop.is_set():
             await self._poll_broker()
             if self._train_complete:

@@ -68,6 +68,8 @@ class ColocatedSource(LeaseSettlement):
         self._retrying: dict[int, float] = {}
 
     async def take(self, n: int, timeout_s: float) -> list[Item]:
+        """Lease and capture up to `n` tasks, stored in this rank's `mem://` store (an island's leader
+        leases for the island; see the module doc); [] after `timeout_s` when nothing came."""
         if self.island is not None:
             return await self._take_island(n, timeout_s)
         leases = []
@@ -186,6 +188,8 @@ class ColocatedSource(LeaseSettlement):
         return items
 
     async def upstream(self) -> Upstream:
+        """The producers' group drained (`RunBus.drained`), nothing buffered here and no failed capture
+        to retry; an island's ranks share the leader's view."""
         if self.island is not None:  # the leader's view, as of the last take (same on all)
             return self._upstream
         return await self._upstream_view()
@@ -200,13 +204,16 @@ class ColocatedSource(LeaseSettlement):
         return await self.runbus.drained(PRODUCERS)
 
     def release(self, items: list[Item]) -> None:
+        """Free the items' tensors in this rank's store."""
         for item in items:
             self.store.release(item.stored)
 
     def usage(self):
+        """This rank's store residency."""
         return self.store.usage()
 
     def drain_retired(self) -> list[int]:
+        """Sequences dead-lettered here since the last call."""
         out, self._retired = self._retired, []
         return out
 
@@ -227,4 +234,5 @@ class ColocatedSource(LeaseSettlement):
         await super().give_back()
 
     def close(self) -> None:
+        """Close this rank's store (the engine is the caller's)."""
         self.store.close()

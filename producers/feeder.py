@@ -41,6 +41,9 @@ log = logging.getLogger("specbus.feeder")
 
 @dataclass
 class Prepared:
+    """The feeder's tokenised training samples, held-back records, vocab mapping and the target's
+    identity."""
+
     samples: list[TokenizedSample]
     holdout: list[dict[str, Any]]
     vocab: VocabMapping
@@ -113,6 +116,7 @@ def plan_of(cfg: RunConfig, prepared: Prepared) -> dict[str, Any]:
 
 
 def plan_hash(plan: dict[str, Any]) -> str:
+    """A short stable digest of a plan (sorted-key JSON)."""
     return hashlib.sha256(orjson.dumps(plan, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 

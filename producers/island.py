@@ -33,14 +33,17 @@ class Island:
 
     @property
     def tp(self) -> int:
+        """The island's TP width."""
         return self.plan.tp
 
     @property
     def leader(self) -> int:
+        """The island leader's global rank."""
         return self.plan.leader_of(self.rank)
 
     @property
     def is_leader(self) -> bool:
+        """True on the island's leader."""
         return self.plan.is_leader(self.rank)
 
     @property
@@ -100,6 +103,8 @@ class IslandWorker(threading.Thread):
         return box[0]
 
     def run(self) -> None:
+        """Capture one batch per leader message, in order, until the closing message or a failure (sent
+        to the bus loop)."""
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         while True:
