@@ -30,6 +30,8 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class Section(BaseModel):
+    """A config section: strict (`extra="forbid"`: a typo is an error) and validated on assignment."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -63,6 +65,9 @@ class BusConfig(Section):
 
 
 class MooncakeConfig(Section):
+    """How a process reaches the Mooncake cluster of a `mooncake://` store, and how releases refused
+    under a read lease are retried."""
+
     master: str = "127.0.0.1:50051"
     metadata: str = "P2P"  # "P2P" handshake, or http://127.0.0.1:port/metadata
     protocol: Literal["tcp", "rdma"] = "tcp"
@@ -138,6 +143,8 @@ class TargetConfig(Section):
 
 
 class DraftConfig(Section):
+    """The draft's architecture (a name of `core.models.registry`) and its widths; None: the target's."""
+
     architecture: str = "llama_eagle3"
     num_layers: int = Field(1, ge=1)
     hidden_size: int | None = None  # None: the target's
@@ -200,6 +207,9 @@ class StrategyConfig(Section):
 
 
 class DataConfig(Section):
+    """The training data: a source (gsm8k, chatterbot or a JSONL path), how it is tokenised, split and
+    repeated."""
+
     source: str = "gsm8k"  # gsm8k | chatterbot | a JSONL path
     max_length: int = Field(512, ge=8)
     last_turn_only: bool = False
@@ -211,6 +221,9 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
+    """The trainer's section: optimizer, schedule, batch geometry, data parallelism, checkpoints,
+    logging (`Trainer` and `build_optimizer`/`build_scheduler` read it)."""
+
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -259,6 +272,8 @@ class DeploymentConfig(Section):
 
 
 class TelemetryConfig(Section):
+    """Logs and traces: OpenTelemetry exporters come from the standard OTEL_* variables."""
+
     service_name: str = "specbus"
     # Not read yet: the progress bar and TensorBoard output come with their own issue.
     console_progress: bool = True
@@ -267,6 +282,9 @@ class TelemetryConfig(Section):
 
 
 class RunConfig(Section):
+    """The run's composition tree: one section per component, plus the run's name and directory;
+    cross-field rules are its validators."""
+
     run: str = "default"
     run_dir: Path | None = None  # None: ./runs/<run>
     bus: BusConfig = BusConfig()
@@ -313,6 +331,7 @@ class RunConfig(Section):
 
     @property
     def resolved_run_dir(self) -> Path:
+        """`run_dir`, else `./runs/<run>`."""
         return self.run_dir if self.run_dir is not None else Path("runs") / self.run
 
 
@@ -388,4 +407,5 @@ def load_config(
 
 
 def dump_config(cfg: RunConfig) -> str:
+    """The config as YAML that `load_config` reads back to an equal config."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -45,6 +45,7 @@ class Record(BaseModel):
         return v
 
     def to_bytes(self) -> bytes:
+        """The record's wire bytes (orjson); `RecordError(reason="oversize")` beyond `max_bytes`."""
         data = orjson.dumps(self.model_dump(mode="json"))
         if len(data) > self.max_bytes:
             raise RecordError(
@@ -99,6 +100,8 @@ class FeatureSpec(Record):
 
 
 class Provenance(Record):
+    """Who captured a sample: the producer and its engine, and when."""
+
     producer_id: str
     engine: str
     created_at: float = Field(default_factory=time.time)

@@ -45,6 +45,7 @@ class Registry:
             self._entries.pop(name, None)
 
     def names(self) -> list[str]:
+        """The registered names, sorted."""
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:

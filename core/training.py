@@ -24,6 +24,7 @@ from torch import nn
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that require grad (frozen embedding and heads excluded)."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -58,6 +59,8 @@ def lr_factor(step: int, total: int, cfg: TrainingConfig) -> float:
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule of `cfg.schedule` over `total_steps` optimizer steps (module doc); `ConfigError`
+    for `total_steps < 1`."""
     if total_steps < 1:
         raise ConfigError(f"the schedule needs total_steps >= 1, got {total_steps}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
@@ -65,6 +68,8 @@ def build_scheduler(
 
 @dataclass
 class StepResult:
+    """One optimizer step: its loss, pre-clip grad norm, the lr used and the averaged metrics."""
+
     loss: float
     grad_norm: float
     lr: float

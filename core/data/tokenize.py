@@ -74,6 +74,7 @@ def normalize_messages(turns: list[dict[str, Any]], template: ChatTemplate) -> l
 def render(
     messages: list[dict[str, str]], tokenizer, *, add_generation_prompt: bool = False
 ) -> str:
+    """The conversation rendered by the tokenizer's own chat template (text, not tokens)."""
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )

@@ -115,6 +115,9 @@ class MooncakeStore(StoreBase):
     def put(
         self, sample_id: str, tensors: Mapping[str, torch.Tensor], gen: int = 0
     ) -> dict[str, FeatureSpec]:
+        """Put every tensor of the sample (see `FeatureStore.put`; the module doc for the transfer):
+        `StoreFull` over the budget or a full segment, `StoreUnavailable` without a master or a
+        store node; nothing of a failed put stays behind."""
         self._check_open()
         kept, specs = prepare(
             self.store_id, sample_id, gen, tensors, crc=self.cfg.crc, screen=False
@@ -289,6 +292,8 @@ class MooncakeStore(StoreBase):
     def get(
         self, ref: RefLike, names: Iterable[str] | None = None, device=None
     ) -> dict[str, torch.Tensor]:
+        """Read the sample's tensors into pooled registered memory (see `FeatureStore.get`); Mooncake's
+        error codes map to `FeatureMissing`, `StoreUnavailable`, `IntegrityError`."""
         self._check_open()
         specs = specs_of(ref, names)
         for spec in specs.values():
@@ -353,6 +358,8 @@ class MooncakeStore(StoreBase):
     # ---- release, adopt, gc ----------------------------------------------------------------
 
     def release(self, ref: RefLike) -> None:
+        """Remove one generation of a sample; a remove refused under a read lease is retried in the
+        background and forced later (mooncake_releases.py)."""
         specs = specs_of(ref)
         for spec in specs.values():
             parse_key(spec.key, self.store_id)
@@ -400,6 +407,8 @@ class MooncakeStore(StoreBase):
     # ---- the store's view (master admin HTTP) ------------------------------------------------
 
     def usage(self) -> StoreUsage:
+        """The whole cluster's allocated bytes and capacity (the master's view), this store's samples,
+        and the bytes of releases still pending here."""
         allocated, capacity = self._admin.metrics()
         self._peak = max(self._peak, allocated)
         keys = self._admin.list_keys(self.store_id)

@@ -100,6 +100,7 @@ class Connection:
             return True
 
     def unhold(self, ptr: int) -> None:
+        """Drop one put's hold of a registration (unregistered by the last)."""
         with self._held_lock:
             entry = self._held[ptr]
             entry[1] -= 1

@@ -52,6 +52,7 @@ class Releases:
         return key in self._pending
 
     def pending_bytes(self) -> int:
+        """Bytes of the removes still pending."""
         with self._cond:
             return sum(p.nbytes for p in self._pending.values())
 
@@ -63,6 +64,7 @@ class Releases:
                 self._pending.pop(key, None)
 
     def clear(self) -> None:
+        """Forget every pending remove (a purge removed them by pattern)."""
         with self._cond:
             self._pending.clear()
 

@@ -85,6 +85,9 @@ def _recv_pool(nbytes: int) -> BufferPool | None:
 
 
 class ShmStore(ShmSweep, StoreBase):
+    """A `FeatureStore` in a shared directory (see the module doc); `root` None:
+    `SHM_ROOT/specbus-<store_id>`."""
+
     def __init__(self, cfg: StoreConfig, store_id: str, root: Path | None = None):
         self.cfg = cfg
         self.store_id = store_id
@@ -261,6 +264,8 @@ class ShmStore(ShmSweep, StoreBase):
     def get(
         self, ref: RefLike, names: Iterable[str] | None = None, device=None
     ) -> dict[str, torch.Tensor]:
+        """The sample's tensors, read once into fresh (pooled) memory; `FeatureMissing` when released
+        or recycled mid-read, `IntegrityError` for a short read or a CRC mismatch."""
         self._check_open()
         out = {}
         for name, spec in specs_of(ref, names).items():
@@ -308,6 +313,8 @@ class ShmStore(ShmSweep, StoreBase):
     # ---- lifecycle -----------------------------------------------------------------------
 
     def release(self, ref: RefLike) -> None:
+        """Take one generation of a sample out of the store, recycling its files into the free cache
+        (see `FeatureStore.release`)."""
         sample_id, gen = sample_of(specs_of(ref), self.store_id)
         sdir = self.root / "samples" / sample_id
         with self._lock:
@@ -322,6 +329,7 @@ class ShmStore(ShmSweep, StoreBase):
         rm(trash)
 
     def adopt(self, ref: RefLike) -> None:
+        """Verify a sample another writer put: every file exists with the spec's size."""
         for spec in specs_of(ref).values():
             p = parse_key(spec.key, self.store_id)
             path = self.root / "samples" / p.sample_id / f"g{p.gen}" / p.name
@@ -335,6 +343,7 @@ class ShmStore(ShmSweep, StoreBase):
                 )
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor (a put copies any tensor once)."""
         return torch.empty(shape, dtype=dtype)  # a put copies (shm) or keeps (mem) any tensor
 
     def usage(self) -> StoreUsage:

@@ -33,6 +33,7 @@ STATS = struct.Struct("<qqqq")  # resident bytes, samples, peak bytes, cached by
 
 
 def store_dir(store_id: str) -> Path:
+    """The default directory of store `store_id` under `SHM_ROOT`."""
     return SHM_ROOT / f"specbus-{store_id}"
 
 
@@ -113,10 +114,12 @@ class Locked:
         self.tlock.release()
 
     def read(self) -> Stats:
+        """The store's counters (under the lock)."""
         data = os.pread(self.fd, STATS.size, 0)
         return Stats(*STATS.unpack(data)) if len(data) == STATS.size else Stats()
 
     def write(self, st: Stats) -> None:
+        """Write the counters (under the lock); the peak follows the resident bytes."""
         st.peak = max(st.peak, st.resident)
         os.pwrite(
             self.fd,
@@ -140,6 +143,8 @@ def locked_for(root: Path) -> Locked:
 
 @dataclass
 class Stats:
+    """The store's counters: resident bytes, samples, peak bytes, cached free-file bytes."""
+
     resident: int = 0
     count: int = 0
     peak: int = 0
@@ -147,6 +152,7 @@ class Stats:
 
 
 def nbytes_of(d: Path) -> int:
+    """Bytes of a sample directory (its `.nbytes`, else the sum of its files)."""
     try:
         return int((d / ".nbytes").read_text())
     except (FileNotFoundError, ValueError):
@@ -156,6 +162,7 @@ def nbytes_of(d: Path) -> int:
 
 
 def write_text(path: str, text: str) -> None:
+    """Write a small file (no fsync: tmpfs)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, text.encode())
@@ -164,6 +171,7 @@ def write_text(path: str, text: str) -> None:
 
 
 def read_exact(fd: int, out: torch.Tensor) -> int:
+    """`readv` into `out` until it is full or the file ends; the bytes read."""
     mv = memoryview(out.numpy()).cast("B") if out.numel() else memoryview(bytearray())
     got = 0
     while got < len(mv):
@@ -195,6 +203,7 @@ def reserve(fd: int, nbytes: int) -> None:
 
 
 def size_text(nbytes: int) -> str:
+    """A byte count for people (KiB, MiB, GiB)."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
             return f"{nbytes / (1 << shift):.1f} {unit}"
@@ -202,6 +211,7 @@ def size_text(nbytes: int) -> str:
 
 
 def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem under `path`."""
     path = path.resolve()
     while not os.path.ismount(path) and path != path.parent:
         path = path.parent
@@ -214,6 +224,7 @@ def free_entries(free_dir: str) -> list[tuple[int, str]]:
 
 
 def parse_free(names: Iterable[str]) -> list[tuple[int, str]]:
+    """(size, name) of free-file names (the size is in the name)."""
     out = []
     for name in names:
         size, _, _ = name.partition(".")
@@ -238,6 +249,7 @@ def unchanged(before: os.stat_result, after: os.stat_result, path: Path) -> bool
 
 
 def gen_of(name: str) -> int:
+    """The generation of a `g<gen>` directory name (-1 for another name)."""
     try:
         return int(name[1:])
     except ValueError:
@@ -245,6 +257,7 @@ def gen_of(name: str) -> int:
 
 
 def mtime_of(path: Path, fallback: Path) -> float:
+    """`path`'s modification time, else `fallback`'s (a put still in progress)."""
     try:
         return path.stat().st_mtime
     except FileNotFoundError:

@@ -156,6 +156,7 @@ class FreeFiles:
         return out
 
     def to_trash(self, d: Path) -> Path:
+        """Move `d` into the store's trash (deleted outside the lock); its new path."""
         (self.root / "trash").mkdir(exist_ok=True)
         dest = self.root / "trash" / uuid.uuid4().hex
         os.rename(d, dest)

@@ -40,6 +40,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Heads:
+    """The target's frozen embedding and lm_head, as the objectives take them."""
+
     embed_VH: torch.Tensor
     lm_head_VH: torch.Tensor
 
@@ -146,9 +148,12 @@ class DFlashFamilyStrategy:
 
     @property
     def draft_vocab_size(self) -> int:
+        """The draft's vocabulary: the target's (DFlash drafts through the target lm_head)."""
         return self.target.vocab_size  # the target's own lm_head: no reduced vocabulary
 
     def feature_contract(self, target: TargetInfo | None = None) -> FeatureContract:
+        """input_ids, loss_mask, hidden_states (the chosen target layers), and the final hidden state
+        for DSpark."""
         target = target or self.target
         h = target.hidden_size
         fields = [
@@ -191,6 +196,7 @@ class DFlashFamilyStrategy:
         )
 
     def model_config(self, target: TargetInfo | None = None) -> DFlashConfig:
+        """The draft's config: the target's widths unless `strategy.draft` sets them."""
         target = target or self.target
         d = self.cfg.draft
         heads = d.num_attention_heads or target.num_attention_heads
@@ -258,6 +264,8 @@ class DFlashFamilyStrategy:
         return torch.Generator().manual_seed(seed)
 
     def loss_kwargs(self, batch: TrainBatch, step: StepContext | None) -> dict:
+        """The objective's inputs for one micro-batch (anchors drawn from `generator(step)`
+        unless the batch carries fixed ones)."""
         t = batch.tensors
         heads = self.target_heads(t["input_ids"].device, t["hidden_states"].dtype)
         anchors = None
@@ -284,9 +292,11 @@ class DFlashFamilyStrategy:
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None
     ) -> tuple[torch.Tensor, Metrics]:
+        """The DFlash objective and metrics of one micro-batch."""
         return dflash_loss(model, **self.loss_kwargs(batch, step), **_rank_pooling())
 
     def export(self, model: nn.Module, out_dir, dtype: str = "bfloat16"):
+        """Write the draft as an SGLang DFLASH / DSPARK directory."""
         from specbus.core.export.dflash import export_dflash
 
         return export_dflash(unwrap(model), out_dir, dtype=dtype)
@@ -314,24 +324,31 @@ def _rank_pooling() -> dict:
 
 
 class DominoStrategy(DFlashFamilyStrategy):
+    """Domino: DFlash plus a correction head, its loss weight decaying with the schedule."""
+
     projector = "domino"
     SECTIONS = ("domino",)
 
     def lambda_base(self, step: StepContext | None) -> float:
+        """The base-loss weight at `step`."""
         d = self.cfg.domino
         return domino_lambda(step, d.lambda_start, d.lambda_decay_ratio)
 
     def forward_loss(self, model, batch, step=None):
+        """The Domino objective and metrics of one micro-batch."""
         return domino_loss(
             model, **self.loss_kwargs(batch, step), lambda_base=self.lambda_base(step)
         )
 
 
 class DSparkStrategy(DFlashFamilyStrategy):
+    """DSpark: Markov and confidence heads, CE + L1 + confidence loss pooled over ranks."""
+
     projector = "dspark"
     SECTIONS = ("dspark",)
 
     def forward_loss(self, model, batch, step=None):
+        """The DSpark objective and metrics of one micro-batch."""
         d = self.cfg.dspark
         return dspark_loss(
             model, **self.loss_kwargs(batch, step), target_BLH=batch.tensors["target"],

@@ -62,6 +62,9 @@ def compute_teacher(
     loss_mask_BL1: torch.Tensor,
     ttt_length: int,
 ) -> Teacher:
+    """The TTT teacher from the target's logits: its distribution renormalised over the draft
+    vocabulary, its probability mass on each draft token, its argmax ids, and the supervised
+    positions whose argmax the draft can emit; padded by `ttt_length` for the shifted steps."""
     logits = upcast(target_logits_BLV)
     target_ids = logits.argmax(-1)
     position_mask = t2d_V[target_ids][..., None].int() * loss_mask_BL1
@@ -88,6 +91,8 @@ def step_loss(
 def acceptance_rate(
     logits_BLVd: torch.Tensor, target_p_on_draft_BLVd: torch.Tensor, position_mask_BL1: torch.Tensor
 ) -> torch.Tensor:
+    """The expected acceptance of one TTT step: sum over the draft vocabulary of
+    min(p_target, p_draft), averaged over the supervised positions."""
     draft_p = torch.softmax(upcast(logits_BLVd), dim=-1).to(target_p_on_draft_BLVd.dtype)
     per_token = torch.minimum(target_p_on_draft_BLVd, draft_p).sum(-1)
     mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
@@ -200,9 +205,12 @@ class Eagle3Strategy:
 
     @property
     def draft_vocab_size(self) -> int:
+        """The draft vocabulary size (clamped to the target's)."""
         return min(self.cfg.draft.draft_vocab_size, self.target.vocab_size)
 
     def feature_contract(self, target: TargetInfo | None = None) -> FeatureContract:
+        """input_ids, loss_mask, hidden_states (3 aux layers concatenated) and target (the final hidden
+        state)."""
         target = target or self.target
         h = target.hidden_size
         return FeatureContract(
@@ -276,6 +284,7 @@ class Eagle3Strategy:
         return draft
 
     def lm_head(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The target's frozen lm_head on `device` in `dtype` (cached)."""
         if self.heads is None:
             raise ConfigError(
                 "eagle3 recomputes the teacher from the target lm_head: build_strategy(..., heads=...)"
@@ -297,6 +306,7 @@ class Eagle3Strategy:
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None
     ) -> tuple[torch.Tensor, Metrics]:
+        """The TTT loss and metrics of one micro-batch (docs/eagle3.md)."""
         t = batch.tensors
         device = t["input_ids"].device
         # The reference runs its frozen head in the feature dtype (bf16 on GPU) and upcasts logits.
