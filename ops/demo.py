@@ -72,6 +72,7 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """`specbus demo` (see the module doc); its exit code (128 + the signal when interrupted)."""
     with interruptible():
         try:
             return _run_demo(args)

@@ -114,9 +114,11 @@ class Launcher:
         return out
 
     def log_path(self, name: str) -> Path:
+        """Where child `name` logs."""
         return self.logs / f"{name}.log"
 
     def log(self, name: str) -> str:
+        """Child `name`'s log so far."""
         return self.log_path(name).read_text(errors="replace")
 
     def failed(self) -> tuple[str, int] | None:

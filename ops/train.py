@@ -188,6 +188,7 @@ def build_parts(
 
 
 def checkpoint_dir(cfg: RunConfig) -> Path:
+    """`training.checkpoint_dir`, else `<run_dir>/checkpoints`."""
     return cfg.training.checkpoint_dir or (cfg.resolved_run_dir / "checkpoints")
 
 

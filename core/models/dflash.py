@@ -102,6 +102,8 @@ class DFlashConfig:
 
 
 class MLP(nn.Module):
+    """The draft's SwiGLU MLP (silu only)."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         if cfg.hidden_act != "silu":
@@ -111,6 +113,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -122,6 +125,9 @@ def _repeat_kv(x_BNkvTD: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """Block attention: a block's queries see the injected context keys/values (projected target
+    states) and their own block."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -186,6 +192,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One draft layer: attention over context + block, then the MLP, pre-norm with residuals."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -194,6 +202,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x_BQH, kv_ctx, positions_BQ, allow_BQS, attention="sdpa") -> torch.Tensor:
+        """The block's hidden states `[B, Q, H]` after this layer."""
         h = x_BQH + self.self_attn(
             self.input_layernorm(x_BQH), kv_ctx, positions_BQ, allow_BQS, attention
         )
@@ -221,6 +230,7 @@ class MarkovHead(nn.Module):
             self.joint_proj = nn.Linear(2 * r + h, 3 * r)
 
     def prev_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The Markov head's embedding of the previous tokens."""
         return self.markov_w1(token_ids.long())
 
     def _rnn_step(self, state, prev_emb, hidden):
@@ -269,6 +279,7 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(input_dim, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """One acceptance logit per position."""
         return self.proj(features).squeeze(-1)
 
 
@@ -285,6 +296,7 @@ class ContextCache:
 
     @property
     def length(self) -> int:
+        """Verified context positions cached."""
         return 0 if not self.keys else int(self.keys[0].shape[2])
 
 
@@ -319,6 +331,7 @@ class DFlashDraft(nn.Module):
 
     @property
     def block_size(self) -> int:
+        """Tokens per drafted block (K)."""
         return self.config.block_size
 
     @torch.no_grad()
@@ -406,6 +419,7 @@ class DFlashDraft(nn.Module):
     def confidence_logits(
         self, hidden: torch.Tensor, prev_ids: torch.Tensor
     ) -> torch.Tensor | None:
+        """DSpark's acceptance logits for the block's positions (None without a confidence head)."""
         if getattr(self, "confidence_head", None) is None:
             return None
         features = hidden

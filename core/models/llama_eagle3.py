@@ -57,6 +57,7 @@ class Eagle3Config:
     pad_token_id: int | None = None
 
     def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` SGLang loads as `LlamaForCausalLMEagle3`."""
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLMEagle3"],
             "model_type": "llama",
@@ -89,6 +90,7 @@ class Eagle3Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> Eagle3Config:
+        """The config of an exported draft (rope settings in either transformers spelling)."""
         rope_theta, rope_scaling = d.get("rope_theta"), d.get("rope_scaling")
         if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
             params = dict(d["rope_parameters"])
@@ -124,12 +126,15 @@ class Eagle3Config:
 
 
 class RMSNorm(nn.Module):
+    """Llama's RMSNorm, computed in fp32 (fp64 kept)."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` normalised by its RMS over the last dimension, scaled, in `x`'s dtype."""
         dtype = x.dtype
         x = (
             x if dtype == torch.float64 else x.to(torch.float32)
@@ -178,6 +183,7 @@ def apply_rope(
     inv_freq: torch.Tensor,
     position_ids_BL: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(q, k)` rotated by the rotary embedding of `position_ids_BL` (fp32 angles)."""
     freqs_BLD2 = position_ids_BL.to(torch.float32)[..., None] * inv_freq.to(
         position_ids_BL.device, torch.float32
     )
@@ -214,6 +220,7 @@ class TTTCache:
 
     @property
     def step(self) -> int:
+        """The TTT step the next forward computes (0 first)."""
         return len(self.keys)
 
 
@@ -226,9 +233,11 @@ class DecodeCache:
 
     @property
     def length(self) -> int:
+        """Positions cached so far."""
         return 0 if self.k is None else int(self.k.shape[2])
 
     def crop(self, length: int) -> None:
+        """Keep the first `length` positions (the verified prefix after a rejection)."""
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
@@ -293,6 +302,9 @@ def _compiled_flex():
 
 
 class Attention(nn.Module):
+    """The draft's attention over [embedding; hidden] (2H wide), with a TTT cache when training and a
+    causal cache when decoding."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -310,6 +322,7 @@ class Attention(nn.Module):
     def forward(
         self, x_BL2H: torch.Tensor, position_ids_BL: torch.Tensor, cache: TTTCache | DecodeCache
     ) -> torch.Tensor:
+        """Attention output `[B, L, H]`; the step's keys/values are appended to `cache`."""
         b, seq, _ = x_BL2H.shape
         q = self.q_proj(x_BL2H).view(b, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BL2H).view(b, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -342,6 +355,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Llama's SwiGLU MLP."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         if cfg.hidden_act != "silu":
@@ -351,10 +366,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate(x)) * up(x))."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """EAGLE3's decoder layer: the normed token embedding and hidden state concatenated into attention,
+    then the MLP, each with a residual on the hidden state."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -364,6 +383,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, emb_BLH, hidden_BLH, position_ids_BL, cache) -> torch.Tensor:
+        """The layer's hidden state `[B, L, H]` for one TTT step (or one decode step)."""
         residual = hidden_BLH
         x = torch.cat((self.input_layernorm(emb_BLH), self.hidden_norm(hidden_BLH)), dim=-1)
         hidden_BLH = residual + self.self_attn(x, position_ids_BL, cache)
@@ -411,6 +431,7 @@ class LlamaEagle3Draft(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Linear and embedding weights N(0, initializer_range), norms 1."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, self.config.initializer_range)
@@ -420,6 +441,7 @@ class LlamaEagle3Draft(nn.Module):
 
     @torch.no_grad()
     def load_embedding(self, embed_VH: torch.Tensor) -> None:
+        """Copy the target's embedding into the frozen `embed_tokens`; `ConfigError` for another shape."""
         if tuple(embed_VH.shape) != tuple(self.embed_tokens.weight.shape):
             raise ConfigError(
                 f"target embedding {tuple(embed_VH.shape)} != draft embed_tokens {tuple(self.embed_tokens.weight.shape)}"
@@ -428,6 +450,7 @@ class LlamaEagle3Draft(nn.Module):
 
     @torch.no_grad()
     def load_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Copy the run's `d2t`/`t2d` into the draft's buffers; `ConfigError` for another shape."""
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ConfigError(
                 f"vocab mapping d2t{tuple(d2t.shape)}/t2d{tuple(t2d.shape)} does not fit the draft "
@@ -437,9 +460,12 @@ class LlamaEagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
 
     def embed(self, ids_BL: torch.Tensor) -> torch.Tensor:
+        """The frozen target embedding of `ids_BL`."""
         return self.embed_tokens(ids_BL)
 
     def project(self, aux_BL3H: torch.Tensor) -> torch.Tensor:
+        """The 3 aux hidden states `[B, L, 3H]` projected to `[B, L, H]`; `ConfigError` for another
+        width."""
         if aux_BL3H.shape[-1] != self.fc.in_features:
             raise ConfigError(
                 f"aux hidden states width {aux_BL3H.shape[-1]} != 3 * target hidden {self.fc.in_features}"
