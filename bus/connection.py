@@ -1,19 +1,23 @@
 """A connection to the broker: NATS core + JetStream, with reconnect, quiet errors and auth.
 
-`await connect(cfg, url, name=)` returns a `Bus`: the first connection is bounded by
-`cfg.connect_timeout_s` (`BusError`), then a lost broker is reconnected to forever; client
-errors are one line each; auth (user/password, token, creds file, TLS, mutual TLS) comes from
-the config (`ConfigError` for unusable settings). docs/bus.md, "Connection".
+`await connect(cfg, url, name=)` returns a `Bus`: a broker that does not answer yet is waited
+for up to `cfg.connect_give_up_s` (`BusError` after; refused credentials fail at once), then a
+lost broker is reconnected to forever; client errors are one line each; auth (user/password,
+token, creds file, TLS, mutual TLS) comes from the config (`ConfigError` for unusable
+settings). docs/bus.md, "Connection".
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
+import time
 
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.errors import AuthorizationError, NoServersError
 from nats.js import JetStreamContext
 from specbus.bus.outage import Outage, ride
 from specbus.core.config import BusConfig
@@ -81,6 +85,7 @@ class _QuietErrors:
         self.name = name
         self.last = ""
         self.reconnects = 0
+        self.auth_failed = False  # the server refused the credentials
         self.bus: Bus | None = None
 
     def _away(self, e: Exception) -> bool:
@@ -94,6 +99,9 @@ class _QuietErrors:
         return bus.closing or bus.outage.active or not bus.connected
 
     async def error(self, e: Exception) -> None:
+        # nats-py reports a refused login as a plain Error('Authorization Violation')
+        refused = isinstance(e, AuthorizationError) or "authoriz" in str(e).lower()
+        self.auth_failed = self.auth_failed or refused
         line = f"{type(e).__name__}: {e}".strip()
         if line == self.last:
             level = logging.DEBUG
@@ -115,6 +123,35 @@ class _QuietErrors:
         if self.bus is not None:
             self.bus.outage.reconnected()
         log.info("nats[%s] reconnected", self.name)
+
+
+async def _first_connection(url: str, options: dict, quiet: _QuietErrors, give_up_s: float) -> NATS:
+    """Connect, retrying a broker that does not answer yet for up to `give_up_s` (one WARNING
+    line at the first failure, one when connected). Refused credentials and bad options fail
+    at once: retrying cannot fix them."""
+    deadline = time.monotonic() + give_up_s
+    waiting_since = None
+    while True:
+        try:
+            nc = await nats.connect(**options)
+        except Exception as e:
+            retryable = isinstance(e, (NoServersError, OSError, asyncio.TimeoutError))
+            if not retryable or quiet.auth_failed or time.monotonic() >= deadline:
+                waited = f" after {time.monotonic() - waiting_since:.0f}s" if waiting_since else ""
+                raise BusError(
+                    f"cannot connect to the broker at {url}{waited}: {type(e).__name__}: {e}"
+                ) from e
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                log.warning(
+                    "broker at %s not reachable yet (%s); retrying until %s (bus.connect_give_up_s=%g)",
+                    url, type(e).__name__, time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - time.monotonic())), give_up_s,
+                )  # fmt: skip
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            continue
+        if waiting_since is not None:
+            log.warning("connected to %s after %.1fs", url, time.monotonic() - waiting_since)
+        return nc
 
 
 def _tls_context(cfg: BusConfig) -> ssl.SSLContext | None:
@@ -158,10 +195,7 @@ async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus")
         if not cfg.creds_file.exists():
             raise ConfigError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
         options["user_credentials"] = str(cfg.creds_file)
-    try:
-        nc = await nats.connect(**options)
-    except Exception as e:
-        raise BusError(f"cannot connect to the broker at {url}: {type(e).__name__}: {e}") from e
+    nc = await _first_connection(url, options, quiet, cfg.connect_give_up_s)
     # From now on a lost broker is retried per config (forever by default).
     nc.options["max_reconnect_attempts"] = cfg.max_reconnect_attempts
     return Bus(nc, cfg, url, quiet)

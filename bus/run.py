@@ -1,21 +1,24 @@
 """One run on one broker connection: what the processes of a run use of the bus.
 
-`await bus.topology.declare(bus, cfg, run)` returns a `RunBus`: the run's names, its KV
-markers, a publisher, joining a consumer group, lag, dead letters, repositioning, and
+`await bus.topology.declare(bus, cfg, run)` returns a `RunBus` (`bus.topology.open_run` for
+a run that must exist already): the run's names, its KV markers, a publisher, joining a
+consumer group, lag and ack floor, replay, dead letters, repositioning, and
 `drained(group)`: the one definition of "no more data can come to this group" that the
 trainers' sources and the producers' idle check all use. Semantics: docs/bus.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from specbus.bus.connection import Bus
-from specbus.bus.dead import Delivery, dead_letter
+from specbus.bus.dead import DeadLetter, Delivery, dead_letter, list_dead
 from specbus.bus.lag import Lag, lag
 from specbus.bus.lease import Leases
+from specbus.bus.outage import ride
 from specbus.bus.publisher import Ack, Publisher
-from specbus.bus.replay import Stored, get, reposition
+from specbus.bus.replay import Stored, get, replay, reposition
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Group, Names
 from specbus.core.contracts import Record
 from specbus.core.source import Upstream
@@ -103,3 +106,26 @@ class RunBus:
     async def reposition(self, group: Group, start_seq: int) -> None:
         """Make `group` deliver from `start_seq` (resume = replay; see `bus.replay`)."""
         await reposition(self.bus, self.run, group, start_seq)
+
+    async def ack_floor(self, group: Group) -> int:
+        """The sequence of `group`'s stream up to which every message is acked (0: none yet):
+        acked means trained, superseded or dead, nobody reads those again."""
+        stream = self.names.stream_of(group)
+        info = await ride(self.bus, f"reading the ack floor of {stream}/{group}",
+                          lambda: self.bus.js.consumer_info(stream, group))  # fmt: skip
+        return info.ack_floor.stream_seq if info.ack_floor else 0
+
+    def replay(
+        self, group: Group, start_seq: int = 1, *, end_seq: int | None = None
+    ) -> AsyncIterator[Stored]:
+        """The stored messages of `group`'s stream (TASKS for the producers, SAMPLES for the
+        trainers) with `start_seq <= seq (<= end_seq)`, in order (see `bus.replay`)."""
+        return replay(self.bus, self.names.stream_of(group), start_seq, end_seq=end_seq)
+
+    async def sample(self, seq: int) -> Stored | None:
+        """The SAMPLES message stored at `seq` (None once it is gone)."""
+        return await get(self.bus, self.names.samples_stream, seq)
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """The run's dead letters, oldest first (see `bus.dead.list_dead`)."""
+        return await list_dead(self.bus, self.run)

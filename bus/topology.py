@@ -45,6 +45,7 @@ KEY_MANIFEST = "manifest"
 KEY_FEED_COMPLETE = "feed_complete"
 KEY_CHECKPOINT = "checkpoint"
 KEY_TRAIN_COMPLETE = "train_complete"
+KEY_RECORDING = "recording"
 
 
 def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
@@ -183,7 +184,8 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
 
 class RunKV:
     """The run's KV bucket: manifest (a `Manifest` record), feed-complete marker (task count),
-    train-complete marker, latest checkpoint pointer (JSON values).
+    train-complete marker, latest checkpoint pointer, recording marker (`specbus capture`)
+    (JSON values).
 
     `get_*` return None when the key was never written. Every put overwrites (history 5), so
     a put retried after a lost answer writes the same value again. Reads and writes ride
@@ -249,6 +251,14 @@ class RunKV:
         """The trainers' summary once they marked the run complete, else None."""
         return await self._get(KEY_TRAIN_COMPLETE)
 
+    async def mark_recording_complete(self, marker: dict[str, Any]) -> int:
+        """The run is a complete recording (`specbus capture`): its SAMPLES are final."""
+        return await self._put(KEY_RECORDING, marker)
+
+    async def recording(self) -> dict[str, Any] | None:
+        """The recording marker (sample count, last sequence, store, features), else None."""
+        return await self._get(KEY_RECORDING)
+
     async def put_checkpoint(self, pointer: dict[str, Any]) -> int:
         """Point at the latest durable checkpoint."""
         return await self._put(KEY_CHECKPOINT, pointer)
@@ -305,3 +315,12 @@ async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> RunBus:
     kv = await open_kv(bus, run, create=True, cfg=cfg)
     assert kv is not None
     return RunBus(bus, names, kv)
+
+
+async def open_run(bus: Bus, run: str) -> RunBus | None:
+    """The facade of a run that exists already (its KV bucket does), without declaring
+    anything; None if there is no such run on this broker (a reader: a recording)."""
+    from specbus.bus.run import RunBus
+
+    kv = await open_kv(bus, run)
+    return None if kv is None else RunBus(bus, Names(run), kv)

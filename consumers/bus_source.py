@@ -12,17 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from specbus.bus.lease import Lease, Leases
 from specbus.bus.run import RunBus
 from specbus.bus.settlement import LeaseSettlement
 from specbus.bus.subjects import TRAINERS
+from specbus.core.config import StoreConfig
 from specbus.core.contracts import PromptTask, SampleRef
 from specbus.core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
 from specbus.core.source import Item, Trained, Upstream
 from specbus.core.store import open_store
+from specbus.core.store.retry import while_unavailable
 from specbus.core.telemetry import extract_link
 
 log = logging.getLogger("specbus.loader")
@@ -31,7 +32,9 @@ log = logging.getLogger("specbus.loader")
 class BusSource(LeaseSettlement):
     """The disaggregated `core.source.Source`: `group` is this rank's member of the run's
     "trainers" group; refs of another strategy/target/tokenizer or missing a `features` name
-    are dead-lettered; `trained` (the loader's ledger) skips refs already in the model."""
+    are dead-lettered; `trained` (the loader's ledger) skips refs already in the model; `store`
+    (the run's section) opens the stores refs name and bounds the wait for an unavailable one
+    (`store.unavailable_give_up_s`, the lease kept alive meanwhile)."""
 
     def __init__(
         self,
@@ -43,7 +46,7 @@ class BusSource(LeaseSettlement):
         target_fingerprint: str | None = None,
         tokenizer_fingerprint: str | None = None,
         trained: Trained | None = None,
-        open_store_fn: Callable[[str], Any] = open_store,
+        store: StoreConfig | None = None,
     ):
         self.runbus, self.bus, self.run, self.group = run, run.bus, run.run, group
         self.strategy, self.features = strategy, tuple(features)
@@ -52,23 +55,27 @@ class BusSource(LeaseSettlement):
             tokenizer_fingerprint,
         )
         self.trained = trained
-        self._open_store_fn = open_store_fn
+        # refs' stores are opened with the run's store settings (crc, http token, pools)
+        self.store_cfg = store if store is not None else StoreConfig()
         self._stores: dict[str, Any] = {}
         self._retired: list[int] = []
         self.stats = {"recaptures": 0, "dead_letters": 0, "skipped": 0}
 
     # -- helpers -----------------------------------------------------------------------
+    def _open(self, uri: str):
+        return open_store(self.store_cfg.model_copy(update={"uri": uri}))
+
     def store(self, uri: str):
         """The store a ref's `store_uri` names, opened once (training thread)."""
         if uri not in self._stores:
-            self._stores[uri] = self._open_store_fn(uri)
+            self._stores[uri] = self._open(uri)
         return self._stores[uri]
 
     async def _store(self, uri: str):
         """The store of `uri`, opened off the bus loop: opening one (a Mooncake client) can
         take seconds, during which the heartbeats of every held lease must go on."""
         if uri not in self._stores:
-            store = await asyncio.to_thread(self._open_store_fn, uri)
+            store = await asyncio.to_thread(self._open, uri)
             self._stores.setdefault(uri, store)
         return self._stores[uri]
 
@@ -142,7 +149,13 @@ class BusSource(LeaseSettlement):
                 continue
             try:
                 store = await self._store(ref.store_uri)
-                tensors = await asyncio.to_thread(store.get, ref, self.features)
+                # a restarting store node: wait for it, the lease kept alive (no delivery spent)
+                tensors = await while_unavailable(
+                    lambda store=store, ref=ref: store.get(ref, self.features),
+                    what=f"reading {ref.sample_id}",
+                    give_up_s=self.store_cfg.unavailable_give_up_s,
+                    keepalive=lease.in_progress,
+                )
             except (FeatureMissing, IntegrityError) as e:
                 if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
                     await lease.ack()  # trained (and released) by another rank meanwhile
@@ -150,9 +163,9 @@ class BusSource(LeaseSettlement):
                 else:
                     await self._recapture(lease, e)
                 continue
-            except StoreError as e:  # store unreachable: give it back, try later
+            except StoreError as e:  # store still unreachable: give it back, try later
                 log.warning("store error on %s, nak: %s", ref.sample_id, e)
-                await lease.nak(1.0)
+                await lease.nak(5.0)
                 continue
             items.append(
                 Item(

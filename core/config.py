@@ -54,7 +54,7 @@ class BusConfig(Section):
     max_deliver: int = Field(5, ge=1)
     max_ack_pending: int = Field(256, ge=1)
     duplicate_window_s: float = Field(120.0, gt=0)
-    samples_max_age_s: float = Field(7 * 24 * 3600.0, gt=0)
+    samples_max_age_s: float = Field(7 * 24 * 3600.0, ge=0)  # 0: kept (recordings)
     nak_delay_s: float = Field(1.0, ge=0)
     heartbeat_s: float = Field(10.0, gt=0)
     fetch_timeout_s: float = Field(1.0, gt=0)
@@ -62,6 +62,10 @@ class BusConfig(Section):
     # A broker outage is ridden through (retries with backoff); this long after it began,
     # every bus operation raises BrokerUnavailable instead (bus/outage.py).
     outage_give_up_s: float = Field(900.0, gt=0)
+    # A process started while the broker is down (a restart during an outage, a broker that
+    # comes up after its clients) waits this long for the first connection; a wrong URL
+    # fails after it, saying so from the first failed attempt. Auth errors fail at once.
+    connect_give_up_s: float = Field(120.0, gt=0)
 
 
 class MooncakeConfig(Section):
@@ -84,9 +88,22 @@ class MooncakeConfig(Section):
     usage_refresh_s: float = Field(0.25, ge=0)  # budget checks reuse the master's count this long
 
 
+class HttpStoreConfig(Section):
+    """`http://` (W3'): each producer serves the features it holds; trainers fetch them."""
+
+    local: str = "mem://"  # producer: the store behind its feature server (in its process)
+    token: str | None = None  # bearer token of producers and trainers; None: $SPECBUS_STORE_TOKEN
+    advertise: str | None = None  # producer: the host its refs name; None: the bind host
+    connect_timeout_s: float = Field(2.0, gt=0)
+    read_timeout_s: float = Field(30.0, gt=0)
+    connections: int = Field(16, ge=1)  # trainer: pooled connections per producer
+    sweep_every_s: float = Field(2.0, gt=0)  # producer: release what the trainers acked
+
+
 class StoreConfig(Section):
-    """The feature store: `mem://`, `shm://[dir]` or `mooncake://<store_id>` (a scheme of
-    `core.registry.STORES`)."""
+    """The feature store: `mem://`, `shm://[dir]`, `mooncake://<store_id>`, `file:///dir` or
+    `http://host:port` (a producer's bind address; refs name `http://host:port/<store_id>`);
+    a scheme of `core.registry.STORES`."""
 
     uri: str = "shm://"
     budget_bytes: int = Field(4 << 30, gt=0)
@@ -98,6 +115,10 @@ class StoreConfig(Section):
     pool_bytes: int = Field(256 << 20, ge=0)  # shm: pre-faulted receive pool per process (0: none)
     keep_on_close: bool = False  # shm: keep the store when its last process closes it
     recycle_bytes: int = Field(256 << 20, ge=0)  # shm: released files kept for reuse (0: none)
+    http: HttpStoreConfig = HttpStoreConfig()
+    # A store that is unavailable (a restarting store node) is waited for this long, the
+    # work's lease kept alive, before the work is given back.
+    unavailable_give_up_s: float = Field(300.0, gt=0)
 
     @field_validator("uri")
     @classmethod

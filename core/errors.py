@@ -121,6 +121,12 @@ class StoreUnavailable(StoreError):
     """
 
 
+class StoreDenied(ConfigError):
+    """The store refused this client's credentials (http://: a wrong or missing bearer
+    token). A configuration error, never retried: `store.http.token` (or
+    `SPECBUS_STORE_TOKEN`) must be the same for the producers and the trainers."""
+
+
 class CaptureError(SpecbusError):
     """The target engine failed to capture a sample (the task is retried, then dead-lettered)."""
 

@@ -97,5 +97,7 @@ STORES = Registry(
         ("mem", "specbus.core.store.mem:open_mem"),
         ("shm", "specbus.core.store.shm:open_shm"),
         ("mooncake", "specbus.core.store.mooncake:open_mooncake"),
+        ("file", "specbus.core.store.file:open_file"),
+        ("http", "specbus.core.store.http:open_http"),
     ],
 )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from specbus.core.config import TrainingConfig
@@ -76,11 +77,31 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
-    """Average per-micro-batch figures; counts (correct/denom) are summed and acc recomputed."""
+def _host_values(values: list[Any]) -> list[float]:
+    """`float(v)` of every value, with one device-to-host copy per (device, dtype) group of
+    tensors instead of one synchronising `.item()` each (a step has ~100-200 metrics)."""
+    out: list[float | None] = [None] * len(values)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            groups.setdefault((v.device, v.dtype), []).append(i)
+        else:
+            out[i] = float(v)
+    for idx in groups.values():
+        flat = torch.stack([values[i].detach().reshape(()) for i in idx]).tolist()
+        for i, x in zip(idx, flat, strict=True):
+            out[i] = float(x)
+    return out  # type: ignore[return-value]
+
+
+def _mean_metrics(all_metrics: list[dict], extra: list[Any] = ()) -> dict[str, float]:
+    """Average per-micro-batch figures; counts (correct/denom) are summed and acc recomputed.
+    `extra` values come back (as floats) under "_extra" in the same device-to-host copy."""
     out: dict[str, float] = {}
-    for key in all_metrics[0]:
-        values = [float(m[key]) for m in all_metrics]
+    keys = list(all_metrics[0])
+    host = iter(_host_values([m[key] for key in keys for m in all_metrics] + list(extra)))
+    for key in keys:
+        values = [next(host) for _ in all_metrics]
         out[key] = (
             sum(values)
             if key.startswith(("correct_", "denom_", "loss_denom"))
@@ -93,6 +114,8 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
         from specbus.core.strategies.eagle3 import simulated_accept_length
 
         out["sim_accept_len"] = simulated_accept_length([out[f"acc_{k}"] for k in range(steps)])
+    if extra:
+        out["_extra"] = list(host)  # type: ignore[assignment]
     return out
 
 
@@ -141,5 +164,6 @@ def train_step(
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    metrics = _mean_metrics(all_metrics)
-    return StepResult(loss=metrics["loss"], grad_norm=float(grad_norm), lr=lr, metrics=metrics)
+    metrics = _mean_metrics(all_metrics, extra=[grad_norm])  # the step's one host sync
+    (grad_norm,) = metrics.pop("_extra")
+    return StepResult(loss=metrics["loss"], grad_norm=grad_norm, lr=lr, metrics=metrics)

@@ -1,4 +1,4 @@
-"""The pipeline subcommands: `feed`, `produce`, `train`, `export`, `demo`.
+"""The pipeline subcommands: `feed`, `produce`, `train`, `capture`, `export`, `demo`.
 
 Each takes the run config (`--config run.yaml` plus dotted `key=value` overrides) and the
 broker URL (`--url`, else `bus.url`). `train` reads the torchrun environment (RANK,
@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import sys
+from functools import partial
 
 from specbus.ops.cli import add_common, config_of, resolve_url
 
@@ -71,6 +72,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from specbus.ops.train import run_trainer
 
     cfg = config_of(args)
+    if args.from_recording:  # W1: epochs over a recording (ops/offline.py)
+        from specbus.ops.offline import run_recording_trainer
+
+        run_trainer = partial(run_recording_trainer, recording=args.from_recording)
     result = run_trainer(
         cfg,
         bus_url=resolve_url(args, cfg),
@@ -82,6 +87,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(
             f"{what}: {result.steps} steps, {result.samples} samples, checkpoint {result.checkpoint}"
         )
+    return 0
+
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    from specbus.ops.capture import run_capture
+
+    cfg = config_of(args)
+    marker = run_capture(
+        cfg, bus_url=resolve_url(args, cfg), feed=not args.no_feed, produce=not args.no_produce
+    )
+    print(
+        f"recording {cfg.run}: {marker['samples']} samples ({marker['dead_letters']} dead "
+        f"letters), {marker['bytes'] / 2**20:.1f} MiB in {marker['store_uri']}"
+    )
     return 0
 
 
@@ -142,7 +161,24 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="continue from the latest checkpoint (replay from its cursor)",
     )
+    p.add_argument(
+        "--from-recording",
+        default=None,
+        metavar="REC",
+        help="train data.epochs epochs over a recording: its directory, a SpecForge dump "
+        "directory, or the run name of a recording on the broker (see specbus capture)",
+    )
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "capture", help="capture the dataset once into a file:// store, as a recording"
+    )
+    add_common(p)
+    p.add_argument("--no-feed", action="store_true", help="the tasks are fed already")
+    p.add_argument(
+        "--no-produce", action="store_true", help="only wait for other producers, then finalize"
+    )
+    p.set_defaults(func=cmd_capture)
 
     p = sub.add_parser(
         "export", help="export a checkpoint as an SGLang draft (EAGLE3, DFLASH, DSPARK)"

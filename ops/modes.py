@@ -78,6 +78,7 @@ def disaggregated_source(ctx: RankContext) -> tuple[Source, int]:
         target_fingerprint=target.fingerprint,
         tokenizer_fingerprint=target.tokenizer_fingerprint,
         trained=ctx.trained,
+        store=ctx.cfg.store,
     )  # fmt: skip
     return source, ctx.cfg.training.prefetch
 

@@ -17,6 +17,7 @@ from specbus.core.strategies.base import build_strategy
 from specbus.core.telemetry import setup_tracing
 from specbus.producers.capture import CaptureStats, CaptureWorker
 from specbus.producers.engines.registry import build_engine
+from specbus.producers.feature_server import is_served, serve_store
 from specbus.producers.feeder import feed, manifest_of, prepare
 
 log = logging.getLogger("specbus.producer")
@@ -47,20 +48,29 @@ async def run_producer(
     strategy = build_strategy(cfg.strategy, info, aux_layers=cfg.target.aux_layers)
     contract = strategy.feature_contract(info)
     engine = await asyncio.to_thread(build_engine, cfg.target)
-    store = open_store(cfg.store)
+    served = is_served(cfg.store)  # http://: this producer serves its features (W3')
+    store = serve_store(cfg.store) if served else open_store(cfg.store)
+    sweeper = None
     try:
         async with await connect(cfg.bus, bus_url, name="specbus-producer") as bus:
             run = await declare(bus, cfg.bus, cfg.run)
             group = await run.join(PRODUCERS)
+            if served:  # release what the trainers acked (what a killed trainer left)
+                sweeper = asyncio.create_task(
+                    store.release_acked(run, cfg.store.http.sweep_every_s)
+                )
             worker = CaptureWorker(
                 run, group, engine, store, contract,
                 capture_batch=cfg.target.capture_batch,
                 producer_id=producer_id,
                 exit_when_idle=exit_when_idle,
+                unavailable_give_up_s=cfg.store.unavailable_give_up_s,
             )  # fmt: skip
             try:
                 return await worker.run()
             finally:
+                if sweeper is not None:
+                    sweeper.cancel()
                 await group.close()
     finally:
         store.close()

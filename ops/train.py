@@ -289,11 +289,13 @@ def finish(
 
 
 def close(loop: LoopThread, bus, source) -> None:
-    """Let go of the source, the connection, the loop and the process groups."""
+    """Let go of the source, the connection (None: none was opened), the loop and the
+    process groups."""
     try:
         if source is not None:
             source.close()
-        loop.call(bus.close(), timeout=10)
+        if bus is not None:
+            loop.call(bus.close(), timeout=10)
     finally:
         loop.close()
         if dist.is_initialized():
@@ -320,6 +322,8 @@ def sweep_trained(cfg: RunConfig, ledger: Ledger, timeout_s: float | None = None
     """Remove from the run's store every sample the ledger holds as trained, whatever its
     generation (releases a killed process had queued, refused for a read lease, die with it;
     they are re-derived here). Best effort: a store that cannot be reached is logged."""
+    if cfg.store.uri.startswith("http://"):  # each producer releases what was acked (W3')
+        return
     try:
         store = cfg.store.build()
         try:

@@ -21,7 +21,8 @@ from specbus.bus.lease import Lease, Leases
 from specbus.bus.run import RunBus
 from specbus.bus.subjects import PRODUCERS, TRAINERS
 from specbus.core.contracts import PromptTask, Provenance, SampleRef
-from specbus.core.errors import CaptureError, StoreFull
+from specbus.core.errors import CaptureError, StoreFull, StoreUnavailable
+from specbus.core.store.retry import while_unavailable
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import inject, tracer
 
@@ -103,7 +104,9 @@ class CaptureWorker:
     """One member of the run's "producers" group (`group`): captures `capture_batch` tasks at a
     time with `engine` into `store` and publishes a SampleRef per sample (see the module doc).
     `run()` returns when the trainers mark the run complete, on `stop()`, or (with
-    `exit_when_idle`) when the feed is complete and no task is left anywhere."""
+    `exit_when_idle`) when the feed is complete and no task is left anywhere. An unavailable
+    store (a restarting store node) is waited for up to `unavailable_give_up_s` per put, the
+    batch's leases kept alive, before the task goes back."""
 
     def __init__(
         self,
@@ -116,6 +119,7 @@ class CaptureWorker:
         capture_batch: int,
         producer_id: str | None = None,
         exit_when_idle: bool = False,
+        unavailable_give_up_s: float = 300.0,
     ):
         self.run_bus, self.group = run, group
         self.bus_cfg = run.bus.cfg
@@ -123,6 +127,7 @@ class CaptureWorker:
         self.capture_batch = capture_batch
         self.producer_id = producer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.exit_when_idle = exit_when_idle
+        self.unavailable_give_up_s = unavailable_give_up_s
         self.stats = CaptureStats()
         self._tracer = tracer("specbus.producer")
         self._stop = asyncio.Event()
@@ -206,9 +211,15 @@ class CaptureWorker:
         task: PromptTask = lease.record
         sample_id = sample_id_of(task)
         try:
-            specs = await asyncio.to_thread(self.store.put, sample_id, tensors, task.generation)
-        except StoreFull as e:  # backpressure: give the task back for later
-            log.info("store full, task %s goes back: %s", task.task_id, e)
+            # A store node restarting is the store's problem, not the task's: wait for it with
+            # the lease kept alive (the batch's heartbeat), so no delivery is spent on it.
+            specs = await while_unavailable(
+                lambda: self.store.put(sample_id, tensors, task.generation),
+                what=f"putting {sample_id}",
+                give_up_s=self.unavailable_give_up_s,
+            )
+        except (StoreFull, StoreUnavailable) as e:  # backpressure / still down: back for later
+            log.info("task %s goes back: %s", task.task_id, e)
             await lease.nak(self.bus_cfg.nak_delay_s)
             return False
         except Exception as e:  # NaN screen, integrity: a bad capture

@@ -4,17 +4,20 @@ It leases PromptTasks from the run's "producers" group, captures them with the r
 engine into a `mem://` store and hands them to the same loader, trainer and checkpoints as the
 disaggregated path; tasks are acked at the optimizer boundary. A failed capture is nak'd with
 a delay or dead-lettered on its last delivery (as by the capture worker); a task the ledger
-holds is acked without capture. With target-TP islands (producers/island.py) the island
-leader leases and every island rank captures the same batch, keeping its slice. The full
-semantics (residency, prefetch, islands): docs/architecture.md, "Colocated" and
-"Target-TP islands".
+holds is acked without capture. On a GPU rank the capture runs on a CUDA stream of its own,
+so with `deployment.colocated_prefetch=1` the next window's prefill overlaps the step. With
+target-TP islands (producers/island.py) the island leader leases and every island rank
+captures the same batch, keeping its slice. The full semantics (residency, prefetch,
+islands): docs/architecture.md, "Colocated" and "Target-TP islands".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import nullcontext
 
+import torch
 from specbus.bus.lease import Lease, Leases
 from specbus.bus.run import RunBus
 from specbus.bus.settlement import LeaseSettlement
@@ -66,6 +69,34 @@ class ColocatedSource(LeaseSettlement):
         # nak'd task waiting out its delay is ack-pending, not pending, at the broker: without
         # this, the run could end before its next delivery (and its dead letter).
         self._retrying: dict[int, float] = {}
+        self._stream = None  # CUDA: the capture stream (see _capture_on_stream)
+
+    def _capture_on_stream(self, tasks: list[PromptTask]) -> list:
+        """Capture on a stream of its own on a GPU rank, so that with
+        `deployment.colocated_prefetch` the next window's prefill runs beside the training
+        step's kernels instead of queued between them on the default stream. The features are
+        complete when this returns (the thread waits for the stream), and are marked as used
+        by the training thread's stream, so their memory is not reused before it is done."""
+        device = self.capture_device
+        if device is None or torch.device(device).type != "cuda":
+            return capture_isolated(self.engine, self.contract, tasks, device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._stream):
+            results = capture_isolated(self.engine, self.contract, tasks, device)
+        consumer = torch.cuda.default_stream(device)
+        for result in results:
+            if isinstance(result, dict):
+                for t in result.values():
+                    if t.is_cuda:
+                        t.record_stream(consumer)
+        self._stream.synchronize()
+        return results
+
+    def _on_capture_stream(self):
+        """The store's put/get checks (a NaN screen) run on the capture stream: a sync there
+        does not wait for the training step queued on the default stream."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
     async def take(self, n: int, timeout_s: float) -> list[Item]:
         """Lease and capture up to `n` tasks, stored in this rank's `mem://` store (an island's leader
@@ -87,16 +118,15 @@ class ColocatedSource(LeaseSettlement):
         t0 = loop.time()
         with self._tracer.start_as_current_span("capture") as span:
             span.set_attribute("specbus.tasks", len(tasks))
-            results = await asyncio.to_thread(
-                capture_isolated, self.engine, self.contract, tasks, self.capture_device
-            )
+            results = await asyncio.to_thread(self._capture_on_stream, tasks)
         self.stats["capture_s"] += loop.time() - t0
         items = []
         for lease, result in zip(leases, results, strict=True):
             if isinstance(result, Exception):
                 await self._failed(lease, result)
                 continue
-            items.append(self._stored_item(lease, result))
+            with self._on_capture_stream():
+                items.append(self._stored_item(lease, result))
             self.stats["captured"] += 1
         return items
 

@@ -24,20 +24,36 @@ strategy passes them in (frozen), and decoding reads them from the target.
 Training attention (`forward`): the queries are N blocks of K positions; block n sees the
 context keys strictly before its anchor and every key of its own block. A query row with no
 allowed key (a padding block) gets a zero attention output, as the reference's eager path.
+Three paths: "eager" (explicit scores, the reference's arithmetic), "sdpa" (the dense boolean
+mask `[B, Q, L + Q]`) and "flex" (`FlexBlocks`: a flex-attention BlockMask built from the
+anchors at the tile level, no dense mask; context and queries padded to whole tiles; compiled
+kernel on CUDA, on the CPU the same tiles and mask as a dense SDPA, for tests).
 Decoding (`ContextCache`): the context K/V of every verified position is kept per layer; a
 block attends to all of it and to itself (no mask).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
+from specbus.core.models.dflash_attention import (  # noqa: F401  (part of this module's API)
+    FLEX_TILE,
+    FlexBlocks,
+    _flex_dense,
+    _repeat_kv,
+    flex_attend,
+    flex_blocks,
+)
+from specbus.core.models.kernels import swiglu
 from specbus.core.models.llama_eagle3 import RMSNorm, apply_rope, rope_inv_freq
 from torch import nn
+
+log = logging.getLogger("specbus.dflash")
 
 PROJECTORS = ("dflash", "domino", "dspark")
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
@@ -113,15 +129,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x))."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _repeat_kv(x_BNkvTD: torch.Tensor, n_rep: int) -> torch.Tensor:
-    if n_rep == 1:
-        return x_BNkvTD
-    b, n, t, d = x_BNkvTD.shape
-    return x_BNkvTD[:, :, None].expand(b, n, n_rep, t, d).reshape(b, n * n_rep, t, d)
+        """down(silu(gate(x)) * up(x)) (a compiled kernel on CUDA, `core.models.kernels`)."""
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Attention(nn.Module):
@@ -161,9 +170,10 @@ class Attention(nn.Module):
         allow_BQS: torch.Tensor | None,
         attention: str = "sdpa",
     ) -> torch.Tensor:
-        """`allow_BQS` (S = L + Q) is the boolean mask over [context | block keys]; None: all.
-        `attention`: "sdpa" (any backend; memory-efficient on CUDA) or "eager" (explicit scores,
-        the reference's arithmetic)."""
+        """`allow_BQS` (S = L + Q) is the boolean mask over [context | block keys], None (all), or
+        `FlexBlocks` (flex attention; queries already padded to its `q_pad`). `attention`:
+        "sdpa" (any backend) or "eager" (explicit scores, the reference's arithmetic) for a
+        boolean mask."""
         b, q_len, _ = x_BQH.shape
         q = self.q_norm(self.q_proj(x_BQH).view(b, q_len, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x_BQH).view(b, q_len, self.num_kv_heads, self.head_dim))
@@ -171,6 +181,12 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, k, self.inv_freq, positions_BQ)
         rep = self.num_heads // self.num_kv_heads
+        if isinstance(allow_BQS, FlexBlocks):
+            pad = allow_BQS.ctx_len - kv_ctx[0].shape[2]
+            keys = torch.cat([F.pad(kv_ctx[0], (0, 0, 0, pad)), k], dim=2)
+            values = torch.cat([F.pad(kv_ctx[1], (0, 0, 0, pad)), v], dim=2)
+            out = flex_attend(q, keys, values, allow_BQS, rep)
+            return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
         keys = _repeat_kv(torch.cat([kv_ctx[0], k], dim=2), rep)
         values = _repeat_kv(torch.cat([kv_ctx[1], v], dim=2), rep)
         empty_BQ1 = None if allow_BQS is None else ~allow_BQS.any(-1, keepdim=True)
@@ -374,10 +390,14 @@ class DFlashDraft(nn.Module):
         seq = ctx.shape[1]
         ctx_pos, q_pos = positions_BS[:, :seq], positions_BS[:, seq:]
         h = noise_BQH.to(ctx.dtype)
+        q_len = h.shape[1]
+        if isinstance(allow_BQS, FlexBlocks):  # whole query tiles (the padding sees nothing)
+            h = F.pad(h, (0, 0, 0, allow_BQS.q_pad - q_len))
+            q_pos = F.pad(q_pos, (0, allow_BQS.q_pad - q_len))
         for layer in self.layers:
             kv = layer.self_attn.context_kv(ctx, ctx_pos)
             h = layer(h, kv, q_pos, allow_BQS, attention)
-        return self.norm(h)
+        return self.norm(h[:, :q_len])
 
     # -- decoding ------------------------------------------------------------------------
     @torch.no_grad()

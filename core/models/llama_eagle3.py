@@ -27,12 +27,18 @@ import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
 from specbus.core.models.eagle3_attention import (  # noqa: F401  (part of this module's API)
+    TILE,
     DecodeCache,
     TTTCache,
+    TTTMask,
     _ttt_eager,
     _ttt_flex,
+    block_mask_from_tiles,
     step0_mask,
+    ttt_block_masks,
+    ttt_mask_mod,
 )
+from specbus.core.models.kernels import rms_norm, rope, swiglu
 from torch import nn
 
 
@@ -137,13 +143,9 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` normalised by its RMS over the last dimension, scaled, in `x`'s dtype."""
-        dtype = x.dtype
-        x = (
-            x if dtype == torch.float64 else x.to(torch.float32)
-        )  # fp32 compute (fp64 kept for tests)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        """`x` normalised by its RMS over the last dimension, scaled, in `x`'s dtype (fp32
+        compute, fp64 kept for tests; one fused kernel on CUDA, `core.models.kernels`)."""
+        return rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -175,9 +177,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _on_device(inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The fp32 frequencies on `device`, copied once (kept on the CPU tensor itself): a
+    host-to-device copy per rotary call was a blocking copy per TTT step."""
+    if inv_freq.device == device:
+        return inv_freq
+    copies = inv_freq.__dict__.setdefault("_specbus_on", {})
+    if device not in copies:
+        copies[device] = inv_freq.to(device, torch.float32)
+    return copies[device]
 
 
 def apply_rope(
@@ -186,14 +194,9 @@ def apply_rope(
     inv_freq: torch.Tensor,
     position_ids_BL: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(q, k)` rotated by the rotary embedding of `position_ids_BL` (fp32 angles)."""
-    freqs_BLD2 = position_ids_BL.to(torch.float32)[..., None] * inv_freq.to(
-        position_ids_BL.device, torch.float32
-    )
-    emb_BLD = torch.cat((freqs_BLD2, freqs_BLD2), dim=-1)
-    cos = emb_BLD.cos().to(q_BNLD.dtype)[:, None]
-    sin = emb_BLD.sin().to(q_BNLD.dtype)[:, None]
-    return q_BNLD * cos + _rotate_half(q_BNLD) * sin, k_BNLD * cos + _rotate_half(k_BNLD) * sin
+    """`(q, k)` rotated by the rotary embedding of `position_ids_BL` (`kernels.rope`: fp32
+    frequencies, tables in q's dtype)."""
+    return rope(q_BNLD, k_BNLD, _on_device(inv_freq, position_ids_BL.device), position_ids_BL)
 
 
 def _repeat_kv(x_BNkvLD: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -232,9 +235,14 @@ class Attention(nn.Module):
         rep = self.num_heads // self.num_kv_heads
         if isinstance(cache, TTTCache):
             q, k = apply_rope(q, k, self.inv_freq, position_ids_BL + cache.step)
-            cache.keys.append(_repeat_kv(k, rep))
-            cache.values.append(_repeat_kv(v, rep))
-            out = _ttt_flex(q, cache) if cache.attention == "flex" else _ttt_eager(q, cache)
+            if cache.attention == "flex":  # grouped-query attention inside the kernel
+                cache.keys.append(k)
+                cache.values.append(v)
+                out = _ttt_flex(q, cache)
+            else:
+                cache.keys.append(_repeat_kv(k, rep))
+                cache.values.append(_repeat_kv(v, rep))
+                out = _ttt_eager(q, cache)
         else:
             q, k = apply_rope(q, k, self.inv_freq, position_ids_BL)
             past = cache.length
@@ -268,8 +276,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """down(act(gate(x)) * up(x))."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """down(silu(gate(x)) * up(x)) (a compiled kernel on CUDA, `core.models.kernels`)."""
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -401,6 +409,8 @@ class LlamaEagle3Draft(nn.Module):
         position_ids = torch.arange(input_ids_BL.shape[1], device=input_ids_BL.device)[None]
         hidden = self.project(hidden_states_BL3H.to(self.fc.weight.dtype))
         cache = TTTCache(key_padding_BL=attention_mask_BL, attention=attention)
+        if attention == "flex":  # every step's block mask, once per forward
+            cache.block_masks = ttt_block_masks(attention_mask_BL, ttt_length)
         logits = []
         ids = input_ids_BL
         for k in range(ttt_length):

@@ -5,6 +5,8 @@
                                                        (a query may set StoreConfig fields:
                                                        shm://x?recycle_bytes=0)
     mooncake://<store_id>?master=H:P&metadata=P2P&admin=H:P&protocol=tcp
+    file:///abs/dir[?store_id=x]                       persistent safetensors files (recordings)
+    http://host:port/<store_id>                        features a producer serves (W3')
 
 A store's `uri` is canonical: `open_store(store.uri)` in another process reaches the same
 samples (that is what SampleRef.store_uri records). See core/store/base.py for the contract.
@@ -34,8 +36,10 @@ def parse_uri(uri: str) -> tuple[str, str | None, str | None, dict[str, str]]:
         )
     query = dict(urllib.parse.parse_qsl(parts.query))
     path = parts.path or None
-    if path is not None and parts.scheme != "shm":
-        raise ConfigError(f"store.uri {uri!r}: only shm:// takes a directory path")
+    if parts.scheme == "http":  # the netloc is an address; the path names the store
+        return parts.scheme, path.strip("/") or query.pop("store_id", None), None, query
+    if path is not None and parts.scheme not in ("shm", "file"):
+        raise ConfigError(f"store.uri {uri!r}: only shm:// and file:// take a directory path")
     return parts.scheme, parts.netloc or query.pop("store_id", None), path, query
 
 
@@ -67,7 +71,7 @@ def query_options(cfg: StoreConfig, query: dict[str, str]) -> StoreConfig:
     this handle). Raises `ConfigError` for a field that is not one."""
     if not query:
         return cfg
-    unknown = set(query) - (set(StoreConfig.model_fields) - {"uri", "mooncake", "store_id"})
+    unknown = set(query) - (set(StoreConfig.model_fields) - {"uri", "mooncake", "store_id", "http"})
     if unknown:
         raise ConfigError(f"store.uri {cfg.uri!r}: unknown option(s) {sorted(unknown)}")
     return StoreConfig.model_validate({**cfg.model_dump(), **query})

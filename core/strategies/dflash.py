@@ -95,10 +95,6 @@ class DFlashFamilyStrategy:
                 f"strategy.draft.hidden_size={cfg.draft.hidden_size}: a {self.name} draft shares the "
                 f"target's embedding and lm_head, so its width is the target's ({target.hidden_size})"
             )
-        if cfg.attention == "flex":
-            raise ConfigError(
-                f"strategy.attention=flex is not built for {self.name} (use auto or sdpa)"
-            )
         self.aux_layers = (
             list(aux_layers)
             if aux_layers is not None
@@ -283,17 +279,27 @@ class DFlashFamilyStrategy:
         )  # fmt: skip
 
     def resolve_attention(self, device: torch.device) -> str:
-        """ "auto": SDPA on CUDA (the memory-efficient kernel with the block mask), the
-        reference's eager arithmetic on CPU; "sdpa": SDPA everywhere."""
+        """ "auto": flex attention on CUDA (a tile-level block mask: the context tiles below
+        each query tile's anchors and its own blocks' tiles, no dense mask), the reference's
+        eager arithmetic on CPU; "sdpa": SDPA with the dense boolean mask everywhere; "flex":
+        flex everywhere (on the CPU the same tiles as a dense SDPA: a test path)."""
         if self.cfg.attention == "auto":
-            return "sdpa" if torch.device(device).type == "cuda" else "eager"
-        return "sdpa"
+            return "flex" if torch.device(device).type == "cuda" else "eager"
+        return self.cfg.attention
+
+    @staticmethod
+    def fused(batch: TrainBatch) -> bool:
+        """The fused vocabulary head (`fused_head`) on CUDA; the reference's checkpointed
+        chunks on the CPU (bitwise the reference's arithmetic)."""
+        return batch.tensors["input_ids"].device.type == "cuda"
 
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None
     ) -> tuple[torch.Tensor, Metrics]:
         """The DFlash objective and metrics of one micro-batch."""
-        return dflash_loss(model, **self.loss_kwargs(batch, step), **_rank_pooling())
+        return dflash_loss(
+            model, **self.loss_kwargs(batch, step), **_rank_pooling(), fused=self.fused(batch)
+        )
 
     def export(self, model: nn.Module, out_dir, dtype: str = "bfloat16"):
         """Write the draft as an SGLang DFLASH / DSPARK directory."""
@@ -353,7 +359,7 @@ class DSparkStrategy(DFlashFamilyStrategy):
         return dspark_loss(
             model, **self.loss_kwargs(batch, step), target_BLH=batch.tensors["target"],
             ce_alpha=d.ce_alpha, l1_alpha=d.l1_alpha, confidence_alpha=d.confidence_alpha,
-            **_rank_pooling(),
+            **_rank_pooling(), fused=self.fused(batch),
         )  # fmt: skip
 
 

@@ -27,7 +27,8 @@ Objectives (`*_loss`, pure: inputs -> (loss, metrics); `model` is called once):
   captured final hidden state at anchor+k; accept = clamp(1 - L1/2, 0, 1); confidence =
   BCE(confidence logit, accept); loss = world * (a_ce CE + a_l1 L1 + a_conf conf) . w /
   sum over ranks of sum(w).
-Logits are computed `chunk_blocks` blocks at a time (activation-checkpointed when training).
+Logits are computed `chunk_blocks` blocks at a time (activation-checkpointed when training;
+`fused=True`, the CUDA path, forms their gradient in the forward instead: dflash_fused.py).
 
 Metrics (detached): per drafted position j (the j-th token after the anchor) correct_j,
 denom_j, acc_j, ploss_j; accuracy; accept_len (mean over blocks of the accepted prefix + 1);
@@ -42,98 +43,14 @@ import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
 from specbus.core.strategies.base import Metrics, StepContext
+from specbus.core.strategies.dflash_blocks import (  # noqa: F401  (part of this module's API)
+    block_mask,
+    draft_blocks,
+    gather_blocks,
+    sample_anchors,
+)
 from specbus.core.strategies.eagle3 import unwrap
 from torch import nn
-
-# ---------------------------------------------------------------------------------------------
-# Anchors, masks, blocks
-
-
-def sample_anchors(
-    loss_mask_BL: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(anchors_BN, keep_BN)`: see the module docstring. N = min(num_anchors, max valid count);
-    with no valid position anywhere, N = 1 and nothing is kept."""
-    device = loss_mask_BL.device
-    seq = loss_mask_BL.shape[1]
-    cand = max(seq - 1, 0)
-    valid = (loss_mask_BL[:, :cand] > 0.5) & (loss_mask_BL[:, 1 : cand + 1] > 0.5)
-    counts = valid.sum(dim=1)
-    width = min(num_anchors, int(counts.max())) if cand else 0
-    if width == 0:
-        shape = (loss_mask_BL.shape[0], 1)
-        return torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(
-            shape, dtype=torch.bool, device=device
-        )
-    scores = torch.rand(valid.shape, generator=generator, device=_gen_device(generator)).to(device)
-    scores.masked_fill_(~valid, 2.0)
-    picked = scores.argsort(dim=1)[:, :width]
-    keep = torch.arange(width, device=device)[None] < counts.clamp(max=width)[:, None]
-    anchors = torch.where(keep, picked, torch.full_like(picked, cand)).sort(dim=1).values
-    keep = anchors < cand
-    return torch.where(keep, anchors, 0), keep
-
-
-def _gen_device(generator: torch.Generator | None) -> torch.device:
-    return generator.device if generator is not None else torch.device("cpu")
-
-
-def block_mask(
-    anchors_BN: torch.Tensor, keep_BN: torch.Tensor, seq_len: int, block_size: int
-) -> torch.Tensor:
-    """`allow_BQS`: query q (block q // K) may see key s: a context key s < anchor, or a key of
-    its own block; nothing for a block that is not kept."""
-    device = anchors_BN.device
-    n = anchors_BN.shape[1]
-    q = torch.arange(n * block_size, device=device)
-    s = torch.arange(seq_len + n * block_size, device=device)
-    q_block = (q // block_size)[None, :, None]
-    anchor_BQ1 = anchors_BN.repeat_interleave(block_size, dim=1)[:, :, None]
-    context = (s[None, None] < seq_len) & (s[None, None] < anchor_BQ1)
-    own = (s[None, None] >= seq_len) & ((s[None, None] - seq_len) // block_size == q_block)
-    return (context | own) & keep_BN.repeat_interleave(block_size, dim=1)[:, :, None]
-
-
-def gather_blocks(values_BL: torch.Tensor, anchors_BN: torch.Tensor, offsets_K: torch.Tensor):
-    """`values[anchor + k]` for every block `[B, N, K]` (indices clamped), and the in-range mask."""
-    seq = values_BL.shape[1]
-    idx = anchors_BN[:, :, None] + offsets_K[None, None]
-    safe = idx.clamp(max=seq - 1)
-    gathered = torch.gather(values_BL[:, None].expand(-1, anchors_BN.shape[1], -1), 2, safe)
-    return gathered, idx < seq, safe
-
-
-def draft_blocks(
-    model: nn.Module,
-    *,
-    input_ids_BL: torch.Tensor,
-    hidden_states_BLA: torch.Tensor,
-    anchors_BN: torch.Tensor,
-    keep_BN: torch.Tensor,
-    embed_VH: torch.Tensor,
-    mask_token_id: int,
-    block_size: int,
-    attention: str = "sdpa",
-) -> torch.Tensor:
-    """The draft's post-norm hidden of every block `[B, N, K, H]` (one call of `model`)."""
-    b, seq = input_ids_BL.shape
-    n = anchors_BN.shape[1]
-    device = input_ids_BL.device
-    noise = torch.full((b, n, block_size), mask_token_id, dtype=torch.long, device=device)
-    anchor_tok = torch.gather(input_ids_BL, 1, anchors_BN.clamp(0, seq - 1))
-    noise[:, :, 0] = torch.where(keep_BN, anchor_tok, torch.full_like(anchor_tok, mask_token_id))
-    noise_BQH = F.embedding(noise.view(b, n * block_size), embed_VH)
-    offsets = torch.arange(block_size, device=device)
-    positions = torch.cat(
-        [
-            torch.arange(seq, device=device)[None].expand(b, -1),
-            (anchors_BN[:, :, None] + offsets).view(b, n * block_size),
-        ],
-        dim=1,
-    )
-    allow = block_mask(anchors_BN, keep_BN, seq, block_size)
-    hidden = model(noise_BQH, hidden_states_BLA, positions, allow, attention)
-    return hidden.view(b, n, block_size, -1)
 
 
 def chunked_sum(fn: Callable[..., tuple[torch.Tensor, ...]], *tensors, chunk: int):
@@ -169,15 +86,17 @@ def accept_prefix(pred_BNK, target_BNK, valid_BNK) -> torch.Tensor:
 
 
 def _position_metrics(metrics: Metrics, correct_K, denom_K, ce_K, first: int) -> None:
-    """Per drafted position j = k - first: correct_j, denom_j, acc_j, ploss_j; sim_accept_len."""
-    accs = []
-    for j, k in enumerate(range(first, correct_K.shape[0])):
-        metrics[f"correct_{j}"] = correct_K[k]
-        metrics[f"denom_{j}"] = denom_K[k]
-        metrics[f"acc_{j}"] = correct_K[k] / denom_K[k].clamp_min(1e-6)
-        metrics[f"ploss_{j}"] = ce_K[k] / denom_K[k].clamp_min(1e-6)
-        accs.append(metrics[f"acc_{j}"])
-    metrics["sim_accept_len"] = torch.stack(accs).cumprod(0).sum()
+    """Per drafted position j = k - first: correct_j, denom_j, acc_j, ploss_j; sim_accept_len.
+    Computed for all positions at once (a few kernels, not a few per position)."""
+    denom = denom_K[first:].clamp_min(1e-6)
+    acc_J = correct_K[first:] / denom
+    ploss_J = ce_K[first:] / denom
+    for j in range(acc_J.shape[0]):
+        metrics[f"correct_{j}"] = correct_K[first + j]
+        metrics[f"denom_{j}"] = denom_K[first + j]
+        metrics[f"acc_{j}"] = acc_J[j]
+        metrics[f"ploss_{j}"] = ploss_J[j]
+    metrics["sim_accept_len"] = acc_J.cumprod(0).sum()
 
 
 def _logits(hidden: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
@@ -214,9 +133,11 @@ def dflash_loss(
     attention: str = "sdpa",
     den_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     world_size: int = 1,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """The DFlash objective (module docstring). `anchors` = (anchors_BN, keep_BN) or sampled
-    with `generator`; `den_reduce` sums the weight total over data-parallel ranks."""
+    with `generator`; `den_reduce` sums the weight total over data-parallel ranks; `fused`:
+    the logits' gradient in the forward (`fused_head`), else activation checkpointing."""
     anchors_BN, keep_BN = anchors or sample_anchors(loss_mask_BL, num_anchors, generator)
     hidden = draft_blocks(
         model, input_ids_BL=input_ids_BL, hidden_states_BLA=hidden_states_BLA,
@@ -248,9 +169,20 @@ def dflash_loss(
             ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
         )  # fmt: skip
 
-    num, den, correct, acc_den, correct_K, den_K, ce_K, acc_num, blocks = chunked_sum(
-        terms, hidden, target, mask, weights, chunk=chunk_blocks
-    )
+    if fused:
+        from specbus.core.strategies.dflash_fused import dflash_chunk_terms, fused_head
+
+        def fused_terms(z, tgt, m, w):
+            grad, *sums = dflash_chunk_terms(z, tgt, m, w)
+            return grad, tuple(sums), ()
+
+        num, den, correct, acc_den, correct_K, den_K, ce_K, acc_num, blocks = fused_head(
+            fused_terms, lm_head_VH, chunk_blocks, hidden, target, mask, weights
+        )
+    else:
+        num, den, correct, acc_den, correct_K, den_K, ce_K, acc_num, blocks = chunked_sum(
+            terms, hidden, target, mask, weights, chunk=chunk_blocks
+        )
     total = den_reduce(den.detach().clone()) if den_reduce is not None else den.detach()
     loss = world_size * num / total.clamp_min(1e-12)
     metrics: Metrics = {
@@ -377,9 +309,12 @@ def dspark_loss(
     attention: str = "sdpa",
     den_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     world_size: int = 1,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """The DSpark objective (module docstring); `target_BLH` is the captured post-norm final
-    hidden state (the teacher for L1 and the confidence target)."""
+    hidden state (the teacher for L1 and the confidence target). `fused`: CE and L1 with their
+    logits' gradient in the forward (`fused_head`; a vanilla or no Markov head), else
+    activation checkpointing."""
     draft = unwrap(model)
     anchors_BN, keep_BN = anchors or sample_anchors(loss_mask_BL, num_anchors, generator)
     hidden = draft_blocks(
@@ -458,13 +393,32 @@ def dspark_loss(
             ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
         )  # fmt: skip
 
-    (ce_num, l1_num, conf_num, conf_err, correct, eval_den, ce_K, correct_K, den_K, agree, t_top1,
-     d_top1, tau_num, tau_den, rate_K, acc_num, blocks) = chunked_sum(
-        terms, hidden, prev, target, weights, eval_mask, teacher_h, chunk=chunk_blocks
-    )  # fmt: skip
+    markov = draft.markov_head
+    if fused and (markov is None or markov.kind == "vanilla"):
+        from specbus.core.strategies.dflash_fused import TeacherTable, _dspark_fused
+
+        teacher = teacher_h
+        if need_teacher and b * seq <= b * n * block_size:
+            # positions repeat across overlapping blocks: the teacher's logits once per position
+            # of the sequence, gathered per block row (fewer rows through the vocabulary matmul)
+            with torch.no_grad():
+                teacher = TeacherTable(
+                    _logits(target_BLH, lm_head_VH), (safe - 1).clamp(min=0).view(b, n, -1)
+                )
+        objective, *sums = _dspark_fused(
+            draft, lm_head_VH, chunk_blocks, hidden, prev, target, weights, eval_mask, teacher,
+            ce_alpha=ce_alpha, l1_alpha=l1_alpha, confidence_alpha=confidence_alpha,
+        )  # fmt: skip
+        (ce_num, l1_num, conf_num, conf_err, correct, eval_den, ce_K, correct_K, den_K, agree,
+         t_top1, d_top1, tau_num, tau_den, rate_K, acc_num, blocks) = sums  # fmt: skip
+    else:
+        (ce_num, l1_num, conf_num, conf_err, correct, eval_den, ce_K, correct_K, den_K, agree,
+         t_top1, d_top1, tau_num, tau_den, rate_K, acc_num, blocks) = chunked_sum(
+            terms, hidden, prev, target, weights, eval_mask, teacher_h, chunk=chunk_blocks
+        )  # fmt: skip
+        objective = ce_alpha * ce_num + l1_alpha * l1_num + confidence_alpha * conf_num
     den = weights.sum()
     total = den_reduce(den.detach().clone()) if den_reduce is not None else den.detach()
-    objective = ce_alpha * ce_num + l1_alpha * l1_num + confidence_alpha * conf_num
     loss = world_size * objective / total.clamp_min(1e-12)
     d = den.clamp_min(1e-12)
     e = eval_den.clamp_min(1.0)

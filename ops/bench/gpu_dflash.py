@@ -67,7 +67,7 @@ def config_for(run: str, work: Path, target: Path, data: Path, strategy: str, hi
         "training": {"micro_batch": 1, "log_every": args.log_every, "checkpoint_every": 100_000,
                      "lr": 6e-4, "warmup_ratio": 0.04, "grad_clip": 1.0,
                      "max_steps": args.steps, "total_steps": args.steps},
-        "deployment": {"mode": "colocated"},
+        "deployment": {"mode": "colocated", "colocated_prefetch": args.colocated_prefetch},
     }  # fmt: skip
     return build_config(tree)
 
@@ -88,6 +88,11 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--markov-rank", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per run")
+    ap.add_argument(
+        "--colocated-prefetch", type=int, default=0,
+        help="deployment.colocated_prefetch (1: capture the next window on its own stream "
+        "while the step runs)",
+    )  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

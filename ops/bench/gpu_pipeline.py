@@ -66,7 +66,9 @@ def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: s
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
                      "checkpoint_every": 100_000, "prefetch": args.prefetch, "lr": 1e-4,
                      "max_steps": args.steps, "total_steps": args.steps},
-        "deployment": {"mode": mode},
+        "deployment": {"mode": mode} | (
+            {"colocated_prefetch": args.colocated_prefetch} if mode == "colocated" else {}
+        ),
     }  # fmt: skip
     return build_config(tree)
 
@@ -300,6 +302,11 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=4)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument(
+        "--colocated-prefetch", type=int, default=0,
+        help="deployment.colocated_prefetch (1: capture the next window on its own stream "
+        "while the step runs)",
+    )  # fmt: skip
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per mode run")
