@@ -164,6 +164,8 @@ class BusRecording(_StoreBacked):
         return cls(run, marker, manifest, seqs)
 
     async def ref(self, position: int) -> SampleRef:
+        """The recorded ref at `position`, read back from SAMPLES (`FeatureMissing` once it is
+        gone)."""
         stored = await self.runbus.sample(self.seqs[position])
         if stored is None:
             where = f"{self.runbus.names.samples_stream}#{self.seqs[position]}"
@@ -205,10 +207,12 @@ class DirRecording(_StoreBacked):
         self._fd = os.open(self.root / REFS_FILE, os.O_RDONLY)
 
     async def ref(self, position: int) -> SampleRef:
+        """The recorded ref at `position`, read from `refs.jsonl`."""
         at, n = self._offsets[position]
         return SampleRef.from_bytes(os.pread(self._fd, n, at).strip())
 
     def close(self) -> None:
+        """Close the store and `refs.jsonl`."""
         super().close()
         os.close(self._fd)
 

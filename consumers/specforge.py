@@ -153,4 +153,5 @@ class SpecForgeRecording(Recording):
         return sample_id, int(out["input_ids"].numel()) if "input_ids" in out else 0, out
 
     async def load(self, position, features):
+        """`sample` off the event loop (see `Recording.load`)."""
         return await asyncio.to_thread(self.sample, position, features)
