@@ -24,6 +24,7 @@ import torch
 from specbus.core.config import StoreConfig
 from specbus.core.contracts import FeatureSpec
 from specbus.core.errors import (
+    ConfigError,
     FeatureMissing,
     IntegrityError,
     StoreDenied,
@@ -191,7 +192,7 @@ class HttpStore(StoreBase):
     def __init__(self, cfg: StoreConfig, store_id: str, uri: str):
         parts = urllib.parse.urlsplit(uri)
         if not parts.hostname:
-            raise StoreError(f"store.uri {uri!r}: an http:// store needs a host and port")
+            raise ConfigError(f"store.uri {uri!r}: an http:// store needs a host and port")
         self.cfg = cfg
         self.store_id = store_id
         self.address = f"{parts.scheme}://{parts.netloc}"
