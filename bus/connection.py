@@ -1,17 +1,10 @@
 """A connection to the broker: NATS core + JetStream, with reconnect, quiet errors and auth.
 
-`await connect(cfg)` returns a `Bus`. Guarantees:
-- the first connection is tried for about `cfg.connect_timeout_s`, then `BusError`;
-- once connected, a lost broker is reconnected to forever (`cfg.max_reconnect_attempts=-1`),
-  a restarted broker is a normal event; pending publishes are buffered meanwhile (nats-py's
-  2 MiB reconnect buffer), and every bus operation rides through the outage (`bus.outage`:
-  retries with backoff, gives up with `BrokerUnavailable` after `cfg.outage_give_up_s`);
-- an outage is logged by `bus.outage` as two WARNING lines (gone, back); the connection's
-  own events (disconnected, reconnected, each failed reconnect attempt) are INFO/DEBUG;
-- other client errors are logged as one WARNING line each (repeats of the same error at
-  DEBUG), never as a traceback per reconnect attempt;
-- auth comes from the config: user/password, token, a creds file (JWT + nkey), TLS (CA, and a
-  client cert/key for mutual TLS). Secrets are never logged.
+`await connect(cfg, url, name=)` returns a `Bus`: a broker that does not answer yet is waited
+for up to `cfg.connect_give_up_s` (`BusError` after; refused credentials fail at once), then a
+lost broker is reconnected to forever; client errors are one line each; auth (user/password,
+token, creds file, TLS, mutual TLS) comes from the config (`ConfigError` for unusable
+settings). docs/bus.md, "Connection".
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from nats.errors import AuthorizationError, NoServersError
 from nats.js import JetStreamContext
 from specbus.bus.outage import Outage, ride
 from specbus.core.config import BusConfig
-from specbus.core.errors import BusError
+from specbus.core.errors import BusError, ConfigError
 
 log = logging.getLogger("specbus.bus")
 
@@ -50,6 +43,7 @@ class Bus:
 
     @property
     def connected(self) -> bool:
+        """True while the connection to the broker is up."""
         return self.nc.is_connected
 
     @property
@@ -164,7 +158,7 @@ def _tls_context(cfg: BusConfig) -> ssl.SSLContext | None:
     if not (cfg.tls_ca or cfg.tls_cert):
         return None
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
-        raise BusError("bus.tls_cert and bus.tls_key must be set together (mutual TLS)")
+        raise ConfigError("bus.tls_cert and bus.tls_key must be set together (mutual TLS)")
     ctx = ssl.create_default_context(
         ssl.Purpose.SERVER_AUTH, cafile=str(cfg.tls_ca) if cfg.tls_ca else None
     )
@@ -174,10 +168,11 @@ def _tls_context(cfg: BusConfig) -> ssl.SSLContext | None:
 
 
 async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus") -> Bus:
-    """Connect to `url` (default `cfg.url`). Raises `BusError` if no broker answers in time."""
+    """Connect to `url` (default `cfg.url`). Raises `BusError` if no broker answers in time,
+    `ConfigError` for a missing URL or unusable auth settings."""
     url = url or cfg.url
     if not url:
-        raise BusError("no broker URL: pass --url, set bus.url, or start one with `specbus up`")
+        raise ConfigError("no broker URL: pass --url, set bus.url, or start one with `specbus up`")
     quiet = _QuietErrors(name)
     # The first connection is bounded (a typo in the URL must fail, not hang); reconnects are not.
     initial_attempts = max(1, int(cfg.connect_timeout_s / cfg.reconnect_wait_s))
@@ -198,7 +193,7 @@ async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus")
         options["token"] = cfg.token
     if cfg.creds_file is not None:
         if not cfg.creds_file.exists():
-            raise BusError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
+            raise ConfigError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
         options["user_credentials"] = str(cfg.creds_file)
     nc = await _first_connection(url, options, quiet, cfg.connect_give_up_s)
     # From now on a lost broker is retried per config (forever by default).

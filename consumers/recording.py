@@ -44,14 +44,14 @@ from typing import Any
 
 import torch
 from specbus.bus.connection import Bus
-from specbus.bus.replay import get as get_stored
-from specbus.bus.replay import replay
-from specbus.bus.subjects import Names
-from specbus.bus.topology import open_kv
+from specbus.bus.run import RunBus
+from specbus.bus.subjects import TRAINERS
+from specbus.bus.topology import open_run
 from specbus.consumers.ledger import Ledger
-from specbus.consumers.source import Item, Upstream
-from specbus.core.contracts import SampleRef
+from specbus.core.config import StrategyConfig, TargetConfig
+from specbus.core.contracts import Manifest, SampleRef
 from specbus.core.errors import ConfigError, FeatureMissing, IntegrityError, RecordError
+from specbus.core.source import Item, Upstream
 from specbus.core.store import open_store
 
 log = logging.getLogger("specbus.recording")
@@ -77,7 +77,7 @@ class Recording:
     """`count` samples in recorded order, loaded by position (see module doc)."""
 
     name: str
-    manifest: dict[str, Any]
+    manifest: Manifest
     count: int
     store_uri: str | None = None
 
@@ -89,10 +89,11 @@ class Recording:
         raise NotImplementedError
 
     def usage(self) -> Any:
+        """The store's usage for a log row (None when there is no specbus store)."""
         return None
 
     def close(self) -> None:
-        pass
+        """Let go of the files and stores it holds."""
 
 
 class _StoreBacked(Recording):
@@ -104,11 +105,13 @@ class _StoreBacked(Recording):
 
     @property
     def store(self):
+        """The `file://` store holding the features, opened on first use."""
         if self._store is None:
             self._store = open_store(self.store_uri)
         return self._store
 
     async def ref(self, position: int) -> SampleRef:
+        """The final ref of the recorded sample at `position`."""
         raise NotImplementedError
 
     async def load(self, position, features):
@@ -127,41 +130,46 @@ class _StoreBacked(Recording):
 class BusRecording(_StoreBacked):
     """A recording read from the broker: the run's recording marker and its SAMPLES stream."""
 
-    def __init__(self, bus: Bus, run: str, marker: dict, manifest: dict, seqs: list[int]):
+    def __init__(self, run: RunBus, marker: dict, manifest: Manifest, seqs: list[int]):
         super().__init__(marker["store_uri"])
-        self.bus, self.name, self.marker, self.manifest = bus, run, marker, manifest
+        self.runbus, self.name, self.marker, self.manifest = run, run.run, marker, manifest
         self.seqs, self.count = seqs, len(seqs)
-        self._stream = Names(run).samples_stream
 
     @classmethod
-    async def open(cls, bus: Bus, run: str) -> BusRecording:
-        kv = await open_kv(bus, run)
-        marker = None if kv is None else await kv.recording()
+    async def open(cls, bus: Bus, name: str) -> BusRecording:
+        """The recording of run `name` on this broker. Raises `ConfigError` when it is not a
+        complete recording, or its SAMPLES no longer hold every recorded ref."""
+        run = await open_run(bus, name)
+        marker = None if run is None else await run.kv.recording()
         if marker is None:
             raise ConfigError(
                 f"run {run!r} is not a complete recording on this broker (no recording marker): "
                 "capture it with `specbus capture`, or give the recording's directory"
             )
-        manifest = await kv.get_manifest()
+        run_name = name
+        manifest = await run.kv.get_manifest()
         records = []
-        async for stored in replay(bus, Names(run).samples_stream, 1, end_seq=marker["last_seq"]):
+        async for stored in run.replay(TRAINERS, 1, end_seq=marker["last_seq"]):
             try:
                 records.append((stored.seq, SampleRef.from_bytes(stored.data)))
             except RecordError as e:
-                log.warning("recording %s: SAMPLES seq %d skipped: %s", run, stored.seq, e)
+                log.warning("recording %s: SAMPLES seq %d skipped: %s", run_name, stored.seq, e)
         seqs = [seq for seq, _ in final_refs(records)]
         if len(seqs) != marker["samples"]:
             raise ConfigError(
-                f"recording {run!r}: SAMPLES holds {len(seqs)} recorded samples, its marker "
+                f"recording {run_name!r}: SAMPLES holds {len(seqs)} recorded samples, its marker "
                 f"says {marker['samples']} (the stream aged out or was purged?): use the "
                 "recording's directory instead"
             )
-        return cls(bus, run, marker, manifest, seqs)
+        return cls(run, marker, manifest, seqs)
 
     async def ref(self, position: int) -> SampleRef:
-        stored = await get_stored(self.bus, self._stream, self.seqs[position])
+        """The recorded ref at `position`, read back from SAMPLES (`FeatureMissing` once it is
+        gone)."""
+        stored = await self.runbus.sample(self.seqs[position])
         if stored is None:
-            raise FeatureMissing(f"{self._stream}#{self.seqs[position]}", "the ref is gone")
+            where = f"{self.runbus.names.samples_stream}#{self.seqs[position]}"
+            raise FeatureMissing(where, "the ref is gone")
         return SampleRef.from_bytes(stored.data)
 
 
@@ -181,7 +189,8 @@ class DirRecording(_StoreBacked):
         super().__init__(
             f"file://{self.root}" + (f"?store_id={store_id}" if store_id != "default" else "")
         )
-        self.name, self.marker, self.manifest = str(self.root), marker, marker["manifest"]
+        self.name, self.marker = str(self.root), marker
+        self.manifest = Manifest.from_bytes(json.dumps(marker["manifest"]).encode())
         self._offsets = []
         with open(self.root / REFS_FILE, "rb") as f:
             at = 0
@@ -198,30 +207,36 @@ class DirRecording(_StoreBacked):
         self._fd = os.open(self.root / REFS_FILE, os.O_RDONLY)
 
     async def ref(self, position: int) -> SampleRef:
+        """The recorded ref at `position`, read from `refs.jsonl`."""
         at, n = self._offsets[position]
         return SampleRef.from_bytes(os.pread(self._fd, n, at).strip())
 
     def close(self) -> None:
+        """Close the store and `refs.jsonl`."""
         super().close()
         os.close(self._fd)
 
 
-async def open_recording(spec: str, bus: Bus | None, cfg) -> Recording:
-    """The recording `spec` names: a directory (a specbus recording, or a SpecForge dump),
-    else a run name on the broker."""
+async def open_recording(
+    spec: str, bus: Bus | None, strategy: StrategyConfig, target: TargetConfig
+) -> Recording:
+    """The recording `spec` names: a directory (a specbus recording, or a SpecForge dump,
+    read for `strategy` on `target`), else a run name on the broker. Raises `ConfigError`
+    for what is neither."""
     path = Path(spec)
     if path.is_dir() or path.is_absolute() or spec.startswith("."):
         if (path / MARKER_FILE).is_file():
             return await asyncio.to_thread(DirRecording, path)
         from specbus.consumers.specforge import SpecForgeRecording
 
-        return await asyncio.to_thread(SpecForgeRecording, path, cfg)
+        return await asyncio.to_thread(SpecForgeRecording, path, strategy, target)
     if bus is None:
         raise ConfigError(f"recording {spec!r}: a run name needs the broker (--url)")
     return await BusRecording.open(bus, spec)
 
 
 def is_run_name(spec: str) -> bool:
+    """Whether `spec` names a run on the broker (not a directory)."""
     return not (Path(spec).is_dir() or Path(spec).is_absolute() or spec.startswith("."))
 
 
@@ -296,6 +311,7 @@ class RecordingSource:
 
     # -- Source protocol -----------------------------------------------------------------
     async def take(self, n: int, timeout_s: float) -> list[Item]:
+        """Up to `n` items of this rank's next positions (requeued ones first)."""
         out: list[Item] = []
         while self._requeued and len(out) < n:
             out.append(self._requeued.popleft())
@@ -314,34 +330,41 @@ class RecordingSource:
         return out
 
     async def upstream(self) -> Upstream:
+        """Done once this rank's positions are read to the end and nothing is requeued."""
         if self._exhausted and not self._requeued:
             return Upstream(True)
         return Upstream(False, waiting_for="recording not read to the end")
 
     async def keepalive(self, items: list[Item]) -> None:
-        pass
+        """Nothing to keep alive: no lease."""
 
     async def ack(self, items: list[Item], *, confirm: bool = True) -> None:
-        pass
+        """Nothing to ack: the ledger records what is trained."""
 
     async def nak(self, items: list[Item], delay_s: float = 0.0) -> None:
+        """Take `items` again next (in order)."""
         self._requeued.extendleft(reversed(items))
 
     async def give_back(self) -> None:
+        """Forget what was requeued (a stop)."""
         self._requeued.clear()
 
     def unsettled(self) -> int:
+        """0: nothing is leased."""
         return 0
 
     def release(self, items: list[Item]) -> None:
-        pass  # a recording is read again next epoch
+        """Nothing: a recording is read again next epoch."""
 
     def drain_retired(self) -> list[int]:
+        """Positions skipped (missing features) since the last call, for the cursor."""
         out, self._retired = self._retired, []
         return out
 
     def usage(self):
+        """The recording store's usage (for log rows)."""
         return self.recording.usage()
 
     def close(self) -> None:
+        """Close the recording."""
         self.recording.close()

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 from specbus.consumers.recording import Recording
+from specbus.core.config import StrategyConfig, TargetConfig
+from specbus.core.contracts import Manifest, ManifestTarget, VocabTable
 from specbus.core.data.vocab import build_vocab_mapping, count_tokens
 from specbus.core.errors import ConfigError, FeatureMissing, IntegrityError
 from specbus.core.models.target import load_target_info, resolve_target_dir, target_fingerprint
@@ -61,6 +63,8 @@ def list_files(root: Path) -> list[Path]:
 
 
 def load_file(path: Path) -> dict[str, Any]:
+    """One feature file's dict (tensors only). Raises `FeatureMissing` when it is gone,
+    `IntegrityError` when it cannot be read."""
     try:
         if path.name.endswith(".gz"):
             with gzip.open(path, "rb") as f:
@@ -73,7 +77,10 @@ def load_file(path: Path) -> dict[str, Any]:
 
 
 class SpecForgeRecording(Recording):
-    def __init__(self, root: Path, cfg):
+    """A SpecForge dump directory read for `strategy` on `target` (see module doc). Raises
+    `ConfigError` for a directory without feature files."""
+
+    def __init__(self, root: Path, strategy_cfg: StrategyConfig, target_cfg: TargetConfig):
         self.root = Path(root).resolve()
         self.name = f"specforge:{self.root}"
         self.files = list_files(self.root)
@@ -83,31 +90,31 @@ class SpecForgeRecording(Recording):
                 f"{self.root}: neither a specbus recording ({'recording.json'}) nor a SpecForge "
                 f"dump (no {' / '.join(SUFFIXES)} files)"
             )
-        strategy = cfg.strategy.name
+        strategy = strategy_cfg.name
         self.keys = EAGLE3 if strategy == "eagle3" else DFLASH
-        path = resolve_target_dir(cfg.target.model)
-        info = load_target_info(path, name=cfg.target.model)
-        d2t = self._vocab(cfg.strategy.draft.draft_vocab_size, info.vocab_size)
+        path = resolve_target_dir(target_cfg.model)
+        info = load_target_info(path, name=target_cfg.model)
+        d2t = self._vocab(strategy_cfg.draft.draft_vocab_size, info.vocab_size)
         digest = hashlib.sha256()
         for f in self.files:
             digest.update(f"{f.relative_to(self.root)}:{f.stat().st_size}\n".encode())
         plan_hash = digest.hexdigest()[:16]
-        self.manifest = {
-            "run": self.name,
-            "plan": {"specforge_dump": str(self.root), "files": self.count},
-            "plan_hash": plan_hash,
-            "planned_tasks": self.count,
-            "target": {
-                "model": cfg.target.model,
-                "fingerprint": target_fingerprint(path),
-                "tokenizer_fingerprint": "none",
-                "num_layers": info.num_layers,
-                "hidden_size": info.hidden_size,
-                "vocab_size": info.vocab_size,
-            },
-            "strategy": strategy,
-            "vocab": {"d2t": d2t, "target_vocab_size": info.vocab_size},
-        }
+        self.manifest = Manifest(
+            run=self.name,
+            plan={"specforge_dump": str(self.root), "files": self.count},
+            plan_hash=plan_hash,
+            planned_tasks=self.count,
+            target=ManifestTarget(
+                model=target_cfg.model,
+                fingerprint=target_fingerprint(path),
+                tokenizer_fingerprint="none",
+                num_layers=info.num_layers,
+                hidden_size=info.hidden_size,
+                vocab_size=info.vocab_size,
+            ),
+            strategy=strategy,
+            vocab=VocabTable(d2t=tuple(d2t), target_vocab_size=info.vocab_size),
+        )
         log.info("SpecForge dump %s: %d samples (%s)", self.root, self.count, strategy)
 
     def _vocab(self, draft_vocab: int, target_vocab: int) -> list[int]:
@@ -128,6 +135,8 @@ class SpecForgeRecording(Recording):
         return mapping.d2t.tolist()
 
     def sample(self, position: int, features: tuple[str, ...]):
+        """(sample id, tokens, tensors) of the file at `position`, renamed to specbus's
+        feature names. Raises `FeatureMissing` / `IntegrityError`."""
         path = self.files[position]
         raw = load_file(path)
         out: dict[str, torch.Tensor] = {}
@@ -144,4 +153,5 @@ class SpecForgeRecording(Recording):
         return sample_id, int(out["input_ids"].numel()) if "input_ids" in out else 0, out
 
     async def load(self, position, features):
+        """`sample` off the event loop (see `Recording.load`)."""
         return await asyncio.to_thread(self.sample, position, features)

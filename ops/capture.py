@@ -40,19 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from specbus.bus.connection import connect
-from specbus.bus.dead import list_dead
-from specbus.bus.lag import lag
-from specbus.bus.replay import replay
-from specbus.bus.subjects import PRODUCERS, Names
+from specbus.bus.run import RunBus
+from specbus.bus.subjects import PRODUCERS, TRAINERS
 from specbus.bus.topology import declare
 from specbus.consumers.recording import FORMAT, MARKER_FILE, REFS_FILE, final_refs
 from specbus.core.config import RunConfig
 from specbus.core.contracts import SampleRef
 from specbus.core.errors import ConfigError, RecordError
 from specbus.core.models.target import load_target_info, resolve_target_dir
-from specbus.core.store import open_store
 from specbus.core.store.file import FileStore
-from specbus.core.strategies.base import build_strategy
 
 log = logging.getLogger("specbus.capture")
 
@@ -65,7 +61,7 @@ def recording_config(cfg: RunConfig) -> RunConfig:
             "(store.uri=file:///abs/dir)"
         )
     store = cfg.store
-    probe = open_store(store)
+    probe = store.build()
     try:
         room = probe.usage().capacity_bytes
     finally:
@@ -95,8 +91,8 @@ async def _capture(cfg: RunConfig, bus_url: str | None, feed: bool, produce: boo
     from specbus.ops.produce import run_feeder, run_producer
 
     async with await connect(cfg.bus, bus_url, name="specbus-capture") as bus:
-        topo = await declare(bus, cfg.bus, cfg.run)
-        marker = await topo.kv.recording()
+        run = await declare(bus, cfg.bus, cfg.run)
+        marker = await run.kv.recording()
         if marker is not None:
             log.info(
                 "run %s is a complete recording already (%d samples)", cfg.run, marker["samples"]
@@ -109,42 +105,40 @@ async def _capture(cfg: RunConfig, bus_url: str | None, feed: bool, produce: boo
         stats = await run_producer(cfg, bus_url=bus_url, exit_when_idle=True)
         log.info("captured %d samples (%d failures)", stats.samples, stats.failures)
     async with await connect(cfg.bus, bus_url, name="specbus-capture") as bus:
-        topo = await declare(bus, cfg.bus, cfg.run)
-        await _wait_idle(bus, topo.kv, cfg)
-        return await finalize(bus, topo.kv, cfg)
+        run = await declare(bus, cfg.bus, cfg.run)
+        await _wait_idle(run)
+        return await finalize(run, cfg)
 
 
-async def _wait_idle(bus, kv, cfg: RunConfig, report_s: float = 30.0) -> None:
-    """Until the feed is complete and no task is pending or in capture (other producers)."""
+async def _wait_idle(run: RunBus, report_s: float = 30.0) -> None:
+    """Until the producers' group is drained (`RunBus.drained`: the feed complete, no task
+    pending) and no task is in capture either (other producers)."""
     t0 = reported = time.monotonic()
     while True:
-        feed_count = await kv.feed_complete()
-        upstream = await lag(bus, cfg.run, PRODUCERS)
-        if feed_count is not None and upstream.messages == 0:
+        drained = await run.drained(PRODUCERS)
+        if drained.done and not drained.ack_pending:
             return
         now = time.monotonic()
         if now - reported >= report_s:
             reported = now
-            log.info(
-                "waiting %.0fs for the capture: %s; %d tasks pending, %d in capture",
-                now - t0, "feed complete" if feed_count is not None else "feed not complete",
-                upstream.pending, upstream.ack_pending,
-            )  # fmt: skip
+            log.info("waiting %.0fs for the capture: %s", now - t0,
+                     drained.waiting_for or f"{drained.ack_pending} tasks in capture")  # fmt: skip
         await asyncio.sleep(0.5)
 
 
-async def finalize(bus, kv, cfg: RunConfig) -> dict[str, Any]:
-    """Check the recording is whole, flush it, write its directory files and its marker."""
-    names = Names(cfg.run)
+async def finalize(run: RunBus, cfg: RunConfig) -> dict[str, Any]:
+    """Check the recording is whole, flush it, write its directory files and its marker.
+    Raises `ConfigError` for an incomplete recording or a store that is not `file://`."""
+    kv = run.kv
     records = []
-    async for stored in replay(bus, names.samples_stream, 1):
+    async for stored in run.replay(TRAINERS, 1):
         try:
             records.append((stored.seq, SampleRef.from_bytes(stored.data)))
         except RecordError as e:
             log.warning("SAMPLES seq %d is not a SampleRef, left out: %s", stored.seq, e)
     final = final_refs(records)
     feed_count = await kv.feed_complete()
-    dead = [d for d in await list_dead(bus, cfg.run) if d.stream == names.tasks_stream]
+    dead = [d for d in await run.dead_letters() if d.stream == run.names.tasks_stream]
     if feed_count is None or len(final) + len(dead) < feed_count:
         raise ConfigError(
             f"recording {cfg.run!r} is incomplete: {len(final)} samples and {len(dead)} dead "
@@ -152,7 +146,7 @@ async def finalize(bus, kv, cfg: RunConfig) -> dict[str, Any]:
         )
     if not final:
         raise ConfigError(f"recording {cfg.run!r} holds no sample")
-    store = open_store(cfg.store)
+    store = cfg.store.build()
     try:
         if not isinstance(store, FileStore):
             raise ConfigError(f"a recording needs a file:// store, not {cfg.store.uri!r}")
@@ -162,9 +156,7 @@ async def finalize(bus, kv, cfg: RunConfig) -> dict[str, Any]:
         store.close()
     path = resolve_target_dir(cfg.target.model)
     info = load_target_info(path, name=cfg.target.model)
-    contract = build_strategy(
-        cfg.strategy, info, aux_layers=cfg.target.aux_layers
-    ).feature_contract(info)
+    contract = cfg.strategy.build(info, aux_layers=cfg.target.aux_layers).feature_contract(info)
     manifest = await kv.get_manifest()
     first_ref = final[0][1]
     marker = {
@@ -181,7 +173,7 @@ async def finalize(bus, kv, cfg: RunConfig) -> dict[str, Any]:
             for f in contract.fields
         },
         "aux_layers": list(contract.aux_layers),
-        "plan_hash": manifest["plan_hash"] if manifest else None,
+        "plan_hash": manifest.plan_hash if manifest else None,
         "fed_tasks": feed_count,
         "dead_letters": len(dead),
         "bytes": sum(ref.nbytes for _, ref in final),
@@ -189,8 +181,9 @@ async def finalize(bus, kv, cfg: RunConfig) -> dict[str, Any]:
         "created_at": time.time(),
     }
     _write_atomic(root / REFS_FILE, b"".join(ref.to_bytes() + b"\n" for _, ref in final))
+    manifest_json = manifest.model_dump(mode="json") if manifest else None
     _write_atomic(
-        root / MARKER_FILE, json.dumps({**marker, "manifest": manifest}, indent=1).encode()
+        root / MARKER_FILE, json.dumps({**marker, "manifest": manifest_json}, indent=1).encode()
     )
     await kv.mark_recording_complete(marker)
     await kv.mark_train_complete({"recording": True, "samples": len(final)})  # producers stop

@@ -21,6 +21,7 @@ log = logging.getLogger("specbus")
 
 
 def format_row(row: dict[str, float], total: int | None = None) -> str:
+    """One trainer log row as the console line rank 0 prints."""
     step = int(row["step"])
     parts = [f"step {step}" + (f"/{total}" if total else "")]
     for key, fmt in (("loss", "loss {:.3f}"), ("acc_0", "acc0 {:.3f}"), ("sim_accept_len", "tau {:.2f}"),
@@ -39,6 +40,7 @@ def format_row(row: dict[str, float], total: int | None = None) -> str:
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
+    """`specbus feed`: publish the run's tasks (ops/produce.py)."""
     from specbus.ops.produce import run_feeder
 
     cfg = config_of(args)
@@ -48,6 +50,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    """`specbus produce`: one capture worker until the run is trained."""
     from specbus.ops.produce import run_producer
 
     cfg = config_of(args)
@@ -65,6 +68,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """`specbus train`: one trainer rank (ops/train.py), progress on rank 0."""
     from specbus.ops.train import run_trainer
 
     cfg = config_of(args)
@@ -101,6 +105,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """`specbus export`: a checkpoint as an SGLang draft directory."""
     from specbus.ops.export import export_checkpoint
 
     cfg = config_of(args)
@@ -110,6 +115,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
+    """`specbus purge --yes`: every object of a run's store that is gone; refuses without `--yes`."""
     from specbus.core.store import purge_store
 
     cfg = config_of(args)
@@ -126,12 +132,14 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """`specbus demo`: the whole pipeline on this machine (ops/demo.py)."""
     from specbus.ops.demo import run_demo
 
     return run_demo(args)
 
 
 def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `feed`, `produce`, `train`, `export`, `purge` and `demo`."""
     p = sub.add_parser("feed", help="publish the dataset's tasks to the run's TASKS stream")
     add_common(p)
     p.set_defaults(func=cmd_feed)

@@ -1,20 +1,12 @@
 """A producer's feature server (W3'): its captures, served over HTTP to the trainers.
 
-With `store.uri: http://HOST:PORT` (a bind address; port 0 picks a free one), `specbus
-produce` keeps its captures in a local store (`store.http.local`, `mem://` by default: in its
-own memory) and serves them on HOST:PORT; its SampleRefs name
-`http://<store.http.advertise or HOST>:<port>/<store_id>`, which trainers read with
-`core.store.http.HttpStore` (the protocol is described there). Loopback by default; binding
-another address needs a bearer token (`store.http.token` or `$SPECBUS_STORE_TOKEN`), which the
-server then requires of every request.
-
-Bounds: the local store's `budget_bytes` is the producer's residency; the capture worker's
-backpressure reads it (`ServedStore.usage`). Releases: a trainer's DELETE after its ack, and,
-for what a killed trainer never released, `ServedStore.release_acked`: every
-`store.http.sweep_every_s` the producer reads the trainers' ack floor on SAMPLES and releases
-its samples whose refs lie at or below it (acked means trained, superseded or dead: nobody
-reads them again; a resumed trainer that rolled back past them recaptures what it needs).
-A producer that dies takes its features with it: trainers get `FeatureMissing` and recapture.
+With `store.uri: http://HOST:PORT` (a bind address; port 0 picks a free one) `specbus
+produce` keeps its captures in a local store (`store.http.local`, `mem://` by default) and
+serves them on HOST:PORT; its refs name `http://<store.http.advertise or HOST>:<port>/<id>`,
+read by `core.store.http.HttpStore`. Loopback unless a bearer token is set. The local store's
+budget is the producer's residency; trainers DELETE after their ack, and the producer releases
+what the trainers' ack floor passed (`ServedStore.release_acked`: what a killed trainer left).
+A producer that dies takes its features with it (trainers recapture). docs/store.md, "http://".
 """
 
 from __future__ import annotations
@@ -29,6 +21,8 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
+from specbus.bus.run import RunBus
+from specbus.bus.subjects import TRAINERS
 from specbus.core.config import StoreConfig
 from specbus.core.contracts import FeatureSpec, SampleRef
 from specbus.core.errors import (
@@ -66,10 +60,12 @@ class ServedStore:
 
     # -- the index of what is served ---------------------------------------------------------
     def lookup(self, sample_id: str, gen: int) -> dict[str, FeatureSpec] | None:
+        """The store id and sample of a served key, for the server's handlers."""
         with self._lock:
             return self._index.get((sample_id, gen))
 
     def stored(self) -> list[tuple[str, int]]:
+        """The (sample id, generation) pairs held now."""
         with self._lock:
             return list(self._index)
 
@@ -89,6 +85,7 @@ class ServedStore:
     def put(
         self, sample_id: str, tensors: Mapping[str, torch.Tensor], gen: int = 0
     ) -> dict[str, FeatureSpec]:
+        """Put into the local store (see `FeatureStore.put`); refs name this server's URL."""
         specs = self.local.put(sample_id, tensors, gen)
         with self._lock:
             for k in [k for k in self._index if k[0] == sample_id and k[1] < gen]:
@@ -97,14 +94,17 @@ class ServedStore:
         return specs
 
     def get(self, ref: RefLike, names=None, device=None) -> dict[str, torch.Tensor]:
+        """Read from the local store (see `FeatureStore.get`)."""
         return self.local.get(ref, names, device)
 
     def release(self, ref: RefLike) -> None:
+        """Release a served ref (see `FeatureStore.release`)."""
         key = sample_of(specs_of(ref), self.store_id)
         self.local.release(ref)
         self._forget([key])
 
     def release_sample(self, sample_id: str, gen: int) -> int:
+        """Release one generation of a sample by id; returns the bytes freed."""
         specs = self.lookup(sample_id, gen)
         if specs is None:
             return 0
@@ -113,56 +113,58 @@ class ServedStore:
         return sum(s.nbytes for s in specs.values())
 
     def adopt(self, ref: RefLike) -> None:
+        """Verify a served sample (see `FeatureStore.adopt`)."""
         self.local.adopt(ref)
         specs = specs_of(ref)
         with self._lock:
             self._index[sample_of(specs, self.store_id)] = specs
 
     def gc(self, live: Iterable[str] | None = None, *, min_age_s: float | None = None) -> int:
+        """The local store's gc (see `FeatureStore.gc`)."""
         freed = self.local.gc(live, min_age_s=min_age_s)
         self._prune()
         return freed
 
     def sweep(self, done: Callable[[str], bool], *, timeout_s: float | None = None) -> int:
+        """The local store's sweep (see `FeatureStore.sweep`)."""
         freed = self.local.sweep(done, timeout_s=timeout_s)
         self._prune()
         return freed
 
     def purge(self) -> int:
+        """The local store's purge (see `FeatureStore.purge`)."""
         freed = self.local.purge()
         self._prune()
         return freed
 
     def usage(self) -> StoreUsage:
+        """The local store's usage: the producer's residency (its backpressure reads it)."""
         return self.local.usage()
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The local store's alloc."""
         return self.local.alloc(shape, dtype)
 
     def close(self, timeout_s: float | None = None) -> None:
+        """Stop the server, then close the local store."""
         if self.server is not None:
             self.server.stop()
         self.local.close(timeout_s)
 
     # -- what the trainers acked ---------------------------------------------------------------
-    async def release_acked(self, bus, run: str, every_s: float) -> None:
+    async def release_acked(self, run: RunBus, every_s: float) -> None:
         """Forever: release this producer's samples whose refs are at or below the trainers'
         ack floor on SAMPLES (see module doc). Bus errors are logged and retried."""
-        from specbus.bus.replay import replay
-        from specbus.bus.subjects import TRAINERS, Names
-
-        names = Names(run)
         swept = 0
         while True:
             await asyncio.sleep(every_s)
             try:
-                info = await bus.js.consumer_info(names.samples_stream, TRAINERS)
-                floor = info.ack_floor.stream_seq if info.ack_floor else 0
+                floor = await run.ack_floor(TRAINERS)
                 if floor <= swept or not self.stored():
                     swept = max(swept, floor)
                     continue
                 freed = 0
-                async for stored in replay(bus, names.samples_stream, swept + 1, end_seq=floor):
+                async for stored in run.replay(TRAINERS, swept + 1, end_seq=floor):
                     try:
                         ref = SampleRef.from_bytes(stored.data)
                     except RecordError:
@@ -237,6 +239,7 @@ class FeatureServer:
         ready.set_result(port)
 
     def stop(self) -> None:
+        """Stop serving and join the server's thread."""
         if self._thread is None or not self.loop.is_running():
             return
 

@@ -9,7 +9,7 @@ import time
 import pytest
 from specbus.bus.connection import connect
 from specbus.core.config import BusConfig
-from specbus.core.errors import BusError
+from specbus.core.errors import BusError, ConfigError
 from specbus.ops.services.common import free_port
 from specbus.ops.services.nats import NatsServer
 
@@ -58,7 +58,7 @@ def test_a_process_started_during_an_outage_waits_for_the_broker(tmp_path, caplo
 
 
 def test_no_url_is_a_clear_error():
-    with pytest.raises(BusError, match="no broker URL"):
+    with pytest.raises(ConfigError, match="no broker URL"):
         asyncio.run(connect(BusConfig()))
 
 
@@ -95,7 +95,7 @@ def test_user_and_password_are_passed_through(auth_server):
 
 def test_a_missing_creds_file_is_named(tmp_path):
     cfg = BusConfig(creds_file=tmp_path / "nope.creds")
-    with pytest.raises(BusError, match="nope.creds"):
+    with pytest.raises(ConfigError, match="nope.creds"):
         asyncio.run(connect(cfg, "nats://127.0.0.1:4222"))
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info
-from specbus.producers.colocated import validate_colocated
+from specbus.ops.modes import check_colocated
 
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
@@ -126,16 +126,18 @@ def test_colocated_rank_killed_then_resumed_exactly_once(
         (["deployment.sequence_parallel=2"], "deployment.sequence_parallel=2"),
         (["deployment.target_ep=2"], "deployment.target_ep=2"),
         (["data.max_length=300"], "headroom"),
-        (["target.tp_size=2", "target.engine=sglang"], "not target.engine='sglang'"),
+        (["target.tp_size=2", "target.engine=sglang"], "target.engine 'sglang' is not registered"),
+        (["target.tp_size=2", "deployment.colocated_prefetch=1"], "colocated_prefetch=1"),
         (["target.max_total_tokens=10"], "max_total_tokens=10"),
     ],
 )
 def test_colocated_config_refusals(tmp_path, tiny_target, overrides, needle):
+    """Refused at load (the config alone says it) or by the mode's check (the target's shapes)."""
     data = write_tokenised_data(tmp_path / "data.jsonl", 4)
-    cfg = pipeline_config("r", tmp_path, tiny_target, data, store_uri="mem://",
-                          overrides=["deployment.mode=colocated", *overrides])  # fmt: skip
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
-        validate_colocated(cfg, load_target_info(tiny_target), world=2)
+        cfg = pipeline_config("r", tmp_path, tiny_target, data, store_uri="mem://",
+                              overrides=["deployment.mode=colocated", *overrides])  # fmt: skip
+        check_colocated(cfg, load_target_info(tiny_target), world=2)
 
 
 def test_colocated_prefetch_overlaps_capture_and_bounds_residency(

@@ -211,7 +211,7 @@ def test_the_producer_releases_what_the_trainers_acked(served, nats_server, run_
             leases = await group.fetch(4, 5.0)
             assert [lease.seq for lease in leases] == [1, 2, 3, 4]
             await group.ack_all(leases)  # trained, then the trainer died before its DELETEs
-            sweeper = asyncio.create_task(served.release_acked(bus, run_id, every_s=0.1))
+            sweeper = asyncio.create_task(served.release_acked(topo, every_s=0.1))
             deadline = time.monotonic() + 20
             while len(served.stored()) > 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

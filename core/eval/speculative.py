@@ -34,6 +34,8 @@ class LosslessError(SpecbusError):
 
 @dataclass
 class SpecResult:
+    """One speculative decode: the tokens produced and the drafts accepted per verify round."""
+
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # accepted drafts per verification round
 
@@ -157,6 +159,8 @@ def _to_target(draft, draft_id: torch.Tensor) -> int:
 
 @dataclass
 class AcceptanceReport:
+    """Measured acceptance over several prompts: tokens per verify round and drafts accepted."""
+
     prompts: int
     rounds: int
     tokens: int
@@ -165,6 +169,7 @@ class AcceptanceReport:
     lossless: bool
 
     def as_dict(self) -> dict:
+        """A JSON-able dict of the report."""
         return self.__dict__.copy()
 
 

@@ -41,20 +41,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
-from specbus.core.models.kernels import swiglu
-from specbus.core.models.llama_eagle3 import (
-    TILE,
-    RMSNorm,
-    apply_rope,
-    block_mask_from_tiles,
-    rope_inv_freq,
+from specbus.core.models.dflash_attention import (  # noqa: F401  (part of this module's API)
+    FLEX_TILE,
+    FlexBlocks,
+    _flex_dense,
+    _repeat_kv,
+    flex_attend,
+    flex_blocks,
 )
+from specbus.core.models.kernels import swiglu
+from specbus.core.models.llama_eagle3 import RMSNorm, apply_rope, rope_inv_freq
 from torch import nn
 
 log = logging.getLogger("specbus.dflash")
 
 PROJECTORS = ("dflash", "domino", "dspark")
-FLEX_TILE = TILE  # flex attention's default BLOCK_SIZE (query and key tiles)
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
@@ -113,138 +114,12 @@ class DFlashConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Flex attention layout
-
-
-@dataclass
-class FlexBlocks:
-    """The training attention of one batch as a flex-attention BlockMask (no dense mask).
-
-    Keys are laid out `[context padded to ctx_len | block tokens padded to q_pad]`, queries are
-    the block tokens padded to `q_pad` (both whole tiles of `FLEX_TILE`). `keep_BQ` marks the
-    real query rows of kept blocks (the others see no key: zero output). `tiles_BQtKt` /
-    `full_BQtKt` are the partial / full tiles the mask was built from (a full tile skips the
-    mask_mod in the kernel); the CPU path applies exactly those semantics to a dense SDPA.
-    """
-
-    block_mask: Any
-    mask_mod: Any
-    keep_BQ: torch.Tensor
-    tiles_BQtKt: torch.Tensor
-    full_BQtKt: torch.Tensor
-    seq_len: int
-    ctx_len: int
-    q_len: int
-    q_pad: int
-
-
-def _ceil_to(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def flex_blocks(
-    anchors_BN: torch.Tensor, keep_BN: torch.Tensor, seq_len: int, block_size: int
-) -> FlexBlocks:
-    """The block mask of `strategies.dflash.block_mask` at the tile level: a query tile needs the
-    context tiles below its largest kept anchor (full below its smallest, when every row of the
-    tile is kept) and the block-token tiles of its own blocks. Built from [B, tiles] reductions
-    on the device: no dense [Q, S] mask, no host sync."""
-    device = anchors_BN.device
-    b, n = anchors_BN.shape
-    k, tile = block_size, FLEX_TILE
-    q_len = n * k
-    q_pad, ctx_len = _ceil_to(q_len, tile), _ceil_to(seq_len, tile)
-    qt, kc, kb = q_pad // tile, ctx_len // tile, q_pad // tile
-    q = torch.arange(q_pad, device=device)
-    blk_Q = q // k
-    blk_c = blk_Q.clamp(max=n - 1)
-    anchor_BQ = anchors_BN[:, blk_c]
-    keep_BQ = keep_BN[:, blk_c] & (q < q_len)[None]
-    big = 1 << 40  # above any position or key, and safe to multiply by K
-    a_t, k_t = anchor_BQ.view(b, qt, tile), keep_BQ.view(b, qt, tile)
-    amax = torch.where(k_t, a_t, -1).amax(-1, keepdim=True)  # [B, Qt, 1]
-    amin = torch.where(k_t, a_t, big).amin(-1, keepdim=True)
-    start = torch.arange(kc, device=device) * tile
-    ctx_any = start < amax  # some kept row sees some key of the tile
-    ctx_full = k_t.all(-1, keepdim=True) & (start + tile <= amin)
-    blk_t = blk_Q.view(1, qt, tile).expand(b, -1, -1)
-    lo = torch.where(k_t, blk_t, big).amin(-1, keepdim=True) * k  # first own-block key
-    hi = (torch.where(k_t, blk_t, -1).amax(-1, keepdim=True) + 1) * k  # past the last
-    bstart = torch.arange(kb, device=device) * tile
-    blk_any = (bstart < hi) & (bstart + tile > lo)
-    full = torch.cat([ctx_full, torch.zeros_like(blk_any)], dim=-1)
-    partial = torch.cat([ctx_any & ~ctx_full, blk_any], dim=-1)
-
-    ctx_t = torch.full((), ctx_len, dtype=torch.long, device=device)
-
-    def mask_mod(bi, hi_, qi, kv):  # hi_: the head (unused)
-        in_ctx = kv < ctx_t
-        sees_ctx = in_ctx & (kv < anchor_BQ[bi, qi])
-        own = ~in_ctx & (torch.div(kv - ctx_t, k, rounding_mode="floor") == blk_Q[qi])
-        return keep_BQ[bi, qi] & (sees_ctx | own)
-
-    bm = block_mask_from_tiles(partial, full, (q_pad, ctx_len + q_pad), mask_mod)
-    return FlexBlocks(bm, mask_mod, keep_BQ, partial, full, seq_len, ctx_len, q_len, q_pad)
-
-
-def _flex_dense(fb: FlexBlocks) -> torch.Tensor:
-    """`[B, 1, Qp, S]`: what the flex kernel computes with `fb`'s tiles (full tiles all, partial
-    tiles the mask_mod, other tiles nothing). The CPU path and the tests use it."""
-    b = fb.keep_BQ.shape[0]
-    s = fb.ctx_len + fb.q_pad
-    device = fb.keep_BQ.device
-    bi = torch.arange(b, device=device)[:, None, None]
-    qi = torch.arange(fb.q_pad, device=device)[None, :, None]
-    kv = torch.arange(s, device=device)[None, None, :]
-    mod = fb.mask_mod(bi, None, qi, kv)
-
-    def dense(t: torch.Tensor) -> torch.Tensor:
-        return t.repeat_interleave(FLEX_TILE, 1).repeat_interleave(FLEX_TILE, 2)
-
-    return ((dense(fb.tiles_BQtKt) & mod) | dense(fb.full_BQtKt))[:, None]
-
-
-_FLEX_KERNEL: Any = None
-_FLEX_FAILED = False
-
-
-def _flex_kernel():
-    global _FLEX_KERNEL
-    if _FLEX_KERNEL is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        # dynamic: lengths vary by batch (one compile; every mask input is a tensor, so no
-        # length is baked into the graph)
-        _FLEX_KERNEL = torch.compile(flex_attention, dynamic=True)
-    return _FLEX_KERNEL
-
-
-def flex_attend(q, keys, values, fb: FlexBlocks, n_rep: int) -> torch.Tensor:
-    """Attention of `q [B, Nh, Qp, D]` over `keys/values [B, Nkv, S, D]` under `fb`: the
-    compiled flex kernel on CUDA; the same tiles as a dense SDPA elsewhere (and on CUDA if the
-    kernel cannot be compiled: slower, same function)."""
-    global _FLEX_FAILED
-    dtype = values.dtype  # bf16 under autocast (what SDPA's autocast casts to), else fp32
-    q, keys = q.to(dtype), keys.to(dtype)
-    if q.device.type == "cuda" and not _FLEX_FAILED:
-        try:
-            return _flex_kernel()(q, keys, values, block_mask=fb.block_mask, enable_gqa=n_rep > 1)
-        except Exception as e:
-            _FLEX_FAILED = True
-            log.warning("flex attention failed to compile, using the dense mask: %r", e)
-    allow = _flex_dense(fb)
-    empty = ~allow.any(-1, keepdim=True)
-    out = F.scaled_dot_product_attention(
-        q, _repeat_kv(keys, n_rep), _repeat_kv(values, n_rep), attn_mask=allow | empty
-    )
-    return out.masked_fill(empty, 0.0)
-
-
-# ---------------------------------------------------------------------------------------------
 # Layers
 
 
 class MLP(nn.Module):
+    """The draft's SwiGLU MLP (silu only)."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         if cfg.hidden_act != "silu":
@@ -254,17 +129,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)) (a compiled kernel on CUDA, `core.models.kernels`)."""
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-def _repeat_kv(x_BNkvTD: torch.Tensor, n_rep: int) -> torch.Tensor:
-    if n_rep == 1:
-        return x_BNkvTD
-    b, n, t, d = x_BNkvTD.shape
-    return x_BNkvTD[:, :, None].expand(b, n, n_rep, t, d).reshape(b, n * n_rep, t, d)
-
-
 class Attention(nn.Module):
+    """Block attention: a block's queries see the injected context keys/values (projected target
+    states) and their own block."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -336,6 +208,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One draft layer: attention over context + block, then the MLP, pre-norm with residuals."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -344,6 +218,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x_BQH, kv_ctx, positions_BQ, allow_BQS, attention="sdpa") -> torch.Tensor:
+        """The block's hidden states `[B, Q, H]` after this layer."""
         h = x_BQH + self.self_attn(
             self.input_layernorm(x_BQH), kv_ctx, positions_BQ, allow_BQS, attention
         )
@@ -371,6 +246,7 @@ class MarkovHead(nn.Module):
             self.joint_proj = nn.Linear(2 * r + h, 3 * r)
 
     def prev_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The Markov head's embedding of the previous tokens."""
         return self.markov_w1(token_ids.long())
 
     def _rnn_step(self, state, prev_emb, hidden):
@@ -419,6 +295,7 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(input_dim, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """One acceptance logit per position."""
         return self.proj(features).squeeze(-1)
 
 
@@ -435,6 +312,7 @@ class ContextCache:
 
     @property
     def length(self) -> int:
+        """Verified context positions cached."""
         return 0 if not self.keys else int(self.keys[0].shape[2])
 
 
@@ -469,6 +347,7 @@ class DFlashDraft(nn.Module):
 
     @property
     def block_size(self) -> int:
+        """Tokens per drafted block (K)."""
         return self.config.block_size
 
     @torch.no_grad()
@@ -560,6 +439,7 @@ class DFlashDraft(nn.Module):
     def confidence_logits(
         self, hidden: torch.Tensor, prev_ids: torch.Tensor
     ) -> torch.Tensor | None:
+        """DSpark's acceptance logits for the block's positions (None without a confidence head)."""
         if getattr(self, "confidence_head", None) is None:
             return None
         features = hidden

@@ -90,4 +90,5 @@ def rope(
 
 @compiled
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (compiled on CUDA)."""
     return F.silu(gate) * up

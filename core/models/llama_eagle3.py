@@ -12,13 +12,9 @@ Vd draft vocab, K TTT step.
     lm_head       [Vd, H]
     d2t [Vd] int64, t2d [V] bool  vocab mapping buffers
 
-Attention has two modes. Training (TTT, `TTTCache`): at step 0 every query attends causally
-(+ key padding) to the step-0 keys; at step K > 0 it attends to the same step-0 keys plus,
-from each step 1..K, only the key at its own position (the "diagonal"); rotary positions are
-offset by K. `attention="eager"` reproduces SpecForge's sdpa-backend arithmetic exactly (scores
-against the step-0 keys are an L x L tensor per step); `attention="flex"` (CUDA) builds a
-flex-attention block mask over the concatenated keys instead. Decoding (`DecodeCache`) is plain
-causal attention over a growing KV cache, which is the same function at inference positions.
+Attention has two modes (eagle3_attention.py): training (TTT, `TTTCache`; rotary positions
+offset by the step K) and decoding (`DecodeCache`, plain causal attention over a growing KV
+cache, the same function at inference positions).
 """
 
 from __future__ import annotations
@@ -30,6 +26,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
+from specbus.core.models.eagle3_attention import (  # noqa: F401  (part of this module's API)
+    TILE,
+    DecodeCache,
+    TTTCache,
+    TTTMask,
+    _ttt_eager,
+    _ttt_flex,
+    block_mask_from_tiles,
+    step0_mask,
+    ttt_block_masks,
+    ttt_mask_mod,
+)
 from specbus.core.models.kernels import rms_norm, rope, swiglu
 from torch import nn
 
@@ -58,6 +66,7 @@ class Eagle3Config:
     pad_token_id: int | None = None
 
     def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` SGLang loads as `LlamaForCausalLMEagle3`."""
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLMEagle3"],
             "model_type": "llama",
@@ -90,6 +99,7 @@ class Eagle3Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> Eagle3Config:
+        """The config of an exported draft (rope settings in either transformers spelling)."""
         rope_theta, rope_scaling = d.get("rope_theta"), d.get("rope_scaling")
         if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
             params = dict(d["rope_parameters"])
@@ -125,13 +135,16 @@ class Eagle3Config:
 
 
 class RMSNorm(nn.Module):
+    """Llama's RMSNorm, computed in fp32 (fp64 kept)."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 compute (fp64 kept for tests); one fused kernel on CUDA (core/models/kernels.py)
+        """`x` normalised by its RMS over the last dimension, scaled, in `x`'s dtype (fp32
+        compute, fp64 kept for tests; one fused kernel on CUDA, `core.models.kernels`)."""
         return rms_norm(x, self.weight, self.variance_epsilon)
 
 
@@ -181,7 +194,8 @@ def apply_rope(
     inv_freq: torch.Tensor,
     position_ids_BL: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding (`kernels.rope`; fp32 frequencies, tables in q's dtype)."""
+    """`(q, k)` rotated by the rotary embedding of `position_ids_BL` (`kernels.rope`: fp32
+    frequencies, tables in q's dtype)."""
     return rope(q_BNLD, k_BNLD, _on_device(inv_freq, position_ids_BL.device), position_ids_BL)
 
 
@@ -192,210 +206,10 @@ def _repeat_kv(x_BNkvLD: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x_BNkvLD[:, :, None].expand(b, n, n_rep, seq, d).reshape(b, n * n_rep, seq, d)
 
 
-# ---------------------------------------------------------------------------------------------
-# Attention caches
-
-
-@dataclass
-class TTTCache:
-    """Keys/values of every TTT step so far (step 0 first) and the step-0 mask.
-
-    `key_padding_BL` is the batch attention mask (1 = real token). `mask_BNLL` (eager) is the
-    additive causal+padding mask of step 0, built lazily once per forward; `block_masks`
-    (flex) the BlockMask of every step, built once per forward (`ttt_block_masks`).
-    """
-
-    key_padding_BL: torch.Tensor
-    attention: str = "eager"
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-    mask_B1LL: torch.Tensor | None = None
-    block_masks: list[Any] | None = None
-
-    @property
-    def step(self) -> int:
-        return len(self.keys)
-
-
-@dataclass
-class DecodeCache:
-    """Causal KV cache for inference: `k/v [B, N, T, D]` (kv heads already repeated)."""
-
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else int(self.k.shape[2])
-
-    def crop(self, length: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
-
-
-def step0_mask(key_padding_BL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive `[B, 1, L, L]` mask: 0 where query i may see key j (j <= i, j real), else min."""
-    seq = key_padding_BL.shape[1]
-    device = key_padding_BL.device
-    causal_LL = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-    allowed_B1LL = causal_LL[None, None] & key_padding_BL.bool()[:, None, None, :]
-    mask = torch.zeros(allowed_B1LL.shape, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed_B1LL, torch.finfo(dtype).min)
-
-
-def _ttt_eager(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
-    """SpecForge's sdpa-backend arithmetic: scores vs step-0 keys + one diagonal per earlier step."""
-    scale = math.sqrt(q_BNLD.shape[-1])
-    k0, v0 = cache.keys[0], cache.values[0]
-    seq = q_BNLD.shape[2]
-    if cache.mask_B1LL is None:
-        cache.mask_B1LL = step0_mask(cache.key_padding_BL, q_BNLD.dtype)
-    scores = torch.matmul(q_BNLD, k0.transpose(2, 3)) / scale + cache.mask_B1LL
-    diag = [((q_BNLD * k).sum(-1) / scale)[..., None] for k in cache.keys[1:]]
-    scores = torch.cat([scores, *diag], dim=-1) if diag else scores
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_BNLD.dtype)
-    out = torch.matmul(probs[..., :seq], v0)
-    for i, v in enumerate(cache.values[1:], start=1):
-        out = out + probs[..., seq + i - 1, None] * v
-    return out
-
-
-TILE = 128  # flex attention's BLOCK_SIZE (query and key tiles)
-
-
-@dataclass
-class TTTMask:
-    """One TTT step's flex BlockMask and the tiles it was built from (`[B, Qt, Kt]` partial /
-    full: a full tile skips the mask_mod in the kernel)."""
-
-    block_mask: Any
-    mask_mod: Any
-    partial_BQtKt: torch.Tensor
-    full_BQtKt: torch.Tensor
-    kv_len: int
-
-
-def _ordered(m_BQtKt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(count, indices) of the set tiles per row, ascending (`_dense_to_ordered`'s order)."""
-    num = m_BQtKt.sum(-1, dtype=torch.int32)
-    idx = torch.sort((~m_BQtKt).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
-    return num[:, None].contiguous(), idx[:, None].contiguous()
-
-
-def block_mask_from_tiles(partial_BQtKt, full_BQtKt, seq_lengths, mask_mod):
-    """A flex BlockMask from dense `[B, Qt, Kt]` tile sets (partial: mask_mod applies; full:
-    every key). The query-side (backward) indices come from the same tiles transposed, not
-    from `from_kv_blocks`' dense round trip (a vmapped index_put per mask)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    num, idx = _ordered(partial_BQtKt)
-    full_num, full_idx = _ordered(full_BQtKt)
-    q_num, q_idx = _ordered(partial_BQtKt.transpose(-2, -1))
-    full_q_num, full_q_idx = _ordered(full_BQtKt.transpose(-2, -1))
-    try:
-        return BlockMask(
-            seq_lengths=tuple(seq_lengths), kv_num_blocks=num, kv_indices=idx,
-            full_kv_num_blocks=full_num, full_kv_indices=full_idx, q_num_blocks=q_num,
-            q_indices=q_idx, full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
-            BLOCK_SIZE=(TILE, TILE), mask_mod=mask_mod,
-        )  # fmt: skip
-    except TypeError:  # another constructor: let flex derive the query side itself
-        return BlockMask.from_kv_blocks(
-            num, idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-            seq_lengths=tuple(seq_lengths),
-        )  # fmt: skip
-
-
-def ttt_mask_mod(key_padding_BL: torch.Tensor):
-    """The TTT mask over [K0 | K1 | ... | Kk]: step 0 causal + key padding, step s > 0 only
-    the key at the query's own position. Every length is a tensor (nothing baked into a
-    compiled graph)."""
-    pad_BL = key_padding_BL.bool()
-    seq_t = torch.full((), key_padding_BL.shape[1], dtype=torch.long, device=pad_BL.device)
-
-    def mask_mod(bi, hi, qi, kvi):
-        step = torch.div(kvi, seq_t, rounding_mode="floor")
-        j = kvi - step * seq_t
-        return ((step == 0) & (j <= qi) & pad_BL[bi, j]) | ((step > 0) & (j == qi))
-
-    return mask_mod
-
-
-def ttt_block_masks(key_padding_BL: torch.Tensor, steps: int) -> list[TTTMask]:
-    """The BlockMask of every TTT step (keys of steps 0..k), built once per forward at the tile
-    level from [B, tiles] tensors on the device: no dense L x kL mask evaluation, no sort of
-    a dense mask, no host sync (`create_block_mask` did all three per step). Step 0 region:
-    a key tile is needed by a query tile when its first key is <= the tile's last query and
-    it holds a real key; it is full when its last key is <= the tile's first query, every key
-    is real and both tiles are whole (inside L). Step s > 0: the tiles holding keys s*L + q
-    of the tile's queries (partial). The tiles equal `create_block_mask`'s for the same
-    mask_mod (tested)."""
-    device = key_padding_BL.device
-    b, seq = key_padding_BL.shape
-    qt = -(-seq // TILE)
-    kt0 = qt
-    pad = key_padding_BL.bool()
-    pad_tiles = F.pad(pad, (0, kt0 * TILE - seq)).view(b, kt0, TILE)
-    has_key, all_keys = pad_tiles.any(-1), pad_tiles.all(-1)  # [B, Kt0]
-    q0 = torch.arange(qt, device=device) * TILE  # first query of each tile
-    q1 = (q0 + TILE - 1).clamp(max=seq - 1)  # last
-    k0 = torch.arange(kt0, device=device) * TILE
-    causal_any = k0[None] <= q1[:, None]  # [Qt, Kt0]
-    # full tiles only inside whole tiles of queries and keys (as create_block_mask marks them)
-    causal_full = ((k0 + TILE - 1)[None] <= q0[:, None]) & (q0 + TILE <= seq)[:, None]
-    inside = (k0 + TILE <= seq)[None]
-    any0 = causal_any[None] & has_key[:, None]
-    full0 = causal_full[None] & all_keys[:, None] & inside[:, None]
-    mask_mod = ttt_mask_mod(key_padding_BL)
-    masks = []
-    for k in range(steps):
-        kv_len = (k + 1) * seq
-        kt = -(-kv_len // TILE)
-        tiles = torch.arange(kt, device=device)
-        step_any = F.pad(any0, (0, kt - kt0))
-        full = F.pad(full0, (0, kt - kt0))
-        if k:
-            starts = torch.arange(1, k + 1, device=device)[:, None] * seq  # [k, 1]
-            lo, hi = (starts + q0) // TILE, (starts + q1) // TILE  # [k, Qt]
-            diag = (tiles >= lo[..., None]) & (tiles <= hi[..., None])  # [k, Qt, Kt]
-            step_any = step_any | diag.any(0)[None]
-        partial = step_any & ~full
-        bm = block_mask_from_tiles(partial, full, (seq, kv_len), mask_mod)
-        masks.append(TTTMask(bm, mask_mod, partial, full, kv_len))
-    return masks
-
-
-def _ttt_flex(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
-    """Same attention with a flex-attention block mask over [K0 | K1 | ... | Kk] (no L x L
-    tensor); the masks of all steps are built at the first step of the forward."""
-    if cache.block_masks is None or len(cache.block_masks) < cache.step:
-        cache.block_masks = ttt_block_masks(cache.key_padding_BL, cache.step)
-    block = cache.block_masks[cache.step - 1].block_mask
-    k = torch.cat(cache.keys, dim=2)
-    v = torch.cat(cache.values, dim=2)
-    gqa = k.shape[1] != q_BNLD.shape[1]  # flex repeats the kv heads itself
-    if q_BNLD.is_cuda:
-        return _compiled_flex()(q_BNLD, k, v, block_mask=block, enable_gqa=gqa)
-    from torch.nn.attention.flex_attention import flex_attention  # CPU: forward only (tests)
-
-    return flex_attention(q_BNLD, k, v, block_mask=block, enable_gqa=gqa)
-
-
-_FLEX = None
-
-
-def _compiled_flex():
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        # dynamic=None: the key length grows with the TTT step and L varies by batch; a static
-        # compile per shape would hit the recompile limit and fall back to the unfused kernel.
-        _FLEX = torch.compile(flex_attention, dynamic=None)
-    return _FLEX
-
-
 class Attention(nn.Module):
+    """The draft's attention over [embedding; hidden] (2H wide), with a TTT cache when training and a
+    causal cache when decoding."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -413,6 +227,7 @@ class Attention(nn.Module):
     def forward(
         self, x_BL2H: torch.Tensor, position_ids_BL: torch.Tensor, cache: TTTCache | DecodeCache
     ) -> torch.Tensor:
+        """Attention output `[B, L, H]`; the step's keys/values are appended to `cache`."""
         b, seq, _ = x_BL2H.shape
         q = self.q_proj(x_BL2H).view(b, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BL2H).view(b, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -450,6 +265,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Llama's SwiGLU MLP."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         if cfg.hidden_act != "silu":
@@ -459,10 +276,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)) (a compiled kernel on CUDA, `core.models.kernels`)."""
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """EAGLE3's decoder layer: the normed token embedding and hidden state concatenated into attention,
+    then the MLP, each with a residual on the hidden state."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -472,6 +293,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, emb_BLH, hidden_BLH, position_ids_BL, cache) -> torch.Tensor:
+        """The layer's hidden state `[B, L, H]` for one TTT step (or one decode step)."""
         residual = hidden_BLH
         x = torch.cat((self.input_layernorm(emb_BLH), self.hidden_norm(hidden_BLH)), dim=-1)
         hidden_BLH = residual + self.self_attn(x, position_ids_BL, cache)
@@ -519,6 +341,7 @@ class LlamaEagle3Draft(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Linear and embedding weights N(0, initializer_range), norms 1."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, self.config.initializer_range)
@@ -528,6 +351,7 @@ class LlamaEagle3Draft(nn.Module):
 
     @torch.no_grad()
     def load_embedding(self, embed_VH: torch.Tensor) -> None:
+        """Copy the target's embedding into the frozen `embed_tokens`; `ConfigError` for another shape."""
         if tuple(embed_VH.shape) != tuple(self.embed_tokens.weight.shape):
             raise ConfigError(
                 f"target embedding {tuple(embed_VH.shape)} != draft embed_tokens {tuple(self.embed_tokens.weight.shape)}"
@@ -536,6 +360,7 @@ class LlamaEagle3Draft(nn.Module):
 
     @torch.no_grad()
     def load_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Copy the run's `d2t`/`t2d` into the draft's buffers; `ConfigError` for another shape."""
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ConfigError(
                 f"vocab mapping d2t{tuple(d2t.shape)}/t2d{tuple(t2d.shape)} does not fit the draft "
@@ -545,9 +370,12 @@ class LlamaEagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
 
     def embed(self, ids_BL: torch.Tensor) -> torch.Tensor:
+        """The frozen target embedding of `ids_BL`."""
         return self.embed_tokens(ids_BL)
 
     def project(self, aux_BL3H: torch.Tensor) -> torch.Tensor:
+        """The 3 aux hidden states `[B, L, 3H]` projected to `[B, L, H]`; `ConfigError` for another
+        width."""
         if aux_BL3H.shape[-1] != self.fc.in_features:
             raise ConfigError(
                 f"aux hidden states width {aux_BL3H.shape[-1]} != 3 * target hidden {self.fc.in_features}"

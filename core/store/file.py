@@ -1,34 +1,11 @@
 """`file:///abs/dir[?store_id=x]`: persistent features, one safetensors file per sample.
 
-The store for recordings (W1: capture once, train many epochs) and for anything that must
-outlive its processes. Layout under the directory:
-
-    .lock                                         flock'd for every state change; counters
-    samples/<sid>/g<gen>.safetensors              one sample generation, every tensor in it
-    samples/<sid>/.g<gen>.<nbytes>.<pid>-<start>.<rand>.tmp    a put in progress
-
-Files are standard safetensors (core/store/stfile.py; `safetensors.torch.load_file` reads
-them), with `__metadata__` naming the sample, its generation, the layout version
-(`specbus: specbus-file/1`) and, with `crc: true`, each tensor's CRC32.
-
-- **Atomic.** A put reserves its bytes against the budget and creates its tmp file under the
-  lock (so the counters are global across processes and a put beyond the budget fails before
-  writing), writes the tmp file, then renames it into place under the lock: a reader never
-  sees half a sample, and a writer killed at any point (kill -9 mid-write) leaves at worst a
-  tmp file named after it, which `gc()` / `sweep()` remove (and un-reserve) once the writer is
-  dead. Files are not fsynced per put: `sync()` (what `specbus capture` calls before marking
-  a recording complete) flushes the filesystem.
-- **Zero-copy reads.** `get` maps the file (private, copy-on-write) and returns tensors that
-  view it in place (offsets are aligned by the writer); pages are read from the page cache or
-  the disk when first touched. A file is never modified in place (a new value is a new file
-  renamed over the old name, a release unlinks), so a mapping stays valid however long a
-  tensor lives.
-- **Integrity.** The header must match the ref's spec (dtype, shape, byte size) and the file
-  must hold all the bytes it announces (`IntegrityError`, never a tensor with a garbage tail);
-  with a CRC in the spec, the bytes are checked; NaN/Inf are screened at put as everywhere.
-  A sample that is not there is `FeatureMissing`.
-- Generations, budget, `release`, `gc`, `sweep`, `purge` as in every backend (base.py);
-  `purge` leaves the (empty) directory. Nothing is removed at close: the samples persist.
+The store for recordings (W1) and for anything that must outlive its processes:
+`samples/<sid>/g<gen>.safetensors` (standard safetensors, `core/store/stfile.py`) under a
+flock'd directory whose counters bound the budget across processes. Puts are atomic (a tmp
+file renamed into place; a writer killed mid-write leaves a tmp file that `gc`/`sweep`
+remove), reads map the file zero-copy, headers and sizes (and CRCs, with `crc: true`) are
+checked. Nothing is removed at close. Layout and guarantees in full: docs/store.md, "file://".
 """
 
 from __future__ import annotations
@@ -46,7 +23,13 @@ from pathlib import Path
 import torch
 from specbus.core.config import StoreConfig
 from specbus.core.contracts import FeatureSpec
-from specbus.core.errors import FeatureMissing, IntegrityError, StoreFull, StoreNoSpace
+from specbus.core.errors import (
+    ConfigError,
+    FeatureMissing,
+    IntegrityError,
+    StoreFull,
+    StoreNoSpace,
+)
 from specbus.core.store import procs, stfile
 from specbus.core.store.base import (
     RefLike,
@@ -63,7 +46,7 @@ from specbus.core.store.base import (
     to_device,
 )
 from specbus.core.store.chunked import SharedScreen, write_fd
-from specbus.core.store.shm import _locked_for, _Stats
+from specbus.core.store.shm_dir import Stats, locked_for
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +56,8 @@ SCREEN_HELP_MIN_BYTES = 1 << 20  # as shm: smaller samples are screened by the p
 
 
 class FileStore(StoreBase):
+    """Samples as safetensors files under `root` (see module doc); persists after close."""
+
     def __init__(self, cfg: StoreConfig, store_id: str, root: Path):
         self.cfg = cfg
         self.store_id = store_id
@@ -82,7 +67,7 @@ class FileStore(StoreBase):
         )
         self.root.mkdir(parents=True, exist_ok=True)
         self._samples = str(self.root / "samples")
-        self._lock = _locked_for(self.root)
+        self._lock = locked_for(self.root)
         self._screener = Screener()
 
     # ---- paths ----------------------------------------------------------------------------
@@ -95,6 +80,8 @@ class FileStore(StoreBase):
     def put(
         self, sample_id: str, tensors: Mapping[str, torch.Tensor], gen: int = 0
     ) -> dict[str, FeatureSpec]:
+        """Write the sample's tensors as one safetensors file, atomically (see
+        `FeatureStore.put`); `StoreFull` / `StoreNoSpace` beyond the budget or the disk."""
         self._check_open()
         kept, specs = prepare(
             self.store_id, sample_id, gen, tensors, crc=self.cfg.crc, screen=False
@@ -217,6 +204,8 @@ class FileStore(StoreBase):
     def get(
         self, ref: RefLike, names: Iterable[str] | None = None, device=None
     ) -> dict[str, torch.Tensor]:
+        """The tensors, mapped zero-copy from the sample's file (see `FeatureStore.get`);
+        `FeatureMissing` / `IntegrityError`."""
         self._check_open()
         specs = specs_of(ref, names)
         if not specs:
@@ -253,10 +242,13 @@ class FileStore(StoreBase):
     # ---- lifecycle ------------------------------------------------------------------------
 
     def release(self, ref: RefLike) -> None:
+        """Remove one generation of a sample (see `FeatureStore.release`)."""
         sample_id, gen = sample_of(specs_of(ref), self.store_id)
         self._drop([Stored(sample_id, gen)], force=False)
 
     def adopt(self, ref: RefLike) -> None:
+        """Verify a sample put by another handle: its file is there with the spec's sizes (see
+        `FeatureStore.adopt`)."""
         specs = specs_of(ref)
         sample_id, gen = sample_of(specs, self.store_id)
         path = self._path(sample_id, gen)
@@ -307,13 +299,15 @@ class FileStore(StoreBase):
                 with contextlib.suppress(OSError):
                     os.rmdir(sdir)
             st = self._lock.read()
-            self._lock.write(_Stats(resident, count, st.peak, 0))
+            self._lock.write(Stats(resident, count, st.peak, 0))
         return freed
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor (reads map the files; nothing to preallocate)."""
         return torch.empty(shape, dtype=dtype)
 
     def usage(self) -> StoreUsage:
+        """Residency of the directory (bytes, samples, peak) and what its filesystem can hold."""
         with self._lock:
             st = self._lock.read()
         return StoreUsage(
@@ -447,3 +441,17 @@ def _free_bytes(root: Path) -> int:
     except OSError:
         return 0
     return v.f_bavail * v.f_frsize
+
+
+def open_file(
+    cfg: StoreConfig, store_id: str, path: str | None, query: dict[str, str]
+) -> FileStore:
+    """`file:///abs/dir[?store_id=x]` (`core.registry.STORES`); a query may set StoreConfig
+    fields. Raises `ConfigError` without an absolute directory."""
+    from specbus.core.store import query_options
+
+    if path is None or not Path(path).is_absolute():
+        raise ConfigError(
+            f"store.uri {cfg.uri!r}: file:// needs an absolute directory (file:///abs/dir)"
+        )
+    return FileStore(query_options(cfg, query), store_id, Path(path))

@@ -1,34 +1,11 @@
 """`http://host:port/<store_id>`: features a producer serves from its own store (W3').
 
-For producers and trainers on different hosts without Mooncake or a shared filesystem: a
-producer keeps its captures in a local store and serves them over HTTP
-(`producers/feature_server.py`); its SampleRefs name its URL; a trainer fetches with this
-client. Protocol (every request carries `Authorization: Bearer <token>` when a token is
-configured; the server answers 401 without it):
-
-    GET    <base>/samples/<sid>/g<gen>?names=a,b   the tensors' raw bytes, back to back in that
-                                                   order; `X-Specbus-Layout` names each
-                                                   (name:dtype:shape:nbytes); `Range:
-                                                   bytes=N-` resumes a transfer (206)
-    HEAD   <base>/samples/<sid>/g<gen>?names=...    the same headers (adopt)
-    DELETE <base>/samples/<sid>/g<gen>              release (204, idempotent)
-    PUT    <base>/samples/<sid>/g<gen>              put: the body is a safetensors file
-    GET    <base>/usage | <base>/stored             usage; stored sample generations
-    POST   <base>/drop | <base>/gc | <base>/purge   sweep / gc / purge primitives
-
-The client is one pooled `aiohttp` session per producer address per process (keep-alive,
-`store.http.connections` connections), on a background event loop shared by every handle;
-the store API stays synchronous (a get blocks its calling thread, as every backend's does).
-A get preallocates the tensors (from a pool of pre-faulted memory, as shm://) and streams the
-body into them as it arrives: one copy from the socket buffers, no intermediate bytes object.
-
-Errors: 404 -> `FeatureMissing`; 401 -> `StoreDenied` (a wrong or missing token: a
-configuration error, raised, never retried); 422 / a body whose length or layout differs from
-the spec / a CRC mismatch -> `IntegrityError`; 507 -> `StoreFull` (`StoreNoSpace`); other 5xx
--> `StoreUnavailable`. A producer that cannot be reached (connection refused, reset, connect
-timeout: it is dead or its host is) is `FeatureMissing`: its features went with it, and the
-trainer recaptures (consumers/bus_source.py). A transfer cut mid-body is resumed once with a
-range request; cut again, it is an `IntegrityError` (short read), which recaptures too.
+A client of one producer's feature server (`producers/feature_server.py`): one pooled
+`aiohttp` session per producer address per process, on a background loop shared by every
+handle; a get streams the body into preallocated tensors. Errors: 404 and an unreachable
+producer are `FeatureMissing` (the trainer recaptures), 401 `StoreDenied`, a body that does
+not match its spec `IntegrityError`, 507 `StoreFull`, other 5xx `StoreUnavailable`. The
+protocol, the token and the errors in full: docs/store.md, "http://".
 """
 
 from __future__ import annotations
@@ -47,6 +24,7 @@ import torch
 from specbus.core.config import StoreConfig
 from specbus.core.contracts import FeatureSpec
 from specbus.core.errors import (
+    ConfigError,
     FeatureMissing,
     IntegrityError,
     StoreDenied,
@@ -80,6 +58,7 @@ CHUNK = 1 << 20
 
 
 def resolve_token(cfg: StoreConfig) -> str | None:
+    """The bearer token: `store.http.token`, else `$SPECBUS_STORE_TOKEN`, else None."""
     return cfg.http.token or os.environ.get(TOKEN_ENV) or None
 
 
@@ -92,6 +71,7 @@ def layout_of(specs: Iterable[tuple[str, str, tuple[int, ...], int]]) -> str:
 
 
 def parse_layout(text: str) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """The `(name, dtype, shape, nbytes)` entries of a `layout_of` string."""
     out = []
     for item in filter(None, text.split(",")):
         name, dtype, shape, nbytes = item.split(":")
@@ -147,6 +127,7 @@ _pool: BufferPool | None = None
 
 
 def client() -> _Client:
+    """This process's shared HTTP client (a new one after a fork)."""
     global _client
     with _client_lock:
         if _client is None or _client._pid != os.getpid():
@@ -211,7 +192,7 @@ class HttpStore(StoreBase):
     def __init__(self, cfg: StoreConfig, store_id: str, uri: str):
         parts = urllib.parse.urlsplit(uri)
         if not parts.hostname:
-            raise StoreError(f"store.uri {uri!r}: an http:// store needs a host and port")
+            raise ConfigError(f"store.uri {uri!r}: an http:// store needs a host and port")
         self.cfg = cfg
         self.store_id = store_id
         self.address = f"{parts.scheme}://{parts.netloc}"
@@ -294,6 +275,8 @@ class HttpStore(StoreBase):
     def get(
         self, ref: RefLike, names: Iterable[str] | None = None, device=None
     ) -> dict[str, torch.Tensor]:
+        """The tensors, streamed into preallocated memory (see `FeatureStore.get` and the module
+        doc for the errors)."""
         self._check_open()
         specs = specs_of(ref, names)
         if not specs:
@@ -423,11 +406,15 @@ class HttpStore(StoreBase):
 
     # -- the rest of the API -----------------------------------------------------------------
     def release(self, ref: RefLike) -> None:
+        """DELETE one generation of a sample at its producer (idempotent; best effort when the
+        producer is gone)."""
         sample_id, gen = sample_of(specs_of(ref), self.store_id)
         with contextlib.suppress(FeatureMissing):  # gone with its producer: nothing to free
             self._call(self._request("DELETE", self._sample_url(sample_id, gen), ""))
 
     def adopt(self, ref: RefLike) -> None:
+        """HEAD the sample at its producer: present, with the spec's layout (see
+        `FeatureStore.adopt`)."""
         specs = specs_of(ref)
         sample_id, gen = sample_of(specs, self.store_id)
         names = [parse_key(s.key).name for s in specs.values()]
@@ -462,10 +449,12 @@ class HttpStore(StoreBase):
         return self._usage
 
     def gc(self, live: Iterable[str] | None = None, *, min_age_s: float | None = None) -> int:
+        """The producer's gc (see `FeatureStore.gc`); returns the bytes freed."""
         payload = {"live": None if live is None else sorted(live), "min_age_s": min_age_s}
         return self._call(self._request("POST", f"{self.base}/gc", "", json=payload))["freed"]
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor in this process's memory."""
         return torch.empty(shape, dtype=dtype)
 
     def _stored(self) -> list[Stored]:
@@ -480,3 +469,14 @@ class HttpStore(StoreBase):
 
     def _purge_rest(self) -> int:
         return self._call(self._request("POST", f"{self.base}/purge", ""))["freed"]
+
+
+def open_http(
+    cfg: StoreConfig, store_id: str, path: str | None, query: dict[str, str]
+) -> HttpStore:
+    """`http://host:port/<store_id>` (`core.registry.STORES`): a client of that producer's
+    feature server; a query may set StoreConfig fields."""
+    from specbus.core.store import query_options
+
+    cfg = query_options(cfg, query)
+    return HttpStore(cfg, store_id, cfg.uri)

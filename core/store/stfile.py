@@ -62,6 +62,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
+        """The tensor's byte size in the file."""
         return self.end - self.begin
 
 

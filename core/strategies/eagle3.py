@@ -37,7 +37,6 @@ from specbus.core.strategies.base import (
     StepContext,
     TrainBatch,
     pad_right,
-    register_strategy,
 )
 from torch import nn
 
@@ -65,9 +64,12 @@ def compute_teacher(
     ttt_length: int,
     draft_ids_Vd: torch.Tensor | None = None,
 ) -> Teacher:
-    """`draft_ids_Vd` = `t2d_V.nonzero()` (ascending), when the caller has it: the same
-    columns as the boolean index, without its device-to-host sync (`draft_columns`); then the
-    whole teacher is one compiled function on CUDA (`teacher_tensors`)."""
+    """The TTT teacher from the target's logits: its distribution renormalised over the draft
+    vocabulary, its probability mass on each draft token, its argmax ids, and the supervised
+    positions whose argmax the draft can emit; padded by `ttt_length` for the shifted steps.
+    `draft_ids_Vd` = `t2d_V.nonzero()` (ascending), when the caller has it: the same columns
+    as the boolean index, without its device-to-host sync (`draft_columns`); then the whole
+    teacher is one compiled function on CUDA (`teacher_tensors`)."""
     if draft_ids_Vd is not None:
         return Teacher(
             *teacher_tensors(target_logits_BLV, t2d_V, loss_mask_BL1, ttt_length, draft_ids_Vd)
@@ -115,6 +117,8 @@ def step_loss(
 def acceptance_rate(
     logits_BLVd: torch.Tensor, target_p_on_draft_BLVd: torch.Tensor, position_mask_BL1: torch.Tensor
 ) -> torch.Tensor:
+    """The expected acceptance of one TTT step: sum over the draft vocabulary of
+    min(p_target, p_draft), averaged over the supervised positions."""
     draft_p = torch.softmax(upcast(logits_BLVd), dim=-1).to(target_p_on_draft_BLVd.dtype)
     per_token = torch.minimum(target_p_on_draft_BLVd, draft_p).sum(-1)
     mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
@@ -294,9 +298,12 @@ class Eagle3Strategy:
 
     @property
     def draft_vocab_size(self) -> int:
+        """The draft vocabulary size (clamped to the target's)."""
         return min(self.cfg.draft.draft_vocab_size, self.target.vocab_size)
 
     def feature_contract(self, target: TargetInfo | None = None) -> FeatureContract:
+        """input_ids, loss_mask, hidden_states (3 aux layers concatenated) and target (the final hidden
+        state)."""
         target = target or self.target
         h = target.hidden_size
         return FeatureContract(
@@ -370,6 +377,7 @@ class Eagle3Strategy:
         return draft
 
     def lm_head(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The target's frozen lm_head on `device` in `dtype` (cached)."""
         if self.heads is None:
             raise ConfigError(
                 "eagle3 recomputes the teacher from the target lm_head: build_strategy(..., heads=...)"
@@ -391,6 +399,7 @@ class Eagle3Strategy:
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None
     ) -> tuple[torch.Tensor, Metrics]:
+        """The TTT loss and metrics of one micro-batch (docs/eagle3.md)."""
         t = batch.tensors
         device = t["input_ids"].device
         # The reference runs its frozen head in the feature dtype (bf16 on GPU) and upcasts logits.
@@ -413,10 +422,3 @@ class Eagle3Strategy:
     def fused(batch: TrainBatch) -> bool:
         """`_FusedStepLoss` on CUDA; the CPU keeps the reference's arithmetic (bitwise)."""
         return batch.tensors["input_ids"].device.type == "cuda"
-
-
-@register_strategy("eagle3")
-def _eagle3(
-    cfg: StrategyConfig, target: TargetInfo, *, heads=None, aux_layers=None
-) -> Eagle3Strategy:
-    return Eagle3Strategy(cfg, target, heads=heads, aux_layers=aux_layers)

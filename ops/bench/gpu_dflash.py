@@ -2,7 +2,7 @@
 a DSpark (or DFlash / Domino) draft, bf16, colocated, micro-batch 1, mixed sequence lengths.
 
 Each run is `specbus train` in colocated mode as users run it (one trainer rank capturing its
-own tasks; the random-target `hf` engine of `ops/bench/gpu_pipeline.py`, registered in the
+own tasks; the random-target `hf` engine of `ops/bench/random_target.py`, registered in the
 worker process), on pre-tokenised samples whose lengths are drawn uniformly from
 [--min-len, --max-len] (the last three quarters of each supervised). Figures are the steady
 state after `--warmup` optimizer steps: samples/s (per GPU), tokens/s, the capture fraction
@@ -20,7 +20,6 @@ import argparse
 import json
 import random
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import torch
 from specbus.core.config import build_config
-from specbus.ops.bench.gpu_pipeline import QWEN3_8B, TINY, run_mode, worker, write_target
+from specbus.ops.bench.gpu_pipeline import run_mode
+from specbus.ops.bench.random_target import QWEN3_8B, TINY, write_target
 
 SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC, GOAL_SAMPLES_PER_S = 5.7, 0.112, 6.5
 
@@ -73,8 +73,6 @@ def config_for(run: str, work: Path, target: Path, data: Path, strategy: str, hi
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        sys.exit(worker(sys.argv[2:]))
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

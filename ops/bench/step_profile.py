@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON report")
     ap.add_argument("--out-dir", type=Path, default=None, help="profiler tables here")
     args = ap.parse_args(argv)
-    from specbus.ops.bench.gpu_pipeline import QWEN3_8B, write_target
+    from specbus.ops.bench.random_target import QWEN3_8B, write_target
 
     # --tiny: the Qwen3-8B layout scaled down (counts of ops do not depend on the widths)
     tiny = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 512,
