@@ -260,7 +260,7 @@ def calibrate(args, model, tokenizer, data_path: str, work: Path) -> dict:
 
 def train(args, cfg, work: Path) -> dict:
     from specbus.core.config import dump_config
-    from specbus.ops.services.common import dies_with_parent, stop_pids
+    from specbus.ops.services.common import dies_with_parent, shielded, stop_pids
     from specbus.ops.services.nats import NatsServer
 
     run_dir = cfg.resolved_run_dir
@@ -308,9 +308,11 @@ def train(args, cfg, work: Path) -> dict:
         if trainer.returncode != 0:
             raise RuntimeError(f"trainer exited {trainer.returncode}: "
                                + (logs / "trainer.log").read_text(errors="replace")[-3000:])  # fmt: skip
-    finally:
-        stop_pids(procs.values(), 30.0)
-        server.stop()
+    finally:  # the trainer first (it checkpoints on SIGTERM, through the broker), then the broker
+        with shielded():
+            stop_pids([p for n, p in procs.items() if n == "trainer"], 60.0)
+            stop_pids([p for n, p in procs.items() if n != "trainer"], 10.0)
+            server.stop()
     wall = time.time() - t_start
     ckpt_dir = run_dir / "checkpoints"
     latest = (ckpt_dir / "latest").read_text().strip()
@@ -392,6 +394,8 @@ def eval_worker(plan_path: Path, worker: int) -> int:
             )  # fmt: skip
             accepted = round(rep.mean_accepted * rep.rounds)
             row["per_prompt"].append([i, rep.rounds, accepted, rep.tokens, rep.mismatches])
+            if len(row["per_prompt"]) % 4 == 0:  # progress for the parent
+                out_path.write_text(json.dumps([*results, row]))
         results.append(row)
         out_path.write_text(json.dumps(results))
     return 0
@@ -504,13 +508,24 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--out", type=Path, default=Path("runs/quality"))
+    ap.add_argument(
+        "--stage", choices=("all", "train", "eval"), default="all",
+        help="train: phases 1-5 only; eval: phase 6 over the run recorded in <out>/quality.json "
+        "(a second device call on the same machine, when one call cannot hold both)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--eval-reserve-minutes", type=float, default=6.0,
+        help="with --deadline-minutes and --stage all: the training budget shrinks so that this "
+        "much is left for export and evaluation",
+    )  # fmt: skip
     ap.add_argument("--work", type=Path, default=None, help="scratch dir (default <out>/work)")
     ap.add_argument("--train-minutes", type=float, default=7.0)
     ap.add_argument(
         "--deadline-minutes",
         type=float,
         default=None,
-        help="whole-run budget: evaluation jobs past it are cut (reported as such)",
+        help="whole-run budget: training ends in time for it (see --eval-reserve-minutes), "
+        "evaluation jobs past it are cut (reported as such)",
     )
     ap.add_argument("--eval-prompts", type=int, default=200, help="held-back GSM8K questions")
     ap.add_argument("--eval-tokens", type=int, default=128)
@@ -518,12 +533,12 @@ def main() -> int:
     ap.add_argument("--curve-prompts", type=int, default=50)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--gsm8k-limit", type=int, default=None)
-    ap.add_argument("--gsm8k-samples", type=int, default=2, help="sampled answers per question")
+    ap.add_argument("--gsm8k-samples", type=int, default=1, help="sampled answers per question")
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--sharegpt", type=int, default=2000)
+    ap.add_argument("--sharegpt", type=int, default=1000)
     ap.add_argument("--sharegpt-file", default=None)
     ap.add_argument("--max-prompt-tokens", type=int, default=320)
-    ap.add_argument("--gen-tokens", type=int, default=320, help="answer tokens regenerated")
+    ap.add_argument("--gen-tokens", type=int, default=256, help="answer tokens regenerated")
     ap.add_argument("--gen-batch", type=int, default=512)
     ap.add_argument("--max-length", type=int, default=640)
     ap.add_argument("--micro-batch", type=int, default=8)
@@ -561,8 +576,8 @@ def main() -> int:
         args.micro_batch, args.max_length, args.calibrate_steps, args.log_every = 2, 160, 3, 2
         args.draft_vocab, args.startup_s, args.show_every = 2048, 10.0, 5.0
     cuda = torch.cuda.is_available()
-    if args.workers is None:
-        args.workers = min(12, max(1, (os.cpu_count() or 2) - 2)) if cuda else 1
+    if args.workers is None:  # several processes time-share one GPU (no MPS): little gain
+        args.workers = 4 if cuda else 1
     torch.set_num_threads(1 if not cuda else 4)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -579,6 +594,34 @@ def main() -> int:
     def phase(name, t):
         report["phases_s"][name] = round(time.time() - t, 1)
         save()
+
+    from specbus.ops.services.common import Interrupted, interruptible
+
+    try:
+        with interruptible():  # SIGTERM/SIGINT unwind through the cleanups (trainer, broker)
+            if args.stage in ("all", "train"):
+                train_stage(args, report, save, phase, work, deadline)
+            if args.stage in ("all", "eval"):
+                if args.stage == "eval":
+                    report = json.loads((out / "quality.json").read_text())
+                    report.setdefault("phases_s", {})
+                eval_stage(args, report, phase, work, deadline)
+    except Interrupted as e:
+        report["interrupted"] = f"signal {e.signum}"
+        save()
+        say(f"stopped by signal {e.signum}; partial report in {out / 'quality.json'}")
+        return 128 + e.signum
+    report["total_s"] = round(time.time() - T0, 1)
+    save()
+    if "eval" in report:
+        print_summary(report)
+    return 0
+
+
+def train_stage(args, report: dict, save, phase, work: Path, deadline: float) -> None:
+    """Phases 1-5: target, regenerated data, calibration, training, export."""
+    cuda = torch.cuda.is_available()
+    out = args.out
 
     import transformers
 
@@ -610,18 +653,14 @@ def main() -> int:
                         "vocab": info.vocab_size, "dtype": "float32", "eos": eos_ids}  # fmt: skip
     phase("target", t)
 
-    # 2. data
+    # 2. data (training data only: tf32 is fine here, never for the lossless references)
     t = time.time()
     if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = False  # the target's own fp32 greedy choices
+        torch.backends.cuda.matmul.allow_tf32 = True
     report["data"] = regenerate(args, model, tokenizer, template, eos_ids, pad_id, work)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
     phase("regenerate", t)
-
-    from specbus.core.data.datasets import load_source, split_holdout
-    from specbus.core.data.tokenize import prompt_ids
-
-    _, held_records = split_holdout(load_source("gsm8k-prompts"), args.eval_prompts)
-    held = [prompt_ids(r, tokenizer, template).tolist() for r in held_records]
 
     # 3. calibrate the schedule's length
     t = time.time()
@@ -633,7 +672,15 @@ def main() -> int:
     est_step = (
         max(cal["step_s"], cal["capture_s"]) + 0.3 * min(cal["step_s"], cal["capture_s"]) + 0.01
     )
-    total_steps = max(10, int((args.train_minutes * 60 - args.startup_s) / est_step))
+    minutes = args.train_minutes
+    if args.stage == "all" and math.isfinite(deadline):  # leave export + evaluation their time
+        fit = (deadline - time.time()) / 60 - args.eval_reserve_minutes
+        if fit < minutes:
+            say(f"train: {minutes} min do not fit the deadline: {fit:.2f} min")
+            minutes = max(0.5, fit)
+    args.train_minutes = minutes
+    report["train_minutes"] = minutes
+    total_steps = max(10, int((minutes * 60 - args.startup_s) / est_step))
     epochs = max(1, math.ceil(total_steps * args.micro_batch / report["data"]["records"]) + 1)
     ckpt_every = max(1, math.ceil(total_steps / 4))
     report["calibration"] = {**cal, "est_step_s": est_step, "planned_steps": total_steps,
@@ -673,14 +720,23 @@ def main() -> int:
     say(f"export: {exported}")
     phase("export", t)
 
-    # 6. eval
+
+def eval_stage(args, report: dict, phase, work: Path, deadline: float) -> None:
+    """Phase 6 over the run `report` describes (its config, checkpoints)."""
+    from specbus.core.config import build_config
+    from specbus.core.data.datasets import load_source, split_holdout
+    from specbus.core.data.templates import detect_template
+    from specbus.core.data.tokenize import prompt_ids
+    from specbus.core.models.target import load_tokenizer, resolve_target_dir
+
     t = time.time()
-    report["eval"] = evaluate(args, cfg, trained, held, work, deadline)
+    cfg = build_config(report["config"])
+    tokenizer = load_tokenizer(resolve_target_dir(SMOLLM2))
+    template = detect_template(tokenizer)
+    _, held_records = split_holdout(load_source("gsm8k-prompts"), args.eval_prompts)
+    held = [prompt_ids(r, tokenizer, template).tolist() for r in held_records]
+    report["eval"] = evaluate(args, cfg, report["train"], held, work, deadline)
     phase("eval", t)
-    report["total_s"] = round(time.time() - T0, 1)
-    save()
-    print_summary(report)
-    return 0
 
 
 def print_summary(report: dict) -> None:
