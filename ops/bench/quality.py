@@ -402,7 +402,7 @@ def eval_worker(plan_path: Path, worker: int) -> int:
 
 
 def evaluate(args, cfg, trained: dict, held: list[list[int]], work: Path, deadline: float) -> dict:
-    from specbus.ops.services.common import dies_with_parent, stop_pids
+    from specbus.ops.services.common import Interrupted, dies_with_parent, shielded, stop_pids
 
     jobs = [
         {"draft": "final", "checkpoint": trained["latest"], "k": 3, "prompts": len(held)},
@@ -428,6 +428,7 @@ def evaluate(args, cfg, trained: dict, held: list[list[int]], work: Path, deadli
         f"({listing}), {args.workers} worker processes")  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     procs = {}
+    interrupted = None
     try:
         for w in range(args.workers):
             log = open(work / f"eval-{w}.log", "w")  # noqa: SIM115 - the child owns it
@@ -439,8 +440,8 @@ def evaluate(args, cfg, trained: dict, held: list[list[int]], work: Path, deadli
             log.close()
         next_show = time.time() + args.show_every
         while any(p.poll() is None for p in procs.values()):
-            if time.time() > deadline + 60:
-                say("eval: workers overran the deadline by 60 s; stopping them")
+            if time.time() > deadline + 20:
+                say("eval: workers overran the deadline by 20 s; stopping them")
                 break
             if time.time() >= next_show:
                 done = 0
@@ -452,8 +453,11 @@ def evaluate(args, cfg, trained: dict, held: list[list[int]], work: Path, deadli
                 say(f"eval: {done} prompt decodes done")
                 next_show = time.time() + args.show_every
             time.sleep(1.0)
+    except Interrupted as e:  # keep what the workers wrote; the caller re-raises
+        interrupted = e.signum
     finally:
-        stop_pids(procs.values(), 10.0)
+        with shielded():
+            stop_pids(procs.values(), 10.0)
     failed = {w: p.returncode for w, p in procs.items() if p.returncode not in (0, None)}
     for w in failed:
         say(f"eval: worker {w} exited {failed[w]}: "
@@ -483,7 +487,7 @@ def evaluate(args, cfg, trained: dict, held: list[list[int]], work: Path, deadli
             "per_prompt_stderr": statistics.stdev(per) / math.sqrt(len(per)) if len(per) > 1 else float("nan"),
         })  # fmt: skip
         results.append(agg)
-    return {"jobs": results, "workers_failed": failed}
+    return {"jobs": results, "workers_failed": failed, "interrupted": interrupted}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -731,12 +735,18 @@ def eval_stage(args, report: dict, phase, work: Path, deadline: float) -> None:
 
     t = time.time()
     cfg = build_config(report["config"])
+    args.eval_prompts = report["data"]["held_back"]  # the questions training never saw
     tokenizer = load_tokenizer(resolve_target_dir(SMOLLM2))
     template = detect_template(tokenizer)
     _, held_records = split_holdout(load_source("gsm8k-prompts"), args.eval_prompts)
     held = [prompt_ids(r, tokenizer, template).tolist() for r in held_records]
     report["eval"] = evaluate(args, cfg, report["train"], held, work, deadline)
     phase("eval", t)
+    if report["eval"]["interrupted"] is not None:
+        from specbus.ops.services.common import Interrupted
+
+        print_summary(report)
+        raise Interrupted(report["eval"]["interrupted"])
 
 
 def print_summary(report: dict) -> None:
