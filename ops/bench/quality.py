@@ -32,7 +32,11 @@ Phases, each printing its progress and timed in the report:
    and the intermediate checkpoints (the curve) on the first `--curve-prompts`. Every output
    is checked against the target's greedy decode (a batched decode, re-decoded batch 1
    where they differ; mismatches are counted, never hidden). Decoding runs in `--workers`
-   processes sharing the GPU (batch-1 decoding of a 135M model is host-bound).
+   processes (on one H200, 14 processes together decoded ~1.7 prompts/s: they time-share the
+   GPU, so more workers buy little).
+
+`--stage train` runs phases 1-5 and `--stage eval` phase 6 over the run recorded in
+`<out>/quality.json`, for device calls too short for both (`ops/bench/quality.sh`).
 
 Writes `<out>/quality.json` (acceptance, curve, steps, samples, phase times, the exported
 draft's config) and prints a summary table last.
