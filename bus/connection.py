@@ -10,8 +10,11 @@
   own events (disconnected, reconnected, each failed reconnect attempt) are INFO/DEBUG;
 - other client errors are logged as one WARNING line each (repeats of the same error at
   DEBUG), never as a traceback per reconnect attempt;
-- auth comes from the config: user/password, token, a creds file (JWT + nkey), TLS (CA, and a
-  client cert/key for mutual TLS). Secrets are never logged.
+- auth comes from the config: user/password, token, a creds file (JWT + nkey), an NKey seed
+  file, TLS (CA, and a client cert/key for mutual TLS). Secrets are never logged;
+- `url` may list several servers, comma-separated (a cluster): the client connects to one and
+  fails over to the others (`Bus.url` keeps the list, `Bus.server` says which one now);
+- a permission the broker refuses is an error (`bus.denied.PermissionDenied`), not a wait.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.errors import AuthorizationError, NoServersError
 from nats.js import JetStreamContext
+from specbus.bus.denied import Denials
 from specbus.bus.outage import Outage, ride
 from specbus.core.config import BusConfig
 from specbus.core.errors import BusError
@@ -51,6 +55,17 @@ class Bus:
     @property
     def connected(self) -> bool:
         return self.nc.is_connected
+
+    @property
+    def server(self) -> str | None:
+        """The server this connection talks to now (one of a cluster's URLs)."""
+        url = self.nc.connected_url
+        return f"{url.scheme}://{url.hostname}:{url.port}" if url else None
+
+    def raise_if_denied(self) -> None:
+        """Raise `PermissionDenied` for a refusal of the broker not reported yet."""
+        if self._quiet is not None and self._quiet.denials:
+            raise self._quiet.denials.take()
 
     @property
     def reconnects(self) -> int:
@@ -92,6 +107,7 @@ class _QuietErrors:
         self.last = ""
         self.reconnects = 0
         self.auth_failed = False  # the server refused the credentials
+        self.denials = Denials(f"connection {name!r}")
         self.bus: Bus | None = None
 
     def _away(self, e: Exception) -> bool:
@@ -109,6 +125,9 @@ class _QuietErrors:
         refused = isinstance(e, AuthorizationError) or "authoriz" in str(e).lower()
         self.auth_failed = self.auth_failed or refused
         line = f"{type(e).__name__}: {e}".strip()
+        if self.denials.add(str(e)):
+            log.error("nats[%s] %s", self.name, line)
+            return
         if line == self.last:
             level = logging.DEBUG
         else:
@@ -182,7 +201,7 @@ async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus")
     # The first connection is bounded (a typo in the URL must fail, not hang); reconnects are not.
     initial_attempts = max(1, int(cfg.connect_timeout_s / cfg.reconnect_wait_s))
     options = dict(
-        servers=[url],
+        servers=[u.strip() for u in url.split(",") if u.strip()],
         name=name,
         connect_timeout=cfg.connect_timeout_s,
         reconnect_time_wait=cfg.reconnect_wait_s,
@@ -200,6 +219,12 @@ async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus")
         if not cfg.creds_file.exists():
             raise BusError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
         options["user_credentials"] = str(cfg.creds_file)
+    if cfg.nkey_file is not None:
+        if not cfg.nkey_file.exists():
+            raise BusError(f"bus.nkey_file {str(cfg.nkey_file)!r} does not exist")
+        options["nkeys_seed"] = str(cfg.nkey_file)
+    if cfg.inbox_prefix:
+        options["inbox_prefix"] = cfg.inbox_prefix
     nc = await _first_connection(url, options, quiet, cfg.connect_give_up_s)
     # From now on a lost broker is retried per config (forever by default).
     nc.options["max_reconnect_attempts"] = cfg.max_reconnect_attempts

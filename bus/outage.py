@@ -216,6 +216,7 @@ async def ride(bus: Bus, what: str, op: Callable[[], Awaitable[T]], *, buffered:
             except Exception as e:
                 if not is_transient(e):
                     raise
+                bus.raise_if_denied()  # no answer because the broker refused it
                 error = e
             else:
                 if not buffered:

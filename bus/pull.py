@@ -179,4 +179,6 @@ class Puller:
         if self._error:
             error, self._error = self._error, None
             raise BusError(f"pull from {self.stream}/{self.consumer} failed: {error}")
+        if not out and not self.answered:
+            self.bus.raise_if_denied()  # the broker refused the pull request
         return out
