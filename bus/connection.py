@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -108,6 +109,7 @@ class _QuietErrors:
         self.reconnects = 0
         self.auth_failed = False  # the server refused the credentials
         self.denials = Denials(f"connection {name!r}")
+        self.tls_error: ssl.SSLError | None = None  # the first connection's handshake failed
         self.bus: Bus | None = None
 
     def _away(self, e: Exception) -> bool:
@@ -124,6 +126,8 @@ class _QuietErrors:
         # nats-py reports a refused login as a plain Error('Authorization Violation')
         refused = isinstance(e, AuthorizationError) or "authoriz" in str(e).lower()
         self.auth_failed = self.auth_failed or refused
+        if isinstance(e, ssl.SSLError) and self.bus is None:
+            self.tls_error = e
         line = f"{type(e).__name__}: {e}".strip()
         if self.denials.add(str(e)):
             log.error("nats[%s] %s", self.name, line)
@@ -150,6 +154,21 @@ class _QuietErrors:
         log.info("nats[%s] reconnected", self.name)
 
 
+async def _connect_once(options: dict, quiet: _QuietErrors) -> NATS:
+    """`nats.connect`, but a failed TLS handshake (a certificate the other side refuses) is
+    a `BusError` at once: nats-py reports it to the error callback and then waits forever."""
+    task = asyncio.ensure_future(nats.connect(**options))
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.05)
+        if not task.done() and quiet.tls_error is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            e = quiet.tls_error
+            raise BusError(f"TLS handshake with the broker failed: {type(e).__name__}: {e}") from e
+    return task.result()
+
+
 async def _first_connection(url: str, options: dict, quiet: _QuietErrors, give_up_s: float) -> NATS:
     """Connect, retrying a broker that does not answer yet for up to `give_up_s` (one WARNING
     line at the first failure, one when connected). Refused credentials and bad options fail
@@ -158,13 +177,15 @@ async def _first_connection(url: str, options: dict, quiet: _QuietErrors, give_u
     waiting_since = None
     while True:
         try:
-            nc = await nats.connect(**options)
+            nc = await _connect_once(options, quiet)
         except Exception as e:
             retryable = isinstance(e, (NoServersError, OSError, asyncio.TimeoutError))
             if not retryable or quiet.auth_failed or time.monotonic() >= deadline:
                 waited = f" after {time.monotonic() - waiting_since:.0f}s" if waiting_since else ""
+                why = " (Authorization Violation: the broker refused these credentials)"
                 raise BusError(
                     f"cannot connect to the broker at {url}{waited}: {type(e).__name__}: {e}"
+                    + (why if quiet.auth_failed else "")
                 ) from e
             if waiting_since is None:
                 waiting_since = time.monotonic()

@@ -244,7 +244,12 @@ class Up:
 
 
 def run_up(args: argparse.Namespace, cfg: RunConfig) -> int:
-    up = Up(args, cfg)
+    if args.cluster > 1 or args.auth or args.tls:  # ops/cluster_up.py
+        from specbus.ops.cluster_up import ClusterUp
+
+        up = ClusterUp(args, cfg)
+    else:
+        up = Up(args, cfg)
     with interruptible():
         try:
             return up.run()

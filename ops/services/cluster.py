@@ -165,9 +165,9 @@ class NatsCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for node in self.nodes:
-                if node.proc is not None and node.proc.poll() is None:
-                    if META_LEADER in node.log_path.read_text(errors="replace"):
-                        return
+                alive = node.proc is not None and node.proc.poll() is None
+                if alive and META_LEADER in node.log_path.read_text(errors="replace"):
+                    return
             time.sleep(0.02)
         raise ServiceError(f"the cluster in {self.base_dir} elected no JetStream leader in {timeout_s}s")  # fmt: skip
 
