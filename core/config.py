@@ -38,11 +38,17 @@ class Section(BaseModel):
 class BusConfig(Section):
     """Where the broker is and how the streams/consumers are declared."""
 
-    url: str | None = None  # None: start the embedded nats-server (specbus up / demo)
+    # None: start the embedded nats-server (specbus up / demo). A cluster: every node's URL,
+    # comma-separated (`nats://a:4222,nats://b:4222,nats://c:4222`); clients fail over.
+    url: str | None = None
     user: str | None = None
     password: str | None = None
     token: str | None = None
     creds_file: Path | None = None
+    nkey_file: Path | None = None  # an NKey seed file (`specbus auth`: one per role)
+    # Replies come to `<inbox_prefix>.<id>`; `specbus auth` gives each role its own prefix,
+    # and permissions let a role subscribe to its prefix only.
+    inbox_prefix: str | None = None
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None

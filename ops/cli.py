@@ -32,7 +32,11 @@ from specbus.core.errors import SpecbusError
 
 log = logging.getLogger("specbus")
 
-REGISTRARS = ["specbus.ops.cli:add_bus_commands", "specbus.ops.commands:add_pipeline_commands"]
+REGISTRARS = [
+    "specbus.ops.cli:add_bus_commands",
+    "specbus.ops.commands:add_pipeline_commands",
+    "specbus.ops.auth:add_auth_commands",
+]
 URL_FILE = "url"  # <store_dir>/url: where the broker of a store dir listens (or last did)
 
 
@@ -274,6 +278,20 @@ def add_bus_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-declare", action="store_true", help="do not declare the run's streams/consumers/KV"
     )
+    p.add_argument(
+        "--cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N nats-servers in one JetStream cluster (3: R3 streams survive a node loss)",
+    )
+    p.add_argument(
+        "--auth", default=None, metavar="DIR", help="role users of `specbus auth --out DIR`"
+    )
+    p.add_argument(
+        "--tls", default=None, metavar="DIR", help="serve TLS (DIR/ca.pem, server.pem, server.key)"
+    )
+    p.add_argument("--mtls", action="store_true", help="with --tls: require client certificates")  # fmt: skip
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser(
