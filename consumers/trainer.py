@@ -240,6 +240,7 @@ class Trainer:
         row["lr"] = float(self.optimizer.param_groups[0]["lr"])
         row["samples_per_s"] = iv["samples"] / elapsed
         row["tokens_per_s"] = iv["tokens"] / elapsed
+        row["steps_per_s"] = iv["steps"] / elapsed
         row["data_wait_frac"] = iv["wait"] / elapsed
         row["bus_s_per_step"] = iv["bus"] / max(iv["steps"], 1)
         row["redeliveries"] = float(self.loader.stats["redeliveries"])
