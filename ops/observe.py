@@ -65,3 +65,12 @@ class _ProgressWriter:
         if self._pending is not None and not self._pending.done():
             return
         self._pending = self.loop.submit(self.run.kv.put_progress({**row, "time": time.time()}))
+
+
+def tensorboard_hint(cfg: RunConfig) -> str | None:
+    """The command that shows the run's TensorBoard scalars (None when none are written)."""
+    import importlib.util
+
+    if not cfg.telemetry.tensorboard or importlib.util.find_spec("tensorboard") is None:
+        return None
+    return f"TensorBoard: tensorboard --logdir {cfg.resolved_tensorboard_dir}"

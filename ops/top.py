@@ -93,7 +93,8 @@ async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None) 
     """Refresh the view every `interval_s` until Ctrl-C (or once). Returns the exit code:
     1 when the run is not declared on a single refresh, else 0."""
     out = out or sys.stdout
-    if once or not out.isatty():
+    live = None if once else _live(out)
+    if live is None:  # plain lines: one block per refresh
         while True:
             s = await snapshot(bus, run)
             print("\n".join(render(s)), file=out, flush=True)
@@ -101,11 +102,21 @@ async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None) 
                 return 0 if s["declared"] else 1
             print(file=out)
             await asyncio.sleep(interval_s)
-    from rich.console import Console
-    from rich.live import Live
     from rich.text import Text
 
-    with Live(console=Console(file=out), auto_refresh=False, screen=False) as live:
+    with live:
         while True:
             live.update(Text("\n".join(render(await snapshot(bus, run)))), refresh=True)
             await asyncio.sleep(interval_s)
+
+
+def _live(out):
+    """A rich `Live` redrawing in place on a terminal; None otherwise (or without rich)."""
+    if not out.isatty():
+        return None
+    try:
+        from rich.console import Console
+        from rich.live import Live
+    except ImportError:
+        return None
+    return Live(console=Console(file=out), auto_refresh=False)
