@@ -38,7 +38,7 @@ def _size(n: float | None) -> str:
 
 def _trainers_line(p: dict[str, Any] | None, now: float) -> str:
     if p is None:
-        return "trainers   no log row yet"
+        return "progress   no trainer log row yet"
     parts = [f"step {int(p.get('step', 0))}"]
     for key, fmt in (("loss", "loss {:.3f}"), ("sim_accept_len", "tau {:.2f}"),
                      ("steps_per_s", "{:.2f} steps/s"), ("samples_per_s", "{:.1f} samples/s"),
@@ -47,7 +47,7 @@ def _trainers_line(p: dict[str, Any] | None, now: float) -> str:
             parts.append(fmt.format(p[key]))
     if "time" in p:
         parts.append(f"{max(now - p['time'], 0):.0f}s ago")
-    return "trainers   " + " | ".join(parts)
+    return "progress   " + " | ".join(parts)
 
 
 def render(s: dict[str, Any], now: float | None = None) -> list[str]:
