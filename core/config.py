@@ -302,9 +302,11 @@ class TelemetryConfig(Section):
     """Logs and traces: OpenTelemetry exporters come from the standard OTEL_* variables."""
 
     service_name: str = "specbus"
-    # Not read yet: the progress bar and TensorBoard output come with their own issue.
+    # Not read yet: the progress bar comes with its own issue.
     console_progress: bool = True
-    tensorboard_dir: Path | None = None
+    # TensorBoard scalars of rank 0's log rows, when `tensorboard` is installed (core/tensorboard.py)
+    tensorboard: bool = True
+    tensorboard_dir: Path | None = None  # None: <run_dir>/tb
     otel: bool = True  # exporters come from the standard OTEL_* environment variables
 
 
@@ -360,6 +362,11 @@ class RunConfig(Section):
     def resolved_run_dir(self) -> Path:
         """`run_dir`, else `./runs/<run>`."""
         return self.run_dir if self.run_dir is not None else Path("runs") / self.run
+
+    @property
+    def resolved_tensorboard_dir(self) -> Path:
+        """`telemetry.tensorboard_dir`, else `<run_dir>/tb`."""
+        return self.telemetry.tensorboard_dir or (self.resolved_run_dir / "tb")
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
