@@ -10,7 +10,7 @@ acceptance compared with the replay's. DFlash-family drafts are decoded live (bl
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +154,7 @@ def _compare_replayed(engine, strategy, untrained, trained, prompts, k, max_new_
     kwargs = dict(num_draft_tokens=k, max_new_tokens=max_new_tokens, eos_ids=eos)
     reports = {}
     for name, draft in (("untrained", untrained), ("trained", trained)):
-        with phase(f"drafting ({name})", len(cases), "prompts") as p:
+        with one_thread(), phase(f"drafting ({name})", len(cases), "prompts") as p:
             reports[name] = replay_acceptance(
                 draft, cases, progress=lambda done, total, p=p: p.update(done), **kwargs
             )
@@ -175,6 +175,18 @@ def _compare_replayed(engine, strategy, untrained, trained, prompts, k, max_new_
             p.update(n, info=f"{live.accept_length:.3f} tokens/verify")
         live_replayed = replay_acceptance(trained, cases[:n], **kwargs)
     return Comparison(reports["untrained"], reports["trained"], k, "replay", live, live_replayed)
+
+
+@contextmanager
+def one_thread():
+    """Small matmuls (the draft's, batch 1) on one thread: on a loaded 2-core machine a
+    replay round took 45 ms on one thread and 312 ms on two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _compare_live_blocks(engine, strategy, untrained, trained, prompts, max_new_tokens, eos,
