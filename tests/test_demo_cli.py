@@ -77,3 +77,33 @@ def test_plain_progress_lines_and_the_tensorboard_hook(tmp_path):
     assert tensorboard_line(tmp_path) is None
     (tmp_path / "tb").mkdir()
     assert tensorboard_line(tmp_path) == f"tensorboard --logdir {tmp_path / 'tb'}"
+
+
+def test_the_summary_says_what_ran_and_where_things_are(tmp_path):
+    import argparse
+    import json
+
+    from specbus.core.config import build_config
+    from specbus.core.eval.speculative import AcceptanceReport
+    from specbus.ops.demo import summary
+    from specbus.ops.evaluate import Comparison
+
+    cfg = build_config({"run": "s", "run_dir": str(tmp_path)}, [])
+    (tmp_path / "logs").mkdir()
+    rows = [{"step": 5, "samples_per_s": 1.0, "data_wait_frac": 0.1},
+            {"step": 10, "samples_per_s": 3.0, "data_wait_frac": 0.3},
+            {"final": 1, "steps": 10, "samples": 20}]  # fmt: skip
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = lambda length: AcceptanceReport(20, 60, 64, length - 1, length, True)  # noqa: E731
+    args = argparse.Namespace(producers=1, trainers=2)
+    text = summary(cfg, args, Comparison(report(1.0), report(1.25), 3), tmp_path / "export",
+                   {"target": 3, "training": 200, "evaluation": 90, "total": 293},
+                   url_was_embedded=True)  # fmt: skip
+    assert "done in 4.9 min (target 3s, training 200s, evaluation 90s)" in text
+    assert "10 steps, 20 samples" in text and "2.00 samples/s, data wait 20%" in text
+    assert "untrained 1.000 -> trained 1.250" in text and str(tmp_path / "export") in text
+    assert "tensorboard" not in text
+    (tmp_path / "tb").mkdir()
+    text = summary(cfg, args, Comparison(report(1.0), report(1.25), 3), tmp_path / "export",
+                   {"total": 1}, url_was_embedded=True)  # fmt: skip
+    assert f"tensorboard --logdir {tmp_path / 'tb'}" in text
