@@ -135,7 +135,7 @@ def _prepare_target(cfg: RunConfig) -> Path:
     except ImportError:
         pass
     with phase(f"preparing target {cfg.target.model}", None, "s") as p:
-        target_dir = resolve_target_dir(cfg.target.model)
+        target_dir = resolve_target_dir(cfg.target.model, cfg.target.cache_dir)
         p.update(0, info=str(target_dir))
     return target_dir
 
