@@ -122,8 +122,11 @@ def _remove_abandoned_shm(cfg: RunConfig) -> None:
         sweep_abandoned()
 
 
-def _prepare_target(cfg: RunConfig) -> Path:
-    """The target's directory (the embedded GGUF converted once and cached), with progress."""
+def _prepare_target(cfg: RunConfig, log: Path) -> Path:
+    """The target's directory (the embedded GGUF converted once and cached), with progress;
+    what the conversion prints (its own progress bars, warnings) goes to `log`."""
+    from contextlib import redirect_stderr
+
     from specbus.core.models.target import resolve_target_dir
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -135,8 +138,9 @@ def _prepare_target(cfg: RunConfig) -> Path:
     except ImportError:
         pass
     with phase(f"preparing target {cfg.target.model}", None, "s") as p:
-        target_dir = resolve_target_dir(cfg.target.model, cfg.target.cache_dir)
-        p.update(0, info=str(target_dir))
+        with open(log, "a") as out, redirect_stderr(out):
+            target_dir = resolve_target_dir(cfg.target.model, cfg.target.cache_dir)
+        p.info = str(target_dir)  # shown when the phase ends
     return target_dir
 
 
@@ -185,7 +189,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     times: dict[str, float] = {}
 
     t0 = time.monotonic()
-    _prepare_target(cfg)
+    _prepare_target(cfg, logs / "target.log")
     times["target"] = time.monotonic() - t0
 
     server = None
