@@ -42,7 +42,8 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
     user = build_config(tree, list(args.overrides))
     run = user.run if user.run != "default" else f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     # Sized for a 2-core CPU (see docs/benchmarks.md, Demo): short samples, three TTT positions
-    # (the k=3 drafting the evaluation measures), a high constant-ish learning rate.
+    # (the k=3 drafting the evaluation measures), a high learning rate (3e-3: 1.261 measured
+    # after 45 steps vs 1.190 after 48 at 1e-3, one run each).
     defaults = {
         "run": run,
         "data.source": args.data or "gsm8k",
@@ -52,7 +53,7 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
         "store.budget_bytes": 1 << 30,
         "target.capture_batch": 2,
         "strategy.ttt_length": 3,
-        "training.lr": 1e-3,
+        "training.lr": 3e-3,
         "training.warmup_ratio": 0.02,
         "training.log_every": 5,
         "training.checkpoint_every": 50,
