@@ -143,3 +143,29 @@ class CheckpointManager:
             return torch.load(path / "state.pt", map_location=map_location, weights_only=False)
         except Exception as e:
             raise CheckpointError(f"checkpoint {path}/state.pt cannot be read: {e}") from e
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """The state-dict names of `model`'s frozen parameters (e.g. EAGLE3's copy of the
+    target's embedding): rebuilt from the target, never saved."""
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def trainable_state(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (a full model state dict of `model`) without its frozen parameters."""
+    frozen = frozen_names(model)
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
+def with_frozen_state(model: torch.nn.Module, saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's model state completed with `model`'s own frozen parameters (loaded from
+    the target when it was built), full tensors (collective under FSDP: every rank calls it)."""
+    missing = sorted(frozen_names(model) - set(saved))
+    if not missing:
+        return saved
+    own = model.state_dict()
+    full = dict(saved)
+    for name in missing:
+        value = own[name]
+        full[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return full

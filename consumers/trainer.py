@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from specbus.consumers.checkpoint import CheckpointManager, rng_state, set_rng_state
+from specbus.consumers.checkpoint import (
+    CheckpointManager,
+    rng_state,
+    set_rng_state,
+    trainable_state,
+    with_frozen_state,
+)
 from specbus.consumers.loader import Loader, Window
 from specbus.consumers.lockstep import control_group, distributed, rank
 from specbus.consumers.parallel import average_gradients, full_state, is_sharded, load_full_state
@@ -57,11 +63,14 @@ class TrainParts:
 @dataclass
 class TrainerHooks:
     """What a trainer reports to: `on_log(row)` on rank 0 per log interval, `lag()` (the
-    trainers' lag for a row, or None), `profile_dir` (for `training.profile_step`)."""
+    trainers' lag for a row, or None), `profile_dir` (for `training.profile_step`),
+    `on_checkpoint(pointer)` on rank 0 after each checkpoint is written (step, path, samples,
+    score; best effort: it must not raise)."""
 
     on_log: Callable[[dict[str, float]], None] | None = None
     lag: Callable[[], Any] | None = None
     profile_dir: Path | None = None
+    on_checkpoint: Callable[[dict[str, Any]], None] | None = None
 
 
 @dataclass
@@ -132,7 +141,7 @@ class Trainer:
         and the loader's ledger (`cursor`, `lineage`)."""
         model_sd, optim_sd = full_state(self.model, self.optimizer)
         return {
-            "model": model_sd,
+            "model": trainable_state(getattr(self.model, "module", self.model), model_sd),
             "optimizer": optim_sd,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "rng": rng_state(),
@@ -146,7 +155,8 @@ class Trainer:
     def restore(parts: TrainParts, saved: dict[str, Any]) -> TrainState:
         """Load model, optimizer, scheduler and RNG from a checkpoint; the ledger part
         (`cursor`, `lineage`) is the loader's (`Loader.load_state_dict(saved)`)."""
-        load_full_state(parts.model, parts.optimizer, saved["model"], saved["optimizer"])
+        model_sd = with_frozen_state(getattr(parts.model, "module", parts.model), saved["model"])
+        load_full_state(parts.model, parts.optimizer, model_sd, saved["optimizer"])
         if parts.scheduler is not None and saved.get("scheduler") is not None:
             parts.scheduler.load_state_dict(saved["scheduler"])
         set_rng_state(saved["rng"])
@@ -278,6 +288,7 @@ class Trainer:
             if self.rank == 0:
                 path = self.checkpoints.save(self.state.step, state, score=self.score())
                 self._last_checkpoint = str(path)
+                self._announce_checkpoint(path)
         self._last_checkpoint_step = self.state.step
         if distributed():
             torch.distributed.barrier(group=control_group())
@@ -305,3 +316,15 @@ class Trainer:
             return
         self._last_checkpoint, self._last_checkpoint_step = str(path), self.state.step
         log.warning("saved the checkpoint of step %d after the failure: %s", self.state.step, path)
+        self._announce_checkpoint(path)
+
+    def _announce_checkpoint(self, path: Path) -> None:
+        if self.hooks.on_checkpoint is None:
+            return
+        pointer = {"step": self.state.step, "path": str(path), "samples": self.samples,
+                   "score": self.score()}  # fmt: skip
+        try:
+            self.hooks.on_checkpoint(pointer)
+        except Exception as e:  # noqa: BLE001 - a pointer is advice; the checkpoint is on disk
+            log.warning("could not publish the checkpoint pointer of step %d: %s",
+                        self.state.step, e)  # fmt: skip

@@ -423,21 +423,28 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> RunConfig:
     """Load a YAML run config (or the defaults when `path` is None) and apply overrides."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except FileNotFoundError as e:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(
-                f"config file {str(path)!r} must hold a mapping, got {type(loaded).__name__}"
-            )
-        tree = loaded or {}
-    return build_config(tree, overrides)
+    return build_config(read_config_tree(path), overrides)
+
+
+def read_config_tree(path: str | Path | None) -> dict[str, Any]:
+    """The mapping a YAML run config holds ({} for None or an empty file); `ConfigError` for a
+    missing, unreadable or malformed file."""
+    if path is None:
+        return {}
+    path = Path(path)
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from e
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping, got {type(loaded).__name__}"
+        )
+    return loaded or {}
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -346,12 +346,25 @@ def add_bus_commands(sub: argparse._SubParsersAction) -> None:
 
 
 # ---------------------------------------------------------------- entry point
+def version() -> str:
+    """The installed distribution's version, and where this code runs from."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        number = dist_version("specbus")
+    except PackageNotFoundError:
+        number = "(not installed)"
+    return f"{number} ({Path(__file__).resolve().parent.parent})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `specbus` parser with every registrar's subcommands (`REGISTRARS`)."""
     parser = argparse.ArgumentParser(
         prog="specbus", description="online speculative-decoding draft training on NATS JetStream"
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING...")
+    parser.add_argument("--version", action="version", version=f"specbus {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for spec in REGISTRARS:
         module_name, func_name = spec.split(":")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
 from functools import partial
+from pathlib import Path
 
 from specbus.ops.cli import add_common, config_of, resolve_url
 
@@ -39,13 +41,63 @@ def format_row(row: dict[str, float], total: int | None = None) -> str:
     return " | ".join(parts)
 
 
+METRICS_FILE = "metrics.jsonl"  # <run_dir>/logs/: rank 0's log rows, then a "final" row
+
+
+class MetricsFile:
+    """Rank 0's log rows as JSON lines (appended: a resumed run continues the file); the demo
+    reads them for its progress and summary."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def write(self, row: dict) -> None:
+        """Append one row (best effort: a full disk must not stop training)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            log.warning("could not write %s: %s", self.path, e)
+
+
+def read_metrics(path) -> list[dict]:
+    """The rows of a metrics file (a torn last line is skipped); [] when there is none."""
+    rows = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
 def cmd_feed(args: argparse.Namespace) -> int:
     """`specbus feed`: publish the run's tasks (ops/produce.py)."""
     from specbus.ops.produce import run_feeder
 
     cfg = config_of(args)
-    count = asyncio.run(run_feeder(cfg, bus_url=resolve_url(args, cfg)))
-    print(f"run {cfg.run}: {count} tasks fed")
+    url = resolve_url(args, cfg)
+    ahead = 4 * cfg.bus.max_ack_pending
+    shown = {"published": -1}
+
+    def on_progress(published: int, planned: int, waiting: int | None) -> None:
+        if waiting is not None:
+            print(f"run {cfg.run}: published {published} of {planned} tasks; waiting for "
+                  f"producers: {waiting} tasks not yet captured (the feeder stays at most "
+                  f"{ahead} tasks ahead, 4 x bus.max_ack_pending). Start `specbus produce` to "
+                  "go on; Ctrl-C is safe (`specbus feed` again resumes)", flush=True)  # fmt: skip
+        elif published == planned or published - shown["published"] >= 1024:
+            print(f"run {cfg.run}: published {published} of {planned} tasks", flush=True)
+            shown["published"] = published
+
+    print(f"run {cfg.run}: feeding {cfg.data.source} to {url}", flush=True)
+    count = asyncio.run(run_feeder(cfg, bus_url=url, on_progress=on_progress))
+    print(f"run {cfg.run}: {count} tasks fed (feed complete)")
     return 0
 
 
@@ -76,17 +128,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         from specbus.ops.offline import run_recording_trainer
 
         run_trainer = partial(run_recording_trainer, recording=args.from_recording)
-    result = run_trainer(
-        cfg,
-        bus_url=resolve_url(args, cfg),
-        resume=args.resume,
-        on_log=lambda row: print(format_row(row), flush=True),
-    )
+    metrics = MetricsFile(cfg.resolved_run_dir / "logs" / METRICS_FILE)
+    total = cfg.training.max_steps
+
+    def on_log(row: dict[str, float]) -> None:
+        print(format_row(row, total), flush=True)
+        metrics.write(row)
+
+    url = resolve_url(args, cfg)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"run {cfg.run}: training on {url}; waiting for the run's samples (from "
+              "`specbus produce`, tasks from `specbus feed`)", flush=True)  # fmt: skip
+    result = run_trainer(cfg, bus_url=url, resume=args.resume, on_log=on_log)
     if result is not None and int(os.environ.get("RANK", 0)) == 0:
         what = "training stopped" if result.stopped else "training done"
         print(
             f"{what}: {result.steps} steps, {result.samples} samples, checkpoint {result.checkpoint}"
         )
+        metrics.write({"final": 1, "steps": result.steps, "samples": result.samples,
+                       "stopped": int(bool(result.stopped)),
+                       "checkpoint": str(result.checkpoint)})  # fmt: skip
     return 0
 
 
@@ -207,6 +268,12 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="eagle3 (default), dflash, domino or dspark (strategy.name)",
     )
-    p.add_argument("--eval-prompts", type=int, default=20)
-    p.add_argument("--eval-tokens", type=int, default=64)
+    p.add_argument("--eval-prompts", type=int, default=20, help="held-back prompts measured")
+    p.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument(
+        "--eval-live",
+        type=int,
+        default=1,
+        help="prompts also decoded live with the trained draft (a cross-check of the replay)",
+    )
     p.set_defaults(func=cmd_demo)

@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
-from specbus.core.config import RunConfig, build_config, dump_config
+from specbus.core.config import RunConfig, build_config, dump_config, read_config_tree
+from specbus.core.errors import ConfigError
 from specbus.ops.launch import QUIET_THREADS, Launcher
 from specbus.ops.observe import tensorboard_hint
+from specbus.ops.progress import phase
 from specbus.ops.services.common import Interrupted, interruptible, shielded
 from specbus.ops.services.nats import NatsServer
 
@@ -34,28 +35,34 @@ STOP_TIMEOUT_S = 30.0  # a trainer stopping on SIGTERM saves a checkpoint first
 
 
 def demo_config(args: argparse.Namespace) -> RunConfig:
-    """Demo defaults < the config file < command-line overrides."""
-    tree = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    tree = tree or {}
+    """Demo defaults < the config file < command-line overrides. `ConfigError` for a missing
+    or malformed file, a bad key or value."""
+    tree = read_config_tree(args.config)
     if getattr(args, "strategy", None):
         tree.setdefault("strategy", {})["name"] = args.strategy
     user = build_config(tree, list(args.overrides))
     run = user.run if user.run != "default" else f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    # Sized for a 2-core CPU (see docs/benchmarks.md, Demo): short samples, three TTT positions
+    # (the k=3 drafting the evaluation measures), a high learning rate (3e-3: 1.261 measured
+    # after 45 steps vs 1.190 after 48 at 1e-3, one run each).
     defaults = {
         "run": run,
         "data.source": args.data or "gsm8k",
-        "data.max_length": 384,
+        "data.max_length": 256,
         "data.holdout": 50,
         "store.uri": f"shm://{run}",
         "store.budget_bytes": 1 << 30,
         "target.capture_batch": 2,
-        "training.lr": 5e-4,
+        "strategy.ttt_length": 3,
+        "training.lr": 3e-3,
         "training.warmup_ratio": 0.02,
         "training.log_every": 5,
         "training.checkpoint_every": 50,
         "training.total_steps": 400,
         "training.max_minutes": args.minutes,
     }
+    if getattr(args, "url", None):
+        defaults["bus.url"] = args.url
     if user.strategy.name == "eagle3":
         defaults["strategy.draft.draft_vocab_size"] = 8192
     else:  # DFlash family on a CPU: smaller blocks and fewer anchors per sample
@@ -70,6 +77,32 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
             node = node.setdefault(part, {})
         node.setdefault(leaf, value)
     return build_config(tree, list(args.overrides))
+
+
+def check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
+    """What would make a child fail later, checked before any process starts: the process
+    counts, the data source (readable, enough records for the holdout). `ConfigError`."""
+    if args.trainers < 1 or args.producers < 1:
+        raise ConfigError(
+            f"--trainers {args.trainers} --producers {args.producers}: the demo needs at least "
+            "one of each"
+        )
+    from specbus.core.data.datasets import load_source, split_holdout
+
+    try:
+        records = load_source(cfg.data.source)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.source {cfg.data.source!r} cannot be read: {e}") from e
+    train, held = split_holdout(records, cfg.data.holdout, cfg.data.limit)
+    if not train:
+        raise ConfigError(f"data.source {cfg.data.source!r} has no training records")
+    if not held:
+        raise ConfigError(
+            f"data.holdout={cfg.data.holdout}: the demo measures the drafts on held-back "
+            "records; hold some back"
+        )
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -91,23 +124,81 @@ def _remove_abandoned_shm(cfg: RunConfig) -> None:
         sweep_abandoned()
 
 
+def _prepare_target(cfg: RunConfig, log: Path) -> Path:
+    """The target's directory (the embedded GGUF converted once and cached), with progress;
+    what the conversion prints (its own progress bars, warnings) goes to `log`."""
+    from contextlib import redirect_stderr
+
+    from specbus.core.models.target import resolve_target_dir
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:  # the conversion's own bars would interleave with ours
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+    with phase(f"preparing target {cfg.target.model}", None, "s") as p:
+        with open(log, "a") as out, redirect_stderr(out):
+            target_dir = resolve_target_dir(cfg.target.model, cfg.target.cache_dir)
+        p.info = str(target_dir)  # shown when the phase ends
+    return target_dir
+
+
+def _train(procs: Launcher, cfg: RunConfig, trainers: list, logs: Path) -> int:
+    """Wait for the trainer ranks with a progress bar over the time budget; 0, or 1 when a
+    child failed (named, with its log)."""
+    from specbus.ops.commands import METRICS_FILE, read_metrics
+
+    budget_s = (cfg.training.max_minutes or 0) * 60 or None
+    metrics = logs / METRICS_FILE
+    started = time.monotonic()
+    with phase("training", budget_s, "s") as p:
+        while any(t.poll() is None for t in trainers):
+            bad = procs.failed()
+            if bad:
+                break
+            rows = [r for r in read_metrics(metrics) if "final" not in r]
+            info = "waiting for the first samples (target capture)"
+            if rows:
+                r = rows[-1]
+                info = (f"step {int(r['step'])} | loss {r.get('loss', float('nan')):.2f} | "
+                        f"tau {r.get('sim_accept_len', float('nan')):.2f} | "
+                        f"{r.get('samples_per_s', 0):.1f} samples/s | "
+                        f"wait {r.get('data_wait_frac', 0):.0%}")  # fmt: skip
+            elapsed = time.monotonic() - started
+            # the budget runs from the trainers' first fetch: past it, the last step and its
+            # checkpoint are still to come
+            p.update(min(elapsed, 0.99 * budget_s) if budget_s else elapsed, info=info)
+            time.sleep(0.5)
+    bad = procs.failed()
+    if bad:
+        print(f"{bad[0]} exited with {bad[1]}; see {logs / (bad[0] + '.log')}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
+    started = time.monotonic()
     cfg = demo_config(args)
+    check_inputs(args, cfg)
     run_dir = cfg.resolved_run_dir
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"specbus demo: run {cfg.run} in {run_dir} (logs in {logs})", flush=True)
+    times: dict[str, float] = {}
 
-    from specbus.core.models.target import resolve_target_dir
-
-    t0 = time.time()
-    target_dir = resolve_target_dir(cfg.target.model)  # converts the embedded GGUF once
-    print(f"target {cfg.target.model} ready in {time.time() - t0:.1f}s ({target_dir})", flush=True)
+    t0 = time.monotonic()
+    _prepare_target(cfg, logs / "target.log")
+    times["target"] = time.monotonic() - t0
 
     server = None
     url = cfg.bus.url
-    procs = Launcher(logs, env=QUIET_THREADS, session=True)
+    procs = Launcher(logs, env={**QUIET_THREADS, "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
+                     session=True)  # fmt: skip
+    t0 = time.monotonic()
     try:
         if url is None:
             server = NatsServer(run_dir / "nats").start()
@@ -119,26 +210,15 @@ def _run_demo(args: argparse.Namespace) -> int:
         procs.start("feeder", ["feed", *common])
         for i in range(args.producers):
             procs.start(f"producer-{i}", ["produce", *common, "--id", f"producer-{i}"])
-        procs.ranks(args.trainers, ["train", *common], show_rank0=True)
+        procs.ranks(args.trainers, ["train", *common])
         pids = ", ".join(f"{name} {p.pid}" for name, p in procs.procs.items())
         print(f"started {pids}", flush=True)
         if hint := tensorboard_hint(cfg):
             print(hint, flush=True)
         trainers = [procs.procs[f"trainer-{r}"] for r in range(args.trainers)]
-        while any(p.poll() is None for p in trainers):
-            bad = procs.failed()
-            if bad:
-                print(
-                    f"{bad[0]} exited with {bad[1]}; see {logs / (bad[0] + '.log')}",
-                    file=sys.stderr,
-                )
-                return 1
-            time.sleep(0.5)
-        bad = procs.failed()
-        if bad:
-            print(f"{bad[0]} exited with {bad[1]}; see {logs / (bad[0] + '.log')}", file=sys.stderr)
+        if _train(procs, cfg, trainers, logs):
             return 1
-        print(f"training finished in {time.time() - t0:.0f}s", flush=True)
+        times["training"] = time.monotonic() - t0
         if not any((run_dir / "checkpoints").glob("step-*")):
             print(f"no training step was taken; see {logs}", file=sys.stderr)
             return 1
@@ -152,16 +232,68 @@ def _run_demo(args: argparse.Namespace) -> int:
     from specbus.ops.evaluate import compare_drafts
     from specbus.ops.export import export_checkpoint
 
-    torch.set_num_threads(
-        max(1, min(4, os.cpu_count() or 1))
-    )  # the trainers are gone: use the cores
+    torch.set_num_threads(eval_threads())  # the trainers are gone
+    t0 = time.monotonic()
     report = compare_drafts(
         cfg,
         num_prompts=args.eval_prompts,
         max_new_tokens=args.eval_tokens,
-        progress=lambda message: print(message, flush=True),
+        live_check=args.eval_live,
+        phase=phase,
     )
+    times["evaluation"] = time.monotonic() - t0
     print(report.table(), flush=True)
     out = export_checkpoint(cfg, "latest", run_dir / "export")
-    print(f"exported the trained draft for SGLang: {out}", flush=True)
+    times["total"] = time.monotonic() - started
+    print(summary(cfg, args, report, out, times, url_was_embedded=server is not None), flush=True)
     return 0
+
+
+def eval_threads() -> int:
+    """Threads for the target's forwards in the evaluation: the cores (up to 4), or one when
+    the machine is busier than its cores (oversubscribed threads spin: 6x slower measured)."""
+    cores = os.cpu_count() or 1
+    return 1 if os.getloadavg()[0] >= cores else max(1, min(4, cores))
+
+
+def summary(cfg: RunConfig, args: argparse.Namespace, report, export_dir: Path,
+            times: dict[str, float], *, url_was_embedded: bool) -> str:  # fmt: skip
+    """The lines the demo ends with: what ran, throughput, acceptance, where things are, what
+    to try next."""
+    from specbus.ops.commands import METRICS_FILE, read_metrics
+
+    run_dir = cfg.resolved_run_dir
+    logs = run_dir / "logs"
+    rows = read_metrics(logs / METRICS_FILE)
+    final = next((r for r in reversed(rows) if "final" in r), {})
+    steps = [r for r in rows if "final" not in r]
+    rate = sum(r.get("samples_per_s", 0) for r in steps) / max(len(steps), 1)
+    wait = sum(r.get("data_wait_frac", 0) for r in steps) / max(len(steps), 1)
+    split = ", ".join(f"{k} {v:.0f}s" for k, v in times.items() if k != "total")
+    lines = [
+        "",
+        f"== specbus demo: done in {times.get('total', 0) / 60:.1f} min ({split})",
+        f"ran       {cfg.strategy.name} draft for {cfg.target.model} on {cfg.data.source}: "
+        f"{args.producers} producer(s), {args.trainers} trainer rank(s), "
+        f"{final.get('steps', '?')} steps, {final.get('samples', '?')} samples",
+        f"training  {rate:.2f} samples/s, data wait {wait:.0%} of step time (mean over "
+        f"{len(steps)} log intervals)",
+        f"accept    untrained {report.untrained.accept_length:.3f} -> trained "
+        f"{report.trained.accept_length:.3f} tokens/verify (k={report.num_draft_tokens}, "
+        f"{report.trained.prompts} held-back prompts)",
+        f"export    {export_dir} (SGLang draft)",
+        f"ckpts     {cfg.training.checkpoint_dir or run_dir / 'checkpoints'}",
+        f"logs      {logs} (metrics: {logs / METRICS_FILE})",
+    ]
+    tb = Path(cfg.resolved_tensorboard_dir)
+    if tb.is_dir():  # written by rank 0 (ops/observe.py) when tensorboard is installed
+        lines.append(f"board     tensorboard --logdir {tb}")
+    config = run_dir / "config.yaml"
+    lines += [
+        "next      specbus demo --minutes 10                    # a longer run, a better draft",
+        f"          specbus export --config {config} --checkpoint best --out DIR",
+        "          the pieces by hand: README.md, 'The pieces by hand' (examples/short-run.yaml)",
+    ]
+    if url_was_embedded:
+        lines.append(f"          specbus up --config {config} & specbus status --config {config}")
+    return "\n".join(lines)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specbus.consumers.checkpoint import CheckpointManager
+from specbus.consumers.checkpoint import CheckpointManager, with_frozen_state
 from specbus.core.config import RunConfig
 from specbus.core.data.vocab import VocabMapping
 from specbus.core.errors import CheckpointError
@@ -31,7 +31,7 @@ def load_trained_draft(cfg: RunConfig, checkpoint: str | Path = "latest"):
         VocabMapping(d2t=state["d2t"].long(), t2d=state["t2d"].bool()) if "d2t" in state else None
     )
     draft = strategy.build_model(info, heads, vocab)
-    draft.load_state_dict(state)
+    draft.load_state_dict(with_frozen_state(draft, state))
     return draft.eval()
 
 

@@ -23,14 +23,17 @@ from specbus.producers.feeder import feed, manifest_of, prepare
 log = logging.getLogger("specbus.producer")
 
 
-async def run_feeder(cfg: RunConfig, *, bus_url: str | None) -> int:
-    """Prepare the data and publish the run's tasks; returns the task count."""
+async def run_feeder(cfg: RunConfig, *, bus_url: str | None, on_progress=None) -> int:
+    """Prepare the data and publish the run's tasks; returns the task count.
+    `on_progress(published, planned, waiting)`: see `producers.feeder.feed`."""
     if cfg.telemetry.otel:
         setup_tracing(f"{cfg.telemetry.service_name}-feeder")
     prepared = await asyncio.to_thread(prepare, cfg)
     async with await connect(cfg.bus, bus_url, name="specbus-feeder") as bus:
         run = await declare(bus, cfg.bus, cfg.run)
-        return await feed(run, prepared, manifest_of(cfg, prepared), cfg.data)
+        return await feed(
+            run, prepared, manifest_of(cfg, prepared), cfg.data, on_progress=on_progress
+        )
 
 
 async def run_producer(
@@ -41,6 +44,9 @@ async def run_producer(
     exit_when_idle: bool = False,
 ) -> CaptureStats:
     """Join the run's "producers" group and capture until the trainers are done."""
+    print(f"run {cfg.run}: producer {producer_id or os.getpid()} loading the target {cfg.target.model}; "
+          "then capturing the tasks `specbus feed` publishes, until the trainers mark the run "
+          "trained", flush=True)  # fmt: skip
     if cfg.telemetry.otel:
         setup_tracing(f"{cfg.telemetry.service_name}-producer")
     if os.environ.get("SPECBUS_THREADS"):

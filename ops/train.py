@@ -101,7 +101,8 @@ def run_trainer(
                 stop=stop,
             )  # fmt: skip
             hooks = TrainerHooks(reporter(cfg, on_log, rank, loop=loop, run=run),
-                                 lambda: best_effort_lag(loop, run), cfg.resolved_run_dir / "profile")  # fmt: skip
+                                 lambda: best_effort_lag(loop, run), cfg.resolved_run_dir / "profile",
+                                 on_checkpoint=lambda p: point_at(loop, run, p))  # fmt: skip
             result = Trainer(parts, loader, cfg.training, total_steps=total_steps,
                              checkpoints=checkpoints, state=state, hooks=hooks).fit()  # fmt: skip
             finish(loop, run, mode, ledger, result, cfg, rank)
@@ -217,14 +218,16 @@ def wait_for_manifest(
     """The run's manifest, once the feeder wrote it; None if a stop was asked for first.
     Raises `ConfigError` after `timeout_s` without one."""
     deadline = time.monotonic() + timeout_s
-    said = False
+    said = -math.inf
     while time.monotonic() < deadline:
         manifest = loop.call(run.kv.get_manifest())
         if manifest is not None:
             return manifest
-        if not said:
-            log.info("waiting for the feeder of run %r to write its manifest", cfg.run)
-            said = True
+        if time.monotonic() - said >= 60:
+            log.info("waiting for the feeder of run %r to write its manifest (start `specbus "
+                     "feed` for this run); giving up in %.0fs", cfg.run,
+                     deadline - time.monotonic())  # fmt: skip
+            said = time.monotonic()
         if stop.wait(0.2):
             return None
     raise ConfigError(
@@ -302,6 +305,19 @@ def close(loop: LoopThread, bus, source) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
             reset_control_group()
+
+
+def point_at(loop: LoopThread, run: RunBus, pointer: dict) -> None:
+    """Publish the checkpoint pointer to the run's KV (`specbus status` shows it) without
+    waiting: a broker outage must not hold up training; a failed put is logged and the next
+    checkpoint's pointer replaces it."""
+
+    def done(future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("checkpoint pointer of step %s not published: %s", pointer["step"],
+                        future.exception())  # fmt: skip
+
+    loop.submit(run.kv.put_checkpoint(pointer)).add_done_callback(done)
 
 
 def best_effort_lag(loop: LoopThread, run: RunBus, timeout_s: float = 2.0):

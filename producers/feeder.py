@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,12 +165,15 @@ async def feed(
     *,
     batch: int = 256,
     max_pending: int | None = None,
+    on_progress=None,
 ) -> int:
     """Publish the run's tasks, `data.epochs` seeded permutations of `prepared.samples` (see
     module doc), holding the producers' lag under `max_pending` (default 4 x
     `bus.max_ack_pending`); returns the task count. Idempotent: resumes after the last task
     published, returns at once once the feed is complete. Raises `ConfigError` when the run
-    already has a manifest of another plan."""
+    already has a manifest of another plan. `on_progress(published, planned, waiting)` after
+    each batch and every ~10 s while held back (`waiting`: the producers' lag then, else None).
+    """
     kv = run.kv
     done = await kv.feed_complete()
     if done is not None:
@@ -186,6 +190,8 @@ async def feed(
     max_pending = max_pending or 4 * run.bus.cfg.max_ack_pending
     resume = await _resume_point(run)
     total = 0
+    planned = data.epochs * len(prepared.samples)
+    report = on_progress or (lambda published, planned, waiting: None)
     for epoch in range(data.epochs):
         order = epoch_order(len(prepared.samples), data.seed, epoch)
         start = 0
@@ -198,7 +204,11 @@ async def feed(
                 start = order.index(r_index) + 1
                 total += start
         for lo in range(start, len(order), batch):
-            while (await run.lag(PRODUCERS)).messages >= max_pending:
+            told = 0.0
+            while (lag := (await run.lag(PRODUCERS)).messages) >= max_pending:
+                if time.monotonic() - told >= 10:
+                    report(total, planned, lag)
+                    told = time.monotonic()
                 await asyncio.sleep(0.2)
             tasks = []
             for index in order[lo : lo + batch]:
@@ -217,6 +227,7 @@ async def feed(
             with span("feed", attributes={"run": run.run, "epoch": epoch, "tasks": len(tasks)}):
                 await run.publisher.publish_many(run.names.tasks, tasks)
             total += len(tasks)
+            report(total, planned, None)
     await kv.mark_feed_complete(total)
     log.info("fed %d tasks to run %s", total, run.run)
     return total

@@ -189,3 +189,43 @@ def test_a_wrong_memoised_reference_is_decoded_again_and_mismatches_can_be_count
     monkeypatch.setattr(spec_mod, "_crop", lambda cache, keep: None)  # a broken verifier
     report = measure_acceptance(target, draft, [prompt, prompt], strict=False, **kwargs)
     assert report.mismatches == 2 and not report.lossless
+
+
+def _replay_case(target, prompt, aux_layers, max_new_tokens, k):
+    """(aux, sequence, prompt length) for replay: the greedy continuation, not cut at an eos."""
+    from specbus.core.eval.replay import target_aux
+
+    cont = greedy_generate(target, prompt, max_new_tokens + k + 1)
+    seq = prompt.tolist() + cont
+    return target_aux(target, torch.tensor(seq), aux_layers), seq, len(prompt)
+
+
+@pytest.mark.parametrize("lie_at", [(), (6,), (6, 11, 12)])
+def test_replay_accepts_what_live_decoding_accepts_for_stub_drafts(target, lie_at):
+    from specbus.core.eval.replay import replay_generate
+
+    prompt = torch.tensor([3, 17, 5, 9])
+    live = speculative_generate(
+        target, OracleDraft(target, 3, lie_at), prompt, aux_layers=[1, 2, 2], max_new_tokens=20
+    )
+    aux, seq, n = _replay_case(target, prompt, [1, 2, 2], 20, 3)
+    replayed = replay_generate(OracleDraft(target, 3, lie_at), aux, seq, n, max_new_tokens=20)
+    assert replayed.tokens == live.tokens
+    assert replayed.accepted == live.accepted
+
+
+def test_replay_accepts_what_live_decoding_accepts_for_a_real_draft(target):
+    from specbus.core.eval.replay import replay_acceptance
+
+    info = TargetInfo.from_hf_config(target.config, name="tiny", path=".")
+    strategy = build_strategy(StrategyConfig(draft=DraftConfig(draft_vocab_size=V)), info)
+    torch.manual_seed(1)
+    draft = strategy.build_model().double().eval()
+    prompts = [torch.randint(0, V, (n,)) for n in (1, 6, 11)]
+    eos = (int(greedy_generate(target, prompts[1], 10)[4]),)
+    kwargs = dict(num_draft_tokens=3, max_new_tokens=25, eos_ids=eos)
+    live = measure_acceptance(target, draft, prompts, aux_layers=strategy.aux_layers, **kwargs)
+    cases = [_replay_case(target, p, strategy.aux_layers, 25, 3) for p in prompts]
+    replayed = replay_acceptance(draft, cases, **kwargs)
+    assert (replayed.rounds, replayed.tokens) == (live.rounds, live.tokens)
+    assert replayed.accept_length == pytest.approx(live.accept_length)

@@ -43,6 +43,14 @@ def train_complete(url: str, run: str):
     return asyncio.run(go())
 
 
+def checkpoint_pointer(url: str, run: str):
+    async def go():
+        async with await connect(BusConfig(), url) as bus:
+            return await (await open_kv(bus, run)).get_checkpoint()
+
+    return asyncio.run(go())
+
+
 def assert_lineage(cluster: Cluster, n: int, *, dead: int = 0) -> list[str]:
     lineage = cluster.checkpoint_state()["lineage"]
     assert len(lineage) == len(set(lineage)), "a sample was trained twice"
@@ -287,6 +295,11 @@ def test_trainer_replicas_join_from_the_latest_checkpoint(make_cluster):
     state = cluster.checkpoint_state()
     assert state["lineage"][: len(first["lineage"])] == first["lineage"]
     assert state["step"] > 4
+    # The frozen copy of the target's embedding is rebuilt from the target, never saved; the
+    # run's KV points at the latest checkpoint.
+    assert "fc.weight" in state["model"] and "embed_tokens.weight" not in state["model"]
+    pointer = checkpoint_pointer(cluster.url, cluster.cfg.run)
+    assert pointer["step"] == state["step"] and pointer["path"].endswith(f"{state['step']:08d}")
     assert len(assert_lineage(cluster, n)) == n - (n - 4 * MICRO) % WINDOW
 
 
@@ -305,6 +318,7 @@ def test_fsdp_trainers_reduce_gradients_once_per_step(make_cluster):
     state = cluster.checkpoint_state()
     assert len(state["lineage"]) == n and len(set(state["lineage"])) == n
     assert "fc.weight" in state["model"] and state["optimizer"]["state"]
+    assert "embed_tokens.weight" not in state["model"]  # frozen: not saved under FSDP either
     for rank in range(WORLD):
         report = json.loads(
             (cluster.cfg.resolved_run_dir / "profile" / f"step1-rank{rank}.json").read_text()

@@ -55,13 +55,15 @@ def generate_batched(
     temperature: float = 0.0,
     seed: int = 0,
     progress=None,
+    on_token=None,
 ) -> list[list[int]]:
     """The target's continuations of many prompts (1-D id tensors), `batch_size` at a time.
 
     Left-padded batches of prompts of similar length (sorted), a KV cache, greedy
     (`temperature` 0) or sampled from the plain softmax at `temperature` (no top-k/top-p),
     seeded. Each continuation stops after its first end-of-sequence token (kept) or at
-    `max_new_tokens`. Rounding differs from batch-1 decoding (padding, batch shapes), so a
+    `max_new_tokens`. `progress(done, total)` after each batch of prompts, `on_token(i,
+    max_new_tokens)` after the i-th token of a batch. Rounding differs from batch-1 decoding (padding, batch shapes), so a
     greedy continuation can leave `greedy_generate`'s at a near-tie: fine for training data,
     not a reference for lossless checks. Returned in the order of `prompts`.
     """
@@ -107,6 +109,8 @@ def generate_batched(
                     nxt = logits.argmax(-1)
                 nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
                 tokens.append(nxt)
+                if on_token is not None:
+                    on_token(len(tokens), max_new_tokens)
                 done = done | torch.isin(nxt, eos)
                 if bool(done.all()):
                     break
