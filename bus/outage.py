@@ -61,6 +61,9 @@ def _describe(error: BaseException | None) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+IDLE_NOTICE_S = 1.0  # an outage no operation noticed is logged (once, when over) past this
+
+
 class Outage:
     """The outage state of one connection: when it began, whether it was announced.
 
@@ -108,6 +111,11 @@ class Outage:
         """The connection is back. An outage no operation noticed is over; an announced one
         ends with the next answer (the broker may accept connections before JetStream is up)."""
         if not self.announced:
+            # No operation waited on the broker meanwhile (e.g. a rank blocked in a collective):
+            # say so once, after the fact, when the outage was long enough to matter.
+            if self.since is not None and (gone := self.clock() - self.since) >= IDLE_NOTICE_S:
+                log.warning("broker %s unavailable while idle (no operation waited on it); "
+                            "back after %.1f s", self.url, gone)  # fmt: skip
             self.since = None
 
     def failed(self, what: str, error: BaseException | None) -> None:

@@ -9,7 +9,9 @@ touched. `RunKV` is the bucket's typed markers. docs/bus.md, "Topology".
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -111,6 +113,29 @@ def _reconcile(what: str, have: Any, want: Any, fixed, mutable) -> dict[str, tup
     return changes
 
 
+# JetStream's "no suitable peers for placement": a replicated stream asked of a cluster whose
+# nodes have not all joined JetStream yet (forming, or a node restarting). Waited out for this
+# long, then refused with what it means.
+NO_PEERS = 10005
+PLACEMENT_WAIT_S = 60.0
+
+
+async def _placed(bus: Bus, what: str, create, replicas: int):
+    """`await ride(bus, what, create)`, retried while the cluster cannot place `replicas`."""
+    deadline = time.monotonic() + PLACEMENT_WAIT_S
+    while True:
+        try:
+            return await ride(bus, what, create)
+        except BusRejected as e:
+            if e.err_code != NO_PEERS:
+                raise
+            if time.monotonic() >= deadline:
+                raise BusRejected(f"{what}: the broker cannot place {replicas} replica(s) (a "
+                                  f"cluster with fewer nodes, or nodes not joined): {e}",
+                                  code=e.code, err_code=e.err_code) from e  # fmt: skip
+            await asyncio.sleep(0.5)
+
+
 async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
     what = f"declaring stream {want.name}"
     stream_info = lambda: bus.js.stream_info(want.name)  # noqa: E731
@@ -118,7 +143,7 @@ async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
         info = await ride(bus, what, stream_info)
     except BusNotFound:
         try:
-            await ride(bus, what, lambda: bus.js.add_stream(want))
+            await _placed(bus, what, lambda: bus.js.add_stream(want), want.num_replicas)
             log.info("declared stream %s", want.name)
             return
         except BrokerUnavailable:
@@ -299,7 +324,8 @@ async def open_kv(
         description=f"specbus run {run}",
     )
     try:
-        return RunKV(await ride(bus, what, lambda: bus.js.create_key_value(kv_cfg)), bus)
+        create = lambda: bus.js.create_key_value(kv_cfg)  # noqa: E731
+        return RunKV(await _placed(bus, what, create, kv_cfg.replicas), bus)
     except BrokerUnavailable:
         raise
     except BusError as e:

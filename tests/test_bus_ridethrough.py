@@ -328,9 +328,19 @@ def test_outage_state_logs_once_and_gives_up_on_its_clock(caplog):
     assert "reading KV key 'k'" in lines[0] and "TimeoutError" in lines[0]
     assert "back after 10.1 s" in lines[1]
     # A connection blip no operation noticed is no outage.
-    outage.lost()
-    outage.reconnected()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specbus.bus"):
+        outage.lost()
+        now[0] += 0.5
+        outage.reconnected()
+        assert not outage.active and not caplog.records
+        # A long outage nobody waited on (a rank blocked in a collective) is said once, after.
+        outage.lost()
+        now[0] += 8
+        outage.reconnected()
     assert not outage.active
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "unavailable while idle" in line and "back after 8.0 s" in line
 
 
 def test_a_connection_lost_under_a_waiting_call_is_announced_at_once(caplog):

@@ -41,7 +41,7 @@ def make_cluster(tmp_path, tiny_target, nats_server, run_id):
         c.stop()
 
 
-def served_url(cluster: Cluster, name: str, timeout: float = 60) -> str:
+def served_url(cluster: Cluster, name: str, timeout: float = 300) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = re.search(r"serving features at (\S+)", cluster.log(name))
