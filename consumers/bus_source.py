@@ -54,6 +54,7 @@ class BusSource(GroupSettlement):
         tokenizer_fingerprint: str | None = None,
         trained: Trained | None = None,
         open_store_fn: Callable[[str], Any] = open_store,
+        live: bool = False,
     ):
         self.bus, self.run, self.group, self.kv = bus, run, group, kv
         self.names = Names(run)
@@ -68,6 +69,7 @@ class BusSource(GroupSettlement):
         self._stores: dict[str, Any] = {}
         self._retired: list[int] = []
         self._feed_count: int | None = None
+        self.live = live  # refs from the live intake: no feed-complete, no recapture
         self.stats = {"recaptures": 0, "dead_letters": 0, "skipped": 0}
 
     # -- helpers -----------------------------------------------------------------------
@@ -106,6 +108,9 @@ class BusSource(GroupSettlement):
 
     async def _recapture(self, lease: Lease, why: Exception) -> None:
         ref: SampleRef = lease.record
+        if self.live:  # a live capture has no task to capture again: its tensors were the data
+            await self._dead(lease, "lost", f"live capture's tensors unavailable: {why}")
+            return
         stored = await get_stored(self.bus, self.names.tasks_stream, ref.task_seq)
         if stored is None:
             await self._dead(
@@ -185,6 +190,8 @@ class BusSource(GroupSettlement):
         non-zero again.) `ack_pending` is the trainers' delivered-and-unacked count."""
         if self.group.buffered:
             return Upstream(False, waiting_for="deliveries buffered here")
+        if self.live:  # live traffic never ends: a stop, max_steps or max_minutes ends training
+            return Upstream(False, waiting_for="live traffic (captures from serving servers)")
         if self._feed_count is None:
             self._feed_count = await self.kv.feed_complete()
             if self._feed_count is None:

@@ -12,6 +12,7 @@ from specbus.bus.lease import Leases
 from specbus.bus.subjects import PRODUCERS
 from specbus.bus.topology import declare
 from specbus.core.config import RunConfig
+from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info, resolve_target_dir
 from specbus.core.store import open_store
 from specbus.core.strategies.base import build_strategy
@@ -23,8 +24,17 @@ from specbus.producers.feeder import feed, prepare
 log = logging.getLogger("specbus.producer")
 
 
+def _not_live(cfg: RunConfig, what: str) -> None:
+    if cfg.deployment.mode == "live":
+        raise ConfigError(
+            f"deployment.mode=live has no {what}: samples come from serving traffic "
+            "(`specbus intake` + `specbus serve` or a capture-enabled server)"
+        )
+
+
 async def run_feeder(cfg: RunConfig, *, bus_url: str | None) -> int:
     """Prepare the data and publish the run's tasks; returns the task count."""
+    _not_live(cfg, "feeder")
     prepared = await asyncio.to_thread(prepare, cfg)
     async with await connect(cfg.bus, bus_url, name="specbus-feeder") as bus:
         topo = await declare(bus, cfg.bus, cfg.run)
@@ -39,6 +49,7 @@ async def run_producer(
     exit_when_idle: bool = False,
 ) -> CaptureStats:
     """Join the run's "producers" group and capture until the trainers are done."""
+    _not_live(cfg, "producer")
     if cfg.telemetry.otel:
         setup_tracing(f"{cfg.telemetry.service_name}-producer")
     if os.environ.get("SPECBUS_THREADS"):

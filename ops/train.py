@@ -1,7 +1,9 @@
 """Build and run one trainer rank (`specbus train`, also under torchrun), either mode.
 
 `deployment.mode: disaggregated`: the rank leases SampleRefs from the "trainers" group and
-reads tensors from the store the refs name. `colocated`: the rank leases PromptTasks from the
+reads tensors from the store the refs name. `live`: the same, the refs published by the live
+intake (no feeder: the intake writes the manifest; the data never ends, training does at a
+stop signal, `training.max_steps` or `training.max_minutes`). `colocated`: the rank leases PromptTasks from the
 "producers" group and captures them itself into a `mem://` store bounded to one window.
 Everything after the source (loader, lockstep, trainer, checkpoints, resume) is shared.
 
@@ -110,9 +112,11 @@ def plan_of_training(cfg: RunConfig, manifest: dict[str, Any]) -> dict[str, Any]
 
 
 def wait_for_manifest(
-    loop: LoopThread, kv, run: str, timeout_s: float, stop: threading.Event
+    loop: LoopThread, kv, run: str, timeout_s: float, stop: threading.Event, live: bool = False
 ) -> dict[str, Any] | None:
-    """The run's manifest, once the feeder wrote it; None if a stop was asked for first."""
+    """The run's manifest, once the feeder (live mode: the intake) wrote it; None if a stop
+    was asked for first."""
+    writer = "the intake (`specbus intake`)" if live else "the feeder (`specbus feed`)"
     deadline = time.monotonic() + timeout_s
     said = False
     while time.monotonic() < deadline:
@@ -120,13 +124,29 @@ def wait_for_manifest(
         if manifest is not None:
             return manifest
         if not said:
-            log.info("waiting for the feeder of run %r to write its manifest", run)
+            log.info("waiting for %s of run %r to write its manifest", writer, run)
             said = True
         if stop.wait(0.2):
             return None
     raise ConfigError(
-        f"run {run!r} has no manifest after {timeout_s:.0f}s: start the feeder (`specbus feed`) for this run"
+        f"run {run!r} has no manifest after {timeout_s:.0f}s: start {writer} for this run"
     )
+
+
+def check_live_manifest(cfg: RunConfig, manifest: dict[str, Any]) -> None:
+    """Live mode: trainers and manifest agree on the mode, and the schedule has a length (live
+    traffic has no count: `training.total_steps` or `training.max_steps`)."""
+    live_manifest = manifest.get("mode") == "live"
+    if (cfg.deployment.mode == "live") != live_manifest:
+        raise ConfigError(
+            f"run {cfg.run!r} was started {'live (by an intake)' if live_manifest else 'by a feeder'}; "
+            f"these trainers run deployment.mode={cfg.deployment.mode}"
+        )
+    if live_manifest and not (cfg.training.total_steps or cfg.training.max_steps):
+        raise ConfigError(
+            "deployment.mode=live trains on traffic of no known size: set training.total_steps "
+            "(the schedule's length) or training.max_steps"
+        )
 
 
 def run_trainer(
@@ -194,10 +214,12 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
     source = None
     try:
         topo = loop.call(declare(bus, cfg.bus, cfg.run))
-        manifest = wait_for_manifest(loop, topo.kv, cfg.run, manifest_timeout_s, stop)
+        live = cfg.deployment.mode == "live"
+        manifest = wait_for_manifest(loop, topo.kv, cfg.run, manifest_timeout_s, stop, live)
         if manifest is None:
             log.warning("stopped before the run's manifest appeared: nothing trained")
             return None
+        check_live_manifest(cfg, manifest)
         if manifest["strategy"] != cfg.strategy.name:
             raise ConfigError(
                 f"run {cfg.run!r} was fed for strategy {manifest['strategy']!r}, not {cfg.strategy.name!r}"
@@ -212,7 +234,9 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
             model = shard(model, device)
         optimizer = build_optimizer(model, cfg.training)
         per_step = world * cfg.training.micro_batch * cfg.training.accumulation
-        total_steps = cfg.training.total_steps or max(1, manifest["planned_tasks"] // per_step)
+        total_steps = cfg.training.total_steps or max(
+            1, (manifest["planned_tasks"] or cfg.training.max_steps * per_step) // per_step
+        )  # live: planned_tasks is None and max_steps is set (check_live_manifest)
         if cfg.training.max_steps:
             total_steps = min(total_steps, cfg.training.max_steps)
         scheduler = build_scheduler(optimizer, cfg.training, total_steps)
@@ -272,6 +296,7 @@ def _run_trainer(cfg, bus_url, resume, manifest_timeout_s, on_log, stop) -> Trai
                 target_fingerprint=manifest["target"]["fingerprint"],
                 tokenizer_fingerprint=manifest["target"]["tokenizer_fingerprint"],
                 trained=ledger,
+                live=live,  # no end of data: a stop signal, max_steps or max_minutes ends it
             )  # fmt: skip
             prefetch = cfg.training.prefetch
         loader = Loader(

@@ -15,4 +15,5 @@ pytest_plugins = [
     "tests.fixtures.nats",
     "tests.fixtures.mooncake",
     "tests.fixtures.pipeline",
+    "tests.fixtures.live",
 ]
