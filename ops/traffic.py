@@ -10,7 +10,9 @@ Arrivals are a Poisson process of rate `qps` (exponential gaps from a seeded gen
 most `concurrency` requests are in flight (an arrival waits for a slot; latencies are timed
 from the request's send). Each request is `AsyncOpenAI.chat.completions.create` (streaming
 by default: the time to first token is the first chunk with content), with no client retry:
-every failure is a user-visible error and is counted by kind. The report gives latency
+every failure is a user-visible error and is counted by kind. `request_id_prefix` sends
+`X-Request-Id: <prefix><n>` (reproducible capture decisions); by default the server picks
+the ids. The report gives latency
 percentiles (TTFT and total), tokens and errors.
 """
 
@@ -175,6 +177,7 @@ async def run_traffic(
     timeout_s: float = 600.0,
     stop: asyncio.Event | None = None,
     on_done=None,
+    request_id_prefix: str | None = None,
 ) -> TrafficReport:
     """Send prompts at a Poisson rate until `requests` were sent, `duration_s` passed, the
     prompts ran out (unless `loop`) or `stop` is set; then wait for the ones in flight."""
@@ -188,16 +191,17 @@ async def run_traffic(
     slots = asyncio.Semaphore(concurrency)
     tasks: set[asyncio.Task] = set()
 
-    async def one(messages: Messages) -> None:
+    async def one(messages: Messages, number: int) -> None:
         t0 = time.perf_counter()
         first = None
         tokens = 0
+        extra = {"X-Request-Id": f"{request_id_prefix}{number}"} if request_id_prefix else None
         try:
             if stream:
                 response = await client.chat.completions.create(
                     model=model, messages=messages, max_tokens=max_tokens,
                     temperature=temperature, stream=True,
-                    stream_options={"include_usage": True},
+                    stream_options={"include_usage": True}, extra_headers=extra,
                 )  # fmt: skip
                 async for chunk in response:
                     if chunk.usage is not None:
@@ -207,7 +211,7 @@ async def run_traffic(
             else:
                 response = await client.chat.completions.create(
                     model=model, messages=messages, max_tokens=max_tokens,
-                    temperature=temperature,
+                    temperature=temperature, extra_headers=extra,
                 )  # fmt: skip
                 tokens = response.usage.completion_tokens if response.usage else 0
         except APIStatusError as e:
@@ -249,7 +253,7 @@ async def run_traffic(
             await asyncio.sleep(delay)
         await slots.acquire()
         report.sent += 1
-        task = asyncio.create_task(one(prompts[i]))
+        task = asyncio.create_task(one(prompts[i], report.sent - 1))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         i += 1

@@ -124,7 +124,8 @@ class Intake:
         self.poll_s = poll_s
         self.metrics = IntakeMetrics()
         self.shed = ShedInputs(budget_bytes=cfg.store.budget_bytes)
-        self._inflight = 0
+        self._inflight = self._inflight_bytes = 0
+        self._accepted_total = self._accepted_bytes_total = 0
         self._decls = {d.name: d for d in capture.features}
         self._poller: asyncio.Task | None = None
 
@@ -145,7 +146,10 @@ class Intake:
             await self._poll()
 
     async def _poll(self) -> None:
-        """Refresh the shed inputs: the trainers' lag (bytes, refs) and the store's usage."""
+        """Refresh the shed inputs: the trainers' lag (bytes, refs) and the store's usage.
+        Records accepted after the reads began may be missing from them: they stay counted
+        (conservative: a record accepted meanwhile may count twice, never zero times)."""
+        snap_refs, snap_bytes = self._accepted_total, self._accepted_bytes_total
         try:
             usage = await asyncio.to_thread(self.store.usage)
             budget = self.cfg.store.budget_bytes
@@ -162,6 +166,8 @@ class Intake:
         self.shed = ShedInputs(
             lag_bytes=current.bytes, lag_refs=current.messages,
             resident_bytes=usage.resident_bytes, budget_bytes=budget, polled_at=time.monotonic(),
+            accepted_since=self._accepted_total - snap_refs,
+            accepted_bytes_since=self._accepted_bytes_total - snap_bytes,
         )  # fmt: skip
 
     # -- the record path ---------------------------------------------------------------
@@ -247,9 +253,11 @@ class Intake:
         limit = live.shed_watermark * s.budget_bytes
         if s.resident_bytes >= limit:
             return "store_residency"
-        if s.lag_bytes + s.accepted_bytes_since >= limit:
+        # records in work count as if accepted: concurrent records cannot all pass the mark
+        if s.lag_bytes + s.accepted_bytes_since + self._inflight_bytes >= limit:
             return "trainers_lag"
-        if live.max_lag_refs is not None and s.lag_refs + s.accepted_since >= live.max_lag_refs:
+        refs = s.lag_refs + s.accepted_since + self._inflight
+        if live.max_lag_refs is not None and refs >= live.max_lag_refs:
             return "trainers_lag"
         return None
 
@@ -278,7 +286,9 @@ class Intake:
             why = "inflight"
         if why is not None:
             raise Rejection(429, "shed", why, self._shed_detail())
+        nbytes = sum(s.nbytes for s in rec.features.values())
         self._inflight += 1
+        self._inflight_bytes += nbytes
         try:
             return await asyncio.wait_for(self._admit(rec), self.cfg.live.publish_timeout_s)
         except asyncio.TimeoutError:
@@ -286,6 +296,7 @@ class Intake:
                             f"not published within {self.cfg.live.publish_timeout_s}s") from None  # fmt: skip
         finally:
             self._inflight -= 1
+            self._inflight_bytes -= nbytes
 
     async def _admit(self, rec: CaptureRecord) -> RecordAnswer:
         try:
@@ -318,6 +329,8 @@ class Intake:
             return RecordAnswer(status="duplicate", reason="duplicate", seq=ack.seq)
         self.shed.accepted_bytes_since += nbytes
         self.shed.accepted_since += 1
+        self._accepted_total += 1
+        self._accepted_bytes_total += nbytes
         return RecordAnswer(status="accepted", reason="accepted", seq=ack.seq)
 
     def _shed_detail(self) -> str:
