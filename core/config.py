@@ -238,6 +238,7 @@ class LiveConfig(Section):
     serve_host: str = "127.0.0.1"  # `specbus serve`
     serve_port: int = Field(8000, ge=0, le=65535)
     max_new_tokens: int = Field(256, ge=1)  # `specbus serve`: a request's max_tokens cap
+    serve_batch: int = Field(4, ge=1)  # `specbus serve`: requests decoded together (a wave)
 
 
 class TelemetryConfig(Section):

@@ -107,6 +107,12 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if (
+        args.live
+    ):  # live mode: intake + capture-enabled server + traffic instead of feeder/producers
+        from specbus.ops.live_demo import run_live_demo
+
+        return run_live_demo(args)
     from specbus.ops.demo import run_demo
 
     return run_demo(args)
@@ -165,4 +171,10 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--eval-prompts", type=int, default=20)
     p.add_argument("--eval-tokens", type=int, default=64)
+    live = p.add_argument_group("live mode (--live)")
+    live.add_argument("--live", action="store_true",
+                      help="train from served traffic: intake + `specbus serve` + traffic, no feeder")  # fmt: skip
+    live.add_argument("--qps", type=float, default=1.0, help="traffic: Poisson arrival rate")
+    live.add_argument("--concurrency", type=int, default=4, help="traffic: requests in flight")
+    live.add_argument("--max-tokens", type=int, default=64, help="traffic: tokens per answer")
     p.set_defaults(func=cmd_demo)

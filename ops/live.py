@@ -191,7 +191,8 @@ def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | Non
 
         sink = CaptureSink(url_of, token_of, server_id=f"{socket.gethostname()}-{os.getpid()}",
                            engine=engine.name, queue_size=cfg.live.queue).start()  # fmt: skip
-    generator = Generator(engine, sink, max_new_tokens=cfg.live.max_new_tokens)
+    generator = Generator(engine, sink, max_new_tokens=cfg.live.max_new_tokens,
+                          max_batch=cfg.live.serve_batch)  # fmt: skip
     server = Server(generator, model_name or cfg.target.model)
     bound = sock.getsockname()
     print(f"specbus serve: {cfg.target.model} on http://{bound[0]}:{bound[1]}/v1 (capture "

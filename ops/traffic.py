@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from collections import Counter
@@ -183,6 +184,8 @@ async def run_traffic(
     prompts ran out (unless `loop`) or `stop` is set; then wait for the ones in flight."""
     from openai import APIConnectionError, APIStatusError, APITimeoutError, AsyncOpenAI
 
+    for name in ("httpx", "httpx2", "openai"):  # not a line per request
+        logging.getLogger(name).setLevel(logging.WARNING)
     client = AsyncOpenAI(base_url=server, api_key=api_key, max_retries=0, timeout=timeout_s)
     if model is None:
         model = (await client.models.list()).data[0].id

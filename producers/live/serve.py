@@ -4,9 +4,12 @@ The reference implementation of the capture-sink contract (`producers/live/sink.
 - `POST /v1/chat/completions` (the tokenizer's chat template, generation prompt added) and
   `POST /v1/completions` (a prompt string or token ids), streaming (SSE, `data: [DONE]`) or
   not; `GET /v1/models`; `GET /healthz`; `GET /metrics` (Prometheus text: requests by route
-  and status, the sink's outcomes); `GET /v1/spec-capture/sink` (the same as JSON).
-- Generation: KV-cache decoding on one worker thread, one request at a time, in arrival order
-  (a CPU reference server, not a batching engine). Greedy at `temperature: 0`, else
+  and status, the sink's outcomes); `GET /v1/spec-capture/sink` (the same as JSON);
+  `POST /v1/spec-capture/sink {"enabled": false|true}` (an operator switch: serve without
+  capturing, then again with; the benchmark's on/off arms run on one server this way).
+- Generation: KV-cache decoding on one worker thread, in waves of up to `live.serve_batch`
+  requests (those waiting when a wave starts are prefilled and decoded together; a CPU
+  reference server, not a continuous-batching engine). Greedy at `temperature: 0`, else
   temperature / top-p sampling (seeded by `seed`, else by the request id). Stops at an EOS
   token, a `stop` string or `max_tokens` (capped by `live.max_new_tokens` and the context).
 - Capture: the request id (`X-Request-Id`, else a fresh one) decides through
@@ -56,6 +59,12 @@ class Job:
     text: str = ""
 
 
+def _seed_of(request_id: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "big")
+
+
 class _Rows:
     """Forward hooks keeping the aux layers' outputs (and the final norm's) while recording."""
 
@@ -84,10 +93,10 @@ class _Rows:
         if self.recording:
             self.norm_out = output[0] if isinstance(output, tuple) else output
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This forward's rows: `[T, A]` aux and `[T, H]` final (batch of one)."""
-        aux = torch.cat([o[0] for o in self.outs], dim=-1)
-        final = self.norm_out[0] if self.final else None
+    def take_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This forward's rows: `[B, T, A]` aux and `[B, T, H]` final."""
+        aux = torch.cat(self.outs, dim=-1)
+        final = self.norm_out if self.final else None
         self.outs = [None] * len(self.aux_layers)
         self.norm_out = None
         return aux, final
@@ -98,22 +107,32 @@ class _Rows:
 
 
 class Generator:
-    """The hf engine's model generating one request at a time on a worker thread."""
+    """The hf engine's model generating on a worker thread, in waves of up to `max_batch`
+    requests: the requests waiting when a wave starts are prefilled together (left-padded,
+    masked, position ids per row) and decoded together until every one of them is done; the
+    next wave takes what arrived meanwhile. Row `i` of every forward belongs to request `i`
+    (pad positions and rows of finished requests are never captured)."""
 
     def __init__(self, engine, sink: CaptureSink | None, *, max_new_tokens: int = 256,
-                 max_queue: int = 1024):  # fmt: skip
+                 max_queue: int = 1024, max_batch: int = 4, start: bool = True):  # fmt: skip
         self.engine, self.sink = engine, sink
         self.model, self.tokenizer = engine.model, engine.tokenizer
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.max_batch = max_new_tokens, max_batch
         self.context = engine.context_length
         self.eos = set(engine.info.eos_token_ids)
+        self.pad_id = engine.pad_id
         self.device = engine.device
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.stats: Counter = Counter()
         self._rows: _Rows | None = None
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._closing = False
         self._thread = threading.Thread(target=self._work, name="specbus-generate", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
@@ -122,16 +141,28 @@ class Generator:
 
     # -- the worker --------------------------------------------------------------------
     def _work(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
+        while not self._closing:
+            first = self.jobs.get()
+            if first is None:
                 return
+            wave = [first]
+            while len(wave) < self.max_batch:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._closing = True
+                    break
+                wave.append(job)
             try:
-                self._generate(job)
-                self._emit(job, ("done", job.finish_reason))
-            except Exception as e:  # noqa: BLE001 - answered to the user as a 500
-                log.exception("generation of %s failed", job.request_id)
-                self._emit(job, ("error", f"{type(e).__name__}: {e}"))
+                self._generate(wave)
+                for job in wave:
+                    self._emit(job, ("done", job.finish_reason))
+            except Exception as e:  # noqa: BLE001 - answered to the users as a 500
+                log.exception("generation of %s failed", [j.request_id for j in wave])
+                for job in wave:
+                    self._emit(job, ("error", f"{type(e).__name__}: {e}"))
 
     def _emit(self, job: Job, event) -> None:
         if job.loop is not None and not job.loop.is_closed():
@@ -161,54 +192,80 @@ class Generator:
         return int(torch.multinomial(probs, 1, generator=gen))
 
     @torch.no_grad()
-    def _generate(self, job: Job) -> None:
+    def _generate(self, wave: list[Job]) -> None:
         from transformers import DynamicCache
 
-        sample_id = self.sink.wants(job.request_id) if self.sink is not None else None
-        rows = self._hooks() if sample_id is not None else None
-        aux_chunks: list[torch.Tensor] = []
-        final_chunks: list[torch.Tensor] = []
-        gen = None
-        if job.temperature > 0:
-            gen = torch.Generator().manual_seed(
-                job.seed if job.seed is not None else hash(job.request_id) & 0x7FFFFFFF
-            )
+        n = len(wave)
+        wanted = [self.sink.wants(j.request_id) if self.sink is not None else None for j in wave]
+        rows = self._hooks() if any(w is not None for w in wanted) else None
+        aux: list[list[torch.Tensor]] = [[] for _ in wave]
+        final: list[list[torch.Tensor]] = [[] for _ in wave]
+        gens = [
+            torch.Generator().manual_seed(j.seed if j.seed is not None else _seed_of(j.request_id))
+            if j.temperature > 0 else None
+            for j in wave
+        ]  # fmt: skip
+        longest = max(len(j.prompt_ids) for j in wave)
+        pads = [longest - len(j.prompt_ids) for j in wave]
+        ids = torch.full((n, longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, longest), dtype=torch.long)
+        for i, j in enumerate(wave):
+            ids[i, pads[i] :] = torch.tensor(j.prompt_ids, dtype=torch.long)
+            mask[i, pads[i] :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        active = [True] * n
         cache = DynamicCache()
-        ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.device)
         if rows is not None:
             rows.recording = True
         try:
-            for _ in range(job.max_tokens):
-                if job.cancelled:
-                    job.finish_reason = "cancelled"
-                    break
-                logits = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache}).logits
+            step = 0
+            while any(active):
+                kw = {} if n == 1 else {"attention_mask": mask.to(self.device),
+                                        "position_ids": positions.to(self.device)}  # fmt: skip
+                logits = self.model(input_ids=ids.to(self.device), use_cache=True,
+                                    **{self._cache_kw: cache}, **kw).logits  # fmt: skip
                 if rows is not None:
-                    aux, final = rows.take()
-                    aux_chunks.append(aux)
-                    if final is not None:
-                        final_chunks.append(final)
-                token = self._choose(logits[0, -1], job, gen)
-                job.output_ids.append(token)
-                self._emit(job, ("token", token))
-                if token in self.eos:
-                    job.finish_reason = "stop"
-                    break
-                if job.stop and self._stopped(job):
-                    job.finish_reason = "stop"
-                    break
-                ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+                    a, f = rows.take_batch()
+                    for i in range(n):
+                        if wanted[i] is not None and active[i]:
+                            skip = pads[i] if step == 0 else 0
+                            aux[i].append(a[i, skip:])
+                            if f is not None:
+                                final[i].append(f[i, skip:])
+                nxt = []
+                for i, j in enumerate(wave):
+                    if not active[i]:
+                        nxt.append(self.pad_id)
+                        continue
+                    token = self._choose(logits[i, -1], j, gens[i])
+                    j.output_ids.append(token)
+                    self._emit(j, ("token", token))
+                    nxt.append(token)
+                    if token in self.eos or (j.stop and self._stopped(j)):
+                        j.finish_reason = "stop"
+                        active[i] = False
+                    elif len(j.output_ids) >= j.max_tokens:
+                        active[i] = False
+                    elif j.cancelled:
+                        j.finish_reason = "cancelled"
+                        active[i] = False
+                ids = torch.tensor(nxt, dtype=torch.long)[:, None]
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+                positions = positions[:, -1:] + 1
+                step += 1
         finally:
             if rows is not None:
                 rows.recording = False
-        self.stats["requests"] += 1
-        self.stats["tokens"] += len(job.output_ids)
-        if sample_id is not None:
-            self.sink.submit(Capture(
-                request_id=job.request_id, prompt_ids=list(job.prompt_ids),
-                output_ids=list(job.output_ids), aux=aux_chunks, final=final_chunks,
-                sample_id=sample_id,
-            ))  # fmt: skip
+        self.stats["waves"] += 1
+        for i, j in enumerate(wave):
+            self.stats["requests"] += 1
+            self.stats["tokens"] += len(j.output_ids)
+            if wanted[i] is not None:
+                self.sink.submit(Capture(
+                    request_id=j.request_id, prompt_ids=list(j.prompt_ids),
+                    output_ids=list(j.output_ids), aux=aux[i], final=final[i],
+                    sample_id=wanted[i],
+                ))  # fmt: skip
 
     def _stopped(self, job: Job) -> bool:
         text = self.tokenizer.decode(job.output_ids, skip_special_tokens=True)
@@ -443,7 +500,19 @@ def build_app(server: Server):
         if sink is None:
             return {"capture": False, "counts": {}}
         return {"capture": True, "handshake": sink.config is not None, "idle": sink.idle(),
-                "counts": dict(sink.counts)}  # fmt: skip
+                "enabled": sink.enabled, "counts": dict(sink.counts)}  # fmt: skip
+
+    @app.post("/v1/spec-capture/sink")
+    async def sink_switch(request: Request) -> Response:
+        """Operator switch: `{"enabled": false}` serves without capturing (loopback server)."""
+        sink = server.gen.sink
+        try:
+            enabled = json.loads(await request.body())["enabled"]
+            assert isinstance(enabled, bool) and sink is not None
+        except Exception:  # noqa: BLE001
+            return error("sink", 400, 'expected {"enabled": true|false} on a capturing server')
+        sink.enabled = enabled
+        return JSONResponse({"enabled": enabled})
 
     return app
 

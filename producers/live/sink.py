@@ -88,6 +88,7 @@ class CaptureSink:
         self.handshake_retry_s, self.refresh_s = handshake_retry_s, refresh_s
         self.counts: Counter = Counter()
         self.config: CaptureConfig | None = None
+        self.enabled = True  # an operator switch (the benchmark measures capture on vs off)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._store = None
         self._open_store_fn = open_store_fn
@@ -103,6 +104,8 @@ class CaptureSink:
         return self
 
     def wants(self, request_id: str) -> str | None:
+        if not self.enabled:
+            return None
         cfg = self.config
         if cfg is None:
             self._count("no_handshake")

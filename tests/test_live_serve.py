@@ -1,0 +1,103 @@
+"""The serving server's capture rows are the driven engine's features of the same sequence.
+
+In-process: the tiny chat target behind `Generator` (KV-cache decoding, waves of several
+requests, left-padded), a stand-in sink recording what it is handed, and `HFEngine.capture` (the
+driven capture path) on `prompt + output[:-1]` as the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from specbus.core.config import TargetConfig
+from specbus.core.models.target import load_target_info
+from specbus.core.strategies.base import build_strategy
+from specbus.producers.engines.hf import HFEngine
+from specbus.producers.live.manifest import capture_config
+from specbus.producers.live.serve import Generator, Job
+from specbus.producers.live.sink import CaptureSink
+from specbus.producers.live.wire import sample_id_of
+
+from tests.fixtures.live import live_config
+
+
+class RecordingSink(CaptureSink):
+    """A sink with a known handshake whose writer only keeps what it is handed."""
+
+    def __init__(self, cfg):
+        super().__init__("http://unused", "unused", server_id="t", engine="hf")
+        self.config = cfg
+        self.handed = []
+
+    def submit(self, capture) -> bool:
+        self.handed.append(capture)
+        return True
+
+
+@pytest.fixture
+def engine(chat_target):
+    engine = HFEngine(TargetConfig(model=str(chat_target), dtype="float32", device="cpu"))
+    yield engine
+    engine.close()
+
+
+def run_jobs(generator: Generator, jobs: list[Job], start: bool = False) -> None:
+    async def go():
+        for job in jobs:
+            assert generator.submit(job)
+        if start:
+            generator.start()
+        for job in jobs:
+            while (await job.events.get())[0] != "done":
+                pass
+
+    asyncio.run(go())
+
+
+def test_wave_captures_equal_the_driven_engines_features(engine, chat_target, tmp_path):
+    cfg = live_config("serve", tmp_path, chat_target, tmp_path / "none.jsonl", store_uri="mem://x")
+    info = load_target_info(chat_target)
+    contract = build_strategy(cfg.strategy, info).feature_contract(info)
+    cap = capture_config(cfg, contract, store_uri="mem://x", store_id="x", float_dtype="float32",
+                         target_fingerprint="t", tokenizer_fingerprint="k")  # fmt: skip
+    sink = RecordingSink(cap)
+    tok = engine.tokenizer
+    prompts = ["hi", "what is the sum of 12 and 30?", "seven apples", "add"]
+    solo = Generator(engine, sink, max_new_tokens=12)
+    alone = Job(request_id="solo", prompt_ids=tok.encode(prompts[1]), max_tokens=9, temperature=0)
+    try:
+        run_jobs(solo, [alone])  # a wave of one
+    finally:
+        solo.close()
+    # all four queued before the worker starts: one wave, prompts of different lengths
+    generator = Generator(engine, sink, max_new_tokens=12, max_batch=4, start=False)
+    jobs = [Job(request_id=f"r{i}", prompt_ids=tok.encode(p), max_tokens=6 + i, temperature=0)
+            for i, p in enumerate(prompts)]  # fmt: skip
+    try:
+        run_jobs(generator, jobs, start=True)
+    finally:
+        generator.close()
+    assert solo.stats["waves"] == 1 and generator.stats["waves"] == 1
+    by_id = {c.request_id: c for c in sink.handed}
+    assert set(by_id) == {"solo", "r0", "r1", "r2", "r3"}
+    assert by_id["r1"].output_ids[:6] == by_id["solo"].output_ids[:6]  # batching is transparent
+    compared = 0
+    for job in [alone, *jobs]:
+        c = by_id[job.request_id]
+        assert c.sample_id == sample_id_of(job.request_id)
+        assert c.output_ids == job.output_ids and 1 <= len(c.output_ids) <= job.max_tokens
+        tensors = sink.tensors(c, cap)
+        if tensors is None:  # stopped at EOS before min_num_tokens generated rows
+            continue
+        seq = c.prompt_ids + c.output_ids[:-1]
+        assert tensors["input_ids"].tolist() == seq
+        n_prompt = len(c.prompt_ids)
+        assert tensors["loss_mask"].tolist() == [0] * n_prompt + [1] * (len(seq) - n_prompt)
+        (ref,) = engine.capture([torch.tensor(seq)], None, contract)
+        for name in ("hidden_states", "target"):
+            assert tensors[name].shape == ref[name].shape, name
+            torch.testing.assert_close(tensors[name], ref[name], atol=2e-4, rtol=1e-3)
+        compared += 1
+    assert compared >= 4
