@@ -84,12 +84,32 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 async def _serve_http(app, sock: socket.socket) -> None:
-    """uvicorn on `sock` until SIGINT/SIGTERM (uvicorn's own handlers: a graceful stop)."""
+    """uvicorn on `sock` until SIGINT/SIGTERM: a graceful stop (a second signal: at once),
+    then the caller's cleanup runs (uvicorn's own handlers would re-raise the signal after
+    its shutdown, killing the process before it)."""
+    import contextlib
+    import signal
+
     import uvicorn
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=5)  # fmt: skip
-    await uvicorn.Server(config).serve(sockets=[sock])
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext  # ours, below
+
+    def stop() -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def float_dtype(cfg: RunConfig) -> str:
