@@ -159,7 +159,7 @@ class Poster:
         from specbus.producers.live.sink import CaptureSink
 
         self.sink = CaptureSink(intake_url, token, server_id="bench", engine="hf")
-        assert self.sink._handshake(), "handshake with the intake failed"
+        assert self.sink.handshake(), "handshake with the intake failed"
         cap = self.sink.config
         import torch
 
@@ -182,7 +182,7 @@ class Poster:
         rid = uuid.uuid4().hex
         c = Capture(request_id=rid, sample_id=sample_id_of(rid), **self.capture)
         tensors = sink.tensors(c, cap)
-        specs = await asyncio.to_thread(sink._store.put, c.sample_id, tensors, 0)
+        specs = await asyncio.to_thread(sink.store.put, c.sample_id, tensors, 0)
         record = CaptureRecord(
             run_id=cap.run_id, request_id=rid, sample_id=c.sample_id, store_uri=cap.store_uri,
             features=specs, num_tokens=rows_of(tensors, cap), num_prompt_tokens=len(c.prompt_ids),
@@ -195,7 +195,7 @@ class Poster:
             self.counts["accepted"] += 1
             return
         self.counts["shed" if r.status_code == 429 else "other"] += 1
-        await asyncio.to_thread(sink._store.release, specs)
+        await asyncio.to_thread(sink.store.release, specs)
 
     async def closed_loop(self, clients: int, seconds: float) -> float:
         """Records/s accepted with `clients` POSTing back to back."""
@@ -236,6 +236,15 @@ class Poster:
         self.sink.close(timeout_s=0)
 
 
+async def undrained_bytes(cfg, bus_url: str) -> int:
+    """Tensor bytes of the refs the drains left (exact: every ref of the window is read)."""
+    from specbus.bus.connection import connect
+    from specbus.bus.lag import lag
+
+    async with await connect(cfg.bus, bus_url, name="bench-lag") as bus:
+        return (await lag(bus, cfg.run, scan=True)).bytes
+
+
 async def intake_part(args, cfg, bus_url: str, intake_url: str, token: str) -> dict:
     from specbus.core.store import open_store
 
@@ -262,6 +271,7 @@ async def intake_part(args, cfg, bus_url: str, intake_url: str, token: str) -> d
             out["store_resident_bytes_after"] = store.usage().resident_bytes
         finally:
             store.close(timeout_s=0)
+        out["undrained_ref_bytes_after"] = await undrained_bytes(cfg, bus_url)
     finally:
         await poster.close()
     return out
@@ -272,6 +282,9 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument(
+        "--device", default="auto", help="target.device of the server (auto: cuda if any)"
+    )
     p.add_argument(
         "--rounds", type=int, default=4, help="latency: rounds (each arm once per round)"
     )
@@ -295,7 +308,8 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="specbus-bench-live-"))
     run = "benchlive" + uuid.uuid4().hex[:6]
     cfg = build_config({
-        "run": run, "run_dir": str(work / "run"), "target": {"model": args.target},
+        "run": run, "run_dir": str(work / "run"),
+        "target": {"model": args.target, "device": args.device},
         "store": {"uri": f"shm://{run}", "budget_bytes": 2 << 30},
         "data": {"source": "gsm8k", "holdout": 50},
         "strategy": {"draft": {"draft_vocab_size": 8192}},
@@ -347,7 +361,9 @@ def main(argv=None) -> int:
         print(f"intake: {itk['accepted_per_s']:.0f} records/s accepted ({args.clients} clients, "
               f"{args.rows}-row captures); shed fraction at 1x capacity "
               f"{itk['at_1x']['shed_fraction']:.1%}, at 5x {itk['at_5x']['shed_fraction']:.1%}; "
-              f"store after the drains stopped: {itk['store_resident_bytes_after']} bytes resident")  # fmt: skip
+              f"store after the drains stopped: {itk['store_resident_bytes_after']} bytes resident, "
+              f"{itk['undrained_ref_bytes_after']} bytes named by undrained refs (equal: every "
+              "shed capture's keys were removed)")  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))

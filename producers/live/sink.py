@@ -143,7 +143,8 @@ class CaptureSink:
         while self._thread.is_alive() and not self._queue.empty() and time.monotonic() < deadline:
             time.sleep(0.02)
         self._stop.set()
-        self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if self._thread.ident is not None:  # started
+            self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
         while True:  # anything left was never put: nothing to remove
             try:
                 self._queue.get_nowait()
@@ -173,6 +174,15 @@ class CaptureSink:
             )
         self._client.headers["Authorization"] = f"Bearer {self.token}"
         return self._client
+
+    def handshake(self) -> bool:
+        """Fetch the handshake now (the writer thread does it by itself); True on success."""
+        return self._handshake()
+
+    @property
+    def store(self):
+        """The store handle of the handshake's `store_uri` (None before the handshake)."""
+        return self._store
 
     def _handshake(self) -> bool:
         try:
