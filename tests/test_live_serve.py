@@ -101,3 +101,76 @@ def test_wave_captures_equal_the_driven_engines_features(engine, chat_target, tm
             torch.testing.assert_close(tensors[name], ref[name], atol=2e-4, rtol=1e-3)
         compared += 1
     assert compared >= 4
+
+
+def test_openai_endpoints_with_the_real_client(engine, chat_target):
+    """`/v1/completions` and `/v1/chat/completions`, streaming or not, through AsyncOpenAI on a
+    real uvicorn server (no capture: `--no-capture`); bad requests get a 400 with a message."""
+    import threading
+
+    import httpx
+    import uvicorn
+    from openai import APIStatusError, OpenAI
+    from specbus.ops.live import bind
+    from specbus.ops.services.common import free_port
+    from specbus.producers.live.serve import Server, build_app
+
+    from tests.fixtures.live import wait_until
+
+    generator = Generator(engine, None, max_new_tokens=8, max_batch=2)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(Server(generator, "tiny")), log_level="warning",
+                                           lifespan="off"))  # fmt: skip
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[bind("127.0.0.1", port)])),
+                              daemon=True)  # fmt: skip
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _up(url), 30, "the server")
+    client = OpenAI(base_url=url + "/v1", api_key="u", max_retries=0)
+    try:
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "add 12 and 30"}], max_tokens=5,
+            temperature=0, extra_headers={"X-Request-Id": "fixed-1"},
+        )  # fmt: skip
+        assert chat.id == "chatcmpl-fixed-1" and chat.usage.completion_tokens <= 5
+        streamed = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "add 12 and 30"}], max_tokens=5,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(streamed)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == chat.choices[0].message.content  # greedy: the same answer either way
+        assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+        done = client.completions.create(
+            model="tiny", prompt="the sum of", max_tokens=4, temperature=0
+        )
+        assert done.object == "text_completion" and done.usage.prompt_tokens == len("the sum of")
+        parts = list(client.completions.create(model="tiny", prompt="the sum of", max_tokens=4,
+                                               temperature=0, stream=True))  # fmt: skip
+        assert "".join(p.choices[0].text for p in parts) == done.choices[0].text
+        ids = client.completions.create(
+            model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0.8, seed=3
+        )
+        assert ids.usage.prompt_tokens == 3
+        for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "n": 2},
+                    {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+                    {"messages": [{"role": "user", "content": "x"}], "temperature": 9}):  # fmt: skip
+            with pytest.raises(APIStatusError) as err:
+                client.chat.completions.create(model="tiny", **bad)
+            assert err.value.status_code == 400
+        assert httpx.post(url + "/v1/completions", content=b"{not json").status_code == 400
+    finally:
+        client.close()
+        server.should_exit = True
+        thread.join(10)
+        generator.close()
+
+
+def _up(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
