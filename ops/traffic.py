@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import random
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -176,7 +177,7 @@ async def run_traffic(
     api_key: str = "specbus",
     model: str | None = None,
     timeout_s: float = 600.0,
-    stop: asyncio.Event | None = None,
+    stop: asyncio.Event | threading.Event | None = None,
     on_done=None,
     request_id_prefix: str | None = None,
 ) -> TrafficReport:
