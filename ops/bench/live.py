@@ -6,8 +6,10 @@ standing in for the trainers (it acks and releases every ref at once, so nothing
 the store stays small). The traffic driver (`ops/traffic.py`, the `openai` client, Poisson
 arrivals of GSM8K questions, streaming) sends the same requests in rounds that alternate
 capture on and off on the same server (`POST /v1/spec-capture/sink`), so both arms see the
-same load from the rest of the machine. Reported per arm: TTFT and total latency p50/p99 over
-every round, and the ratios on/off (goals: p50 <= 1.05, p99 <= 1.15).
+same load from the rest of the machine (short rounds, ABBA order). Reported per arm: TTFT
+and total latency p50/p99 over every round and their ratios on/off (goals: p50 <= 1.05,
+p99 <= 1.15), and the paired estimate: the median over rounds of p50(on) / p50(off) within
+the round (robust to a machine whose load drifts between rounds).
 
 Part 2, intake throughput and shedding (same intake process): records of one real capture
 shape (SmolLM2's EAGLE3 features, `--rows` rows) are put into the store and POSTed as a sink
@@ -17,7 +19,7 @@ capacity), Poisson arrivals at 1x and 5x that rate for `--seconds` each, the int
 watermark at `--max-lag` refs: the shed fraction (429s over records), and that every shed
 capture's keys were removed (store residency = the bytes of the refs not yet drained).
 
-    python -m specbus.ops.bench.live --rounds 4 --requests 12 --out runs/bench/live.json
+    python -m specbus.ops.bench.live --rounds 12 --requests 6 --out runs/bench/live.json
 """
 
 from __future__ import annotations
@@ -113,27 +115,32 @@ async def latency_part(args, cfg, bus_url: str, serve_url: str) -> dict:
     prompts = load_prompts("gsm8k", holdout=50, limit=args.rounds * args.requests)
     drain = Drain(cfg, bus_url)
     drain_task = asyncio.create_task(drain.run())
-    arms = {
-        "on": {"ttft": [], "latency": [], "errors": 0},
-        "off": {"ttft": [], "latency": [], "errors": 0},
-    }
+    arms = {arm: {"ttft": [], "latency": [], "errors": 0} for arm in ("on", "off")}
+    paired = {"ttft": [], "latency": []}  # per round: p50 on / p50 off (the same minute's load)
     # warm-up (first requests pay for lazy initialisation), not counted
     await run_traffic(serve_url + "/v1", prompts[:2], qps=100, concurrency=1, requests=2,
                       max_tokens=args.max_tokens)  # fmt: skip
-    order = ["on", "off"]
     for r in range(args.rounds):
         batch = prompts[r * args.requests : (r + 1) * args.requests]
-        for arm in order if r % 2 == 0 else order[::-1]:
+        got = {}
+        for arm in ("on", "off") if r % 4 in (0, 3) else ("off", "on"):  # ABBA order
             await set_capture(serve_url, arm == "on")
-            rep = await run_traffic(serve_url + "/v1", batch, qps=args.qps, concurrency=args.concurrency,
-                                    requests=len(batch), max_tokens=args.max_tokens,
-                                    seed=r)  # fmt: skip
+            got[arm] = rep = await run_traffic(
+                serve_url + "/v1", batch, qps=args.qps, concurrency=args.concurrency,
+                requests=len(batch), max_tokens=args.max_tokens, seed=r,
+            )  # fmt: skip
             arms[arm]["ttft"] += rep.ttft_s
             arms[arm]["latency"] += rep.latency_s
             arms[arm]["errors"] += sum(rep.errors.values())
-            print(f"  round {r} capture {arm:<3}: TTFT p50 {percentile(rep.ttft_s, 50) * 1e3:.0f} ms, "
-                  f"latency p50 {percentile(rep.latency_s, 50) * 1e3:.0f} ms, "
-                  f"errors {sum(rep.errors.values())}", flush=True)  # fmt: skip
+        for name, attr in (("ttft", "ttft_s"), ("latency", "latency_s")):
+            ratio = percentile(getattr(got["on"], attr), 50) / percentile(
+                getattr(got["off"], attr), 50
+            )
+            paired[name].append(ratio)
+        print(f"  round {r}: TTFT p50 on {percentile(got['on'].ttft_s, 50) * 1e3:.0f} / off "
+              f"{percentile(got['off'].ttft_s, 50) * 1e3:.0f} ms, latency p50 on "
+              f"{percentile(got['on'].latency_s, 50) * 1e3:.0f} / off "
+              f"{percentile(got['off'].latency_s, 50) * 1e3:.0f} ms", flush=True)  # fmt: skip
     await set_capture(serve_url, True)
     drain.stop()
     await drain_task
@@ -147,6 +154,8 @@ async def latency_part(args, cfg, bus_url: str, serve_url: str) -> dict:
     for name in ("ttft", "latency"):
         for q in (50, 99):
             out[f"ratio_{name}_p{q}"] = out[f"on_{name}_p{q}_s"] / out[f"off_{name}_p{q}_s"]
+        out[f"paired_{name}_p50_ratios"] = paired[name]
+        out[f"paired_{name}_p50_median"] = percentile(paired[name], 50)
     out["drained_refs"] = drain.done
     return out
 
@@ -357,6 +366,9 @@ def main(argv=None) -> int:
                 print(f"  {name:<7} p{q}: on {lat[f'on_{name}_p{q}_s'] * 1e3:7.0f} ms, off "
                       f"{lat[f'off_{name}_p{q}_s'] * 1e3:7.0f} ms, ratio {lat[f'ratio_{name}_p{q}']:.3f} "
                       f"(goal <= {goal})")  # fmt: skip
+            ratios = " ".join(f"{x:.2f}" for x in lat[f"paired_{name}_p50_ratios"])
+            print(f"  {name:<7} p50 on/off per round (same minute): median "
+                  f"{lat[f'paired_{name}_p50_median']:.3f} [{ratios}]")  # fmt: skip
     if itk:
         print(f"intake: {itk['accepted_per_s']:.0f} records/s accepted ({args.clients} clients, "
               f"{args.rows}-row captures); shed fraction at 1x capacity "
