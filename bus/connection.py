@@ -1,31 +1,27 @@
 """A connection to the broker: NATS core + JetStream, with reconnect, quiet errors and auth.
 
-`await connect(cfg)` returns a `Bus`. Guarantees:
-- the first connection is tried for about `cfg.connect_timeout_s`, then `BusError`;
-- once connected, a lost broker is reconnected to forever (`cfg.max_reconnect_attempts=-1`),
-  a restarted broker is a normal event; pending publishes are buffered meanwhile (nats-py's
-  2 MiB reconnect buffer), and every bus operation rides through the outage (`bus.outage`:
-  retries with backoff, gives up with `BrokerUnavailable` after `cfg.outage_give_up_s`);
-- an outage is logged by `bus.outage` as two WARNING lines (gone, back); the connection's
-  own events (disconnected, reconnected, each failed reconnect attempt) are INFO/DEBUG;
-- other client errors are logged as one WARNING line each (repeats of the same error at
-  DEBUG), never as a traceback per reconnect attempt;
-- auth comes from the config: user/password, token, a creds file (JWT + nkey), TLS (CA, and a
-  client cert/key for mutual TLS). Secrets are never logged.
+`await connect(cfg, url, name=)` returns a `Bus`: a broker that does not answer yet is waited
+for up to `cfg.connect_give_up_s` (`BusError` after; refused credentials fail at once), then a
+lost broker is reconnected to forever; client errors are one line each; auth (user/password,
+token, creds file, TLS, mutual TLS) comes from the config (`ConfigError` for unusable
+settings). docs/bus.md, "Connection".
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
+import time
 
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.errors import AuthorizationError, NoServersError
 from nats.js import JetStreamContext
 from specbus.bus.outage import Outage, ride
 from specbus.core.config import BusConfig
-from specbus.core.errors import BusError
+from specbus.core.errors import BusError, ConfigError
 
 log = logging.getLogger("specbus.bus")
 
@@ -47,6 +43,7 @@ class Bus:
 
     @property
     def connected(self) -> bool:
+        """True while the connection to the broker is up."""
         return self.nc.is_connected
 
     @property
@@ -88,6 +85,7 @@ class _QuietErrors:
         self.name = name
         self.last = ""
         self.reconnects = 0
+        self.auth_failed = False  # the server refused the credentials
         self.bus: Bus | None = None
 
     def _away(self, e: Exception) -> bool:
@@ -101,6 +99,9 @@ class _QuietErrors:
         return bus.closing or bus.outage.active or not bus.connected
 
     async def error(self, e: Exception) -> None:
+        # nats-py reports a refused login as a plain Error('Authorization Violation')
+        refused = isinstance(e, AuthorizationError) or "authoriz" in str(e).lower()
+        self.auth_failed = self.auth_failed or refused
         line = f"{type(e).__name__}: {e}".strip()
         if line == self.last:
             level = logging.DEBUG
@@ -124,11 +125,40 @@ class _QuietErrors:
         log.info("nats[%s] reconnected", self.name)
 
 
+async def _first_connection(url: str, options: dict, quiet: _QuietErrors, give_up_s: float) -> NATS:
+    """Connect, retrying a broker that does not answer yet for up to `give_up_s` (one WARNING
+    line at the first failure, one when connected). Refused credentials and bad options fail
+    at once: retrying cannot fix them."""
+    deadline = time.monotonic() + give_up_s
+    waiting_since = None
+    while True:
+        try:
+            nc = await nats.connect(**options)
+        except Exception as e:
+            retryable = isinstance(e, (NoServersError, OSError, asyncio.TimeoutError))
+            if not retryable or quiet.auth_failed or time.monotonic() >= deadline:
+                waited = f" after {time.monotonic() - waiting_since:.0f}s" if waiting_since else ""
+                raise BusError(
+                    f"cannot connect to the broker at {url}{waited}: {type(e).__name__}: {e}"
+                ) from e
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                log.warning(
+                    "broker at %s not reachable yet (%s); retrying until %s (bus.connect_give_up_s=%g)",
+                    url, type(e).__name__, time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - time.monotonic())), give_up_s,
+                )  # fmt: skip
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            continue
+        if waiting_since is not None:
+            log.warning("connected to %s after %.1fs", url, time.monotonic() - waiting_since)
+        return nc
+
+
 def _tls_context(cfg: BusConfig) -> ssl.SSLContext | None:
     if not (cfg.tls_ca or cfg.tls_cert):
         return None
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
-        raise BusError("bus.tls_cert and bus.tls_key must be set together (mutual TLS)")
+        raise ConfigError("bus.tls_cert and bus.tls_key must be set together (mutual TLS)")
     ctx = ssl.create_default_context(
         ssl.Purpose.SERVER_AUTH, cafile=str(cfg.tls_ca) if cfg.tls_ca else None
     )
@@ -138,10 +168,11 @@ def _tls_context(cfg: BusConfig) -> ssl.SSLContext | None:
 
 
 async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus") -> Bus:
-    """Connect to `url` (default `cfg.url`). Raises `BusError` if no broker answers in time."""
+    """Connect to `url` (default `cfg.url`). Raises `BusError` if no broker answers in time,
+    `ConfigError` for a missing URL or unusable auth settings."""
     url = url or cfg.url
     if not url:
-        raise BusError("no broker URL: pass --url, set bus.url, or start one with `specbus up`")
+        raise ConfigError("no broker URL: pass --url, set bus.url, or start one with `specbus up`")
     quiet = _QuietErrors(name)
     # The first connection is bounded (a typo in the URL must fail, not hang); reconnects are not.
     initial_attempts = max(1, int(cfg.connect_timeout_s / cfg.reconnect_wait_s))
@@ -162,12 +193,9 @@ async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus")
         options["token"] = cfg.token
     if cfg.creds_file is not None:
         if not cfg.creds_file.exists():
-            raise BusError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
+            raise ConfigError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
         options["user_credentials"] = str(cfg.creds_file)
-    try:
-        nc = await nats.connect(**options)
-    except Exception as e:
-        raise BusError(f"cannot connect to the broker at {url}: {type(e).__name__}: {e}") from e
+    nc = await _first_connection(url, options, quiet, cfg.connect_give_up_s)
     # From now on a lost broker is retried per config (forever by default).
     nc.options["max_reconnect_attempts"] = cfg.max_reconnect_attempts
     return Bus(nc, cfg, url, quiet)

@@ -1,22 +1,9 @@
 """Dead letters: what the consumer groups gave up on, with the reason and the original.
 
-Two ways into the run's DEAD stream:
-- explicit: `dead_letter(...)` (what `Lease.term(reason)` and the bad-record path of
-  `Leases.fetch` call) publishes a copy of the original payload and headers to
-  `specbus.<run>.dead.<tasks|samples>` with `Specbus-Dead-Reason`, `-Detail`, `-Source-Stream`,
-  `-Source-Seq`, `-Source-Subject`, `-Deliveries`, `-Consumer` headers (dedup id
-  `dead:<stream>:<seq>`, so a retried dead-lettering is stored once), then terminates the
-  original with `+TERM <reason>`;
-- captured: the server's advisories for the run's TASKS and SAMPLES consumers land in DEAD by
-  subject: MAX_DELIVERIES (a message nobody acked within `max_deliver` deliveries) and
-  MSG_TERMINATED (a term by any client, with its reason).
-
-`list_dead` reads DEAD back as `DeadLetter`s: for an advisory the original is read from its
-source stream by sequence (None once retention removed it); a termination advisory that
-follows an explicit dead letter of the same message is folded into it (one entry per message).
-
-Both ride through broker outages (`bus.outage`): the copy is published with its dedup id
-and the termination is buffered by the client while the connection is down.
+`dead_letter(...)` copies a delivery into the run's DEAD stream (reason, detail and source in
+`Specbus-*` headers, dedup id `dead:<stream>:<seq>`) and terminates it; the server's
+max-deliveries and termination advisories land there too. `list_dead` reads DEAD back, one
+`DeadLetter` per dead message. docs/bus.md, "Dead letters".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Lag of a consumer group: what is published and not yet consumed, in messages and bytes.
 
-`messages = num_pending + num_ack_pending` of the durable consumer (not yet delivered +
-delivered and not acked), exact, from one consumer-info request. This is the backpressure
-signal: producers compare it (and the bytes) with the store budget before leasing more
-tasks, the live intake answers 429 above it.
-
-Bytes are the tensor bytes the lagging records name (`SampleRef.nbytes`, read from the
-stored payloads; no per-message header, which would cost every consumer on every message).
-Two methods, both honest about what they are:
-- "sampled" (default, cheap: one consumer info + up to `sample` direct gets issued together):
-  the mean `nbytes` of records spread evenly over the unconsumed window (ack floor .. last
-  delivered + pending) times `messages`. Exact when all refs have the same size
-  (fixed-length capture), an estimate otherwise.
-- "scan" (`scan=True`, reads every header in the window through `bus.replay`): the sum over
-  the window. Exact for the not-yet-delivered part; an upper bound for the delivered part,
-  since refs acked above the ack floor (out of order) are still counted.
-
-It rides through broker outages (`bus.outage`): a producer polling it waits for the broker
-instead of dying, until `bus.outage_give_up_s` (`BrokerUnavailable`).
+`lag(bus, run, group)`: `messages = num_pending + num_ack_pending` of the durable consumer,
+exact; `bytes` the tensor bytes the lagging records name, sampled (default: an estimate, exact
+for uniform refs) or scanned. The backpressure signal of producers and the live intake.
+docs/bus.md, "Lag".
 """
 
 from __future__ import annotations
@@ -26,16 +12,18 @@ import asyncio
 from dataclasses import asdict, dataclass
 
 import orjson
-from nats.js.errors import NotFoundError
 from specbus.bus.connection import Bus
 from specbus.bus.outage import ride
 from specbus.bus.replay import Stored, get, replay
 from specbus.bus.subjects import TRAINERS, Group, Names
-from specbus.core.errors import BusError
+from specbus.core.errors import BusNotFound
 
 
 @dataclass(frozen=True)
 class Lag:
+    """The lag of one consumer group (see the module doc); `first_unacked_seq`..`last_seq` is the
+    unconsumed window."""
+
     group: str
     pending: int  # published, not yet delivered to any member
     ack_pending: int  # delivered, not acked yet
@@ -46,6 +34,7 @@ class Lag:
     last_seq: int
 
     def as_dict(self) -> dict:
+        """A JSON-able dict of the fields."""
         return asdict(self)
 
 
@@ -68,8 +57,9 @@ async def lag(
         info = await ride(
             bus, f"reading the lag of {stream}/{group}", lambda: bus.js.consumer_info(stream, group)
         )
-    except NotFoundError as e:
-        raise BusError(f"consumer {stream}/{group} not found: is the run declared?") from e
+    except BusNotFound as e:
+        raise BusNotFound(f"consumer {stream}/{group} not found: is the run declared?",
+                          code=e.code, err_code=e.err_code, stream=stream) from e  # fmt: skip
     pending, ack_pending = info.num_pending or 0, info.num_ack_pending or 0
     messages = pending + ack_pending
     lo = (info.ack_floor.stream_seq if info.ack_floor else 0) + 1

@@ -6,27 +6,10 @@
         ...
     await group.ack_all(leases)                              # optimizer boundary: confirmed acks
 
-Guarantees (the broker's, surfaced here):
-- A fetched message is leased to this member for the consumer's `ack_wait`; unless acked,
-  nak'd, termed or kept alive (`in_progress`, `heartbeat`), it is redelivered to a member of
-  the group (maybe another one) after that. Delivery is at-least-once.
-- `fetch(n)` asks for at most the remaining ack credit: `max_ack_pending` of the consumer
-  minus the leases this member holds unsettled. With no credit left it returns `[]`
-  immediately instead of waiting out its timeout for credit only its own acks can free.
-  (Other members share the same credit; the broker never delivers beyond it.)
-- Records that fail to parse (`RecordError`: garbage bytes, another schema version, a tensor
-  inside, oversize, invalid fields) never reach the caller: they are dead-lettered with the
-  reason (`bus.dead`) and terminated, and the fetch goes on with the next messages.
-- Settling (ack / nak / term) is idempotent: the first settlement wins, later ones are no-ops.
-  `ack_all(confirm=True)` waits for the server to confirm every ack (double ack); a plain
-  `ack()` is fire-and-forget (the server may lose it if it dies within ~0.1 s; the message is
-  then redelivered, which consumers must tolerate anyway).
-- Every call rides through a broker outage (`bus.outage`): `join` and `ack_all` wait for the
-  broker, `fetch` returns `[]` after its timeout, fire-and-forget settlements and heartbeats
-  are buffered by the client and sent on reconnect; only `bus.outage_give_up_s` ends it
-  (`BrokerUnavailable`). Leases held across an outage keep their state here; one that
-  expired at the broker meanwhile is redelivered (maybe to another member), which
-  consumers tolerate like any redelivery.
+A fetched message is leased for the consumer's `ack_wait` and redelivered unless settled or
+kept alive (at-least-once); `fetch` asks for at most the member's remaining credit; records
+that fail to parse are dead-lettered, never returned; settlement is idempotent; confirmed
+acks are retried until the broker answered for each. docs/bus.md, "Leases".
 """
 
 from __future__ import annotations
@@ -39,7 +22,6 @@ from collections.abc import Iterable
 
 import orjson
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
 from opentelemetry.context import Context
 from specbus.bus import headers as H
 from specbus.bus.connection import Bus
@@ -49,7 +31,7 @@ from specbus.bus.publisher import Publisher
 from specbus.bus.pull import Puller
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Group, Names
 from specbus.core.contracts import MAX_RECORD_BYTES, PromptTask, Record, SampleRef
-from specbus.core.errors import BusError, ConfigError, RecordError
+from specbus.core.errors import BusError, BusNotFound, ConfigError, RecordError
 
 log = logging.getLogger("specbus.bus")
 
@@ -103,6 +85,7 @@ class Lease:
 
     @property
     def headers(self) -> dict[str, str]:
+        """The delivered message's headers ({} when it has none)."""
         return self.msg.headers or {}
 
     @property
@@ -232,10 +215,13 @@ class Leases:
 
     @property
     def credit(self) -> int:
+        """Deliveries this member may still ask for: `max_ack_pending` minus what it holds or has
+        buffered."""
         return max(0, self.max_ack_pending - self.outstanding)
 
     @property
     def held(self) -> frozenset[Lease]:
+        """The leases handed out and not settled yet."""
         return frozenset(self._held)
 
     def _release(self, lease: Lease) -> None:
@@ -358,6 +344,7 @@ class Leases:
         return len(todo)
 
     async def nak_all(self, leases: Iterable[Lease], delay_s: float | None = None) -> None:
+        """Nak every lease (see `Lease.nak`); already settled ones are skipped."""
         for lease in leases:
             await lease.nak(delay_s)
 
@@ -385,11 +372,12 @@ async def _consumer_info(bus: Bus, stream: str, group: str, what: str):
     """The durable consumer's info, riding through an outage; `BusError` if it does not exist."""
     try:
         return await ride(bus, what, lambda: bus.js.consumer_info(stream, group))
-    except NotFoundError as e:
-        raise BusError(
+    except BusNotFound as e:
+        raise BusNotFound(
             f"consumer {stream}/{group} not found while {what}: declare the run's topology "
-            f"first, or join again after a reposition ({e})"
-        ) from e
+            f"first, or join again after a reposition ({e})",
+            code=e.code, err_code=e.err_code, stream=stream,
+        ) from e  # fmt: skip
 
 
 class _Confirm:
@@ -405,11 +393,13 @@ class _Confirm:
     async def run(self) -> None:
         try:
             await ride(self.bus, self.what, self._attempt)
-        except NotFoundError as e:
-            raise BusError(
+        except BusNotFound as e:
+            raise BusNotFound(
                 f"{len(self.left)} acks on {self.group.stream}/{self.group.group} are void: "
-                f"the consumer is gone (deleted or repositioned) ({e})"
-            ) from e
+                f"the consumer is gone (deleted or repositioned) ({e})",
+                code=e.code, err_code=e.err_code, stream=self.group.stream,
+                seq=self.left[0].seq if self.left else None,
+            ) from e  # fmt: skip
 
     async def _attempt(self) -> None:
         nc, reconnects = self.bus.nc, self.bus.reconnects
@@ -470,10 +460,12 @@ class Heartbeat:
         self._task: asyncio.Task | None = None
 
     def add(self, leases: Iterable[Lease]) -> None:
+        """Keep these leases alive too (a heartbeat over all held leases needs no adding)."""
         if self.leases is not None:
             self.leases.extend(leases)
 
     async def beat(self) -> None:
+        """Send one `in_progress` for every unsettled lease now."""
         targets = self.group._held if self.leases is None else self.leases
         for lease in list(targets):
             await lease.in_progress()

@@ -1,33 +1,11 @@
 """Riding through broker outages: the one retry loop every bus operation goes through.
 
-A broker that is down, restarting or not answering is a normal event (DESIGN.md,
-"Ride-through"): the connection reconnects by itself (`bus.connection`), and every broker
-interaction of `bus/` goes through `ride` (requests, JetStream API calls, awaited PubAcks,
-confirmed acks) or `send` (fire-and-forget publishes: acks, naks, heartbeats). Guarantees:
-
-- A transient failure (no connection, a request timed out, no responders / JetStream
-  unavailable, the client's outbound buffer is full, `NoAnswer`) is retried with backoff:
-  0.05 s at first, doubling, capped at 1 s. While the connection is down, `ride` waits for it
-  instead of issuing requests that cannot be answered (a request buffered by the client would
-  reach the restarted broker late, and repeated). `send` hands its message to the client
-  even while disconnected: nats-py buffers it (2 MiB) and sends it after the reconnect.
-- One outage is logged as exactly two WARNING lines per connection however many operations
-  wait on it: when it begins (the connection dropped while an operation was waiting for the
-  broker, or an operation found it gone: what it was doing, that it retries, until when),
-  and when an operation gets an answer again (how long the broker was gone).
-- It ends only by the broker answering, or by `bus.outage_give_up_s` passing after the
-  outage began (the connection loss or the first failure, whichever came first): then every
-  operation that hits it raises `BrokerUnavailable` (a `BusError`) naming the broker, what it
-  was doing and for how long, with the last transport error as `__cause__`.
-- Errors that are not transient propagate at once (not found, bad request, a rejected
-  publish). A connection closed on purpose (`Bus.close`) raises `BusError`; one the client
-  closed after its reconnect attempts ran out (`bus.max_reconnect_attempts`) raises
-  `BrokerUnavailable`.
-
-An operation retried by `ride` must be safe to repeat: reads are; publishes carry their dedup
-id (`Nats-Msg-Id`), which the broker drops inside the stream's duplicate window
-(`bus.duplicate_window_s`: an outage longer than that can store a retried message twice,
-which consumers tolerate, delivery being at-least-once anyway); acks are idempotent.
+`ride(bus, what, op)` awaits a request until the broker answers: transient failures are
+retried with backoff (0.05 s doubling to 1 s, cut short by the reconnect), nothing is
+requested while the connection is down, and after `bus.outage_give_up_s` it raises
+`BrokerUnavailable`; other nats failures are raised as `BusError`s (bus/errors.py). `send`
+publishes fire-and-forget messages (acks, naks, heartbeats), buffered while disconnected.
+One outage is two WARNING lines per connection. docs/bus.md, "Ride-through".
 """
 
 from __future__ import annotations
@@ -41,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import nats.errors
 import nats.js.errors
+from specbus.bus.errors import wrap
 from specbus.core.errors import BrokerUnavailable, BusError
 
 if TYPE_CHECKING:
@@ -102,6 +81,7 @@ class Outage:
 
     @property
     def active(self) -> bool:
+        """True while an outage is in progress (the broker was seen gone and has not answered since)."""
         return self.since is not None
 
     @contextlib.contextmanager
@@ -195,7 +175,8 @@ async def ride(bus: Bus, what: str, op: Callable[[], Awaitable[T]], *, buffered:
     `what` says what is being done ("reading KV key 'x'"), for the log and the error. `op` is
     called again after a transient failure, so it must be safe to repeat (and it may keep
     state across attempts, e.g. what is left to confirm). Raises `BrokerUnavailable` after
-    `bus.outage_give_up_s`, or the first non-transient error of `op` as is.
+    `bus.outage_give_up_s`, or the first non-transient error of `op`: a nats error as the
+    `BusError` that keeps its codes (`bus.errors.wrap`), anything else as is.
 
     `buffered=True` is for an `op` that only hands messages to the client (a plain publish):
     it is tried even while the connection is down (the client buffers it), and its success
@@ -215,7 +196,10 @@ async def ride(bus: Bus, what: str, op: Callable[[], Awaitable[T]], *, buffered:
                         result = await op()
             except Exception as e:
                 if not is_transient(e):
-                    raise
+                    wrapped = wrap(e, what)
+                    if wrapped is e:
+                        raise
+                    raise wrapped from e
                 error = e
             else:
                 if not buffered:
@@ -251,13 +235,17 @@ async def send(
 ) -> None:
     """Publish one fire-and-forget message (an ack, nak, term, heartbeat). While the
     connection is down the client buffers it and sends it on reconnect; only a full buffer
-    (or a client state that refuses publishes) makes it wait, through `ride`."""
+    (or a client state that refuses publishes) makes it wait, through `ride`. Raises a
+    `BusError` (a closed connection, a bad subject), `BrokerUnavailable` after the give-up."""
     publish = bus.nc.publish
     try:  # the hot path (an ack per message) pays for no closure and no loop
         await publish(subject, payload, reply=reply, headers=headers)
         return
     except _TRANSIENT:
         pass
+    except nats.errors.Error as e:
+        _check_open(bus, what)
+        raise wrap(e, what) from e
     await ride(
         bus,
         what,

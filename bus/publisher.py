@@ -1,19 +1,10 @@
 """Publishing records to JetStream: dedup ids, trace headers, async PubAcks, safe retries.
 
-Every message carries `Nats-Msg-Id` (the record's `msg_id` unless given): a retry inside the
-stream's duplicate window is dropped by the broker and reported as `duplicate=True`. The
-current OpenTelemetry context is injected into the headers (nothing when no span is active).
-No other header rides on every message: each one costs the consumer a few microseconds.
-
-`publish_many` sends a window of messages without waiting (`bus.publish_window` PubAcks
-outstanding at most), then awaits their PubAcks; messages whose PubAck did not come within
-`ack_timeout_s`, or was lost to a reconnect, are sent again with the same id. It rides
-through broker outages (`bus.outage`): nothing is sent while the connection is down, what
-is missing is re-sent with backoff until the broker answers, so a batch is stored exactly
-once (within the stream's duplicate window) or, after `bus.outage_give_up_s`, raises
-`BrokerUnavailable`. A publish the broker rejects (no stream on the subject, a stream
-limit) raises `BusError` at once. A `RecordError` (oversize record) is raised before
-anything of the batch is sent.
+Every message carries `Nats-Msg-Id` (the record's `msg_id`): a retry inside the duplicate
+window is dropped by the broker (`Ack.duplicate`). `publish_many` sends windows of messages
+and re-sends what got no PubAck with the same ids until the broker answered: stored exactly
+once, or `BrokerUnavailable`; a refused publish raises `BusRejected` with the server's codes.
+docs/bus.md, "Publishing".
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from specbus.bus import headers as H
 from specbus.bus.connection import Bus
 from specbus.bus.outage import NoAnswer, ride
 from specbus.core.contracts import MAX_RECORD_BYTES, Record
-from specbus.core.errors import BusError, RecordError
+from specbus.core.errors import BusRejected, RecordError
 
 log = logging.getLogger("specbus.bus")
 
@@ -45,7 +36,11 @@ class Ack:
 
 
 class _Rejected(Exception):
-    """The broker answered a publish with an error (not retryable)."""
+    """The broker answered a publish with an error (not retryable): its `error` object."""
+
+    def __init__(self, description: str, code: int | None = None, err_code: int | None = None):
+        super().__init__(description)
+        self.description, self.code, self.err_code = description, code, err_code
 
 
 class _NoResponders(Exception):
@@ -72,6 +67,8 @@ def common_headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def msg_id_of(record: Record, msg_id: str | None = None) -> str:
+    """The dedup id of `record`: `msg_id` if given, else the record's own; `RecordError` when it has
+    none."""
     if msg_id is None:
         msg_id = getattr(record, "msg_id", None)
         if msg_id is None:
@@ -114,7 +111,7 @@ class Publisher:
         err = resp.get("error")
         if err:
             fut.set_exception(
-                _Rejected(f"{err.get('description', err)} (code {err.get('err_code')})")
+                _Rejected(str(err.get("description", err)), err.get("code"), err.get("err_code"))
             )
         else:
             fut.set_result(Ack(resp["stream"], resp["seq"], bool(resp.get("duplicate", False))))
@@ -169,8 +166,13 @@ class Publisher:
                     elif isinstance(fut.exception(), _NoResponders):
                         missing.append(i)
                         unserved.add(items[i][0])
-                    elif isinstance(fut.exception(), _Rejected):
-                        raise BusError(f"publish to {items[i][0]} rejected: {fut.exception()}")
+                    elif isinstance(rejected := fut.exception(), _Rejected):
+                        raise BusRejected(
+                            f"publish to {items[i][0]} rejected: {rejected.description} "
+                            f"(code {rejected.code}, err_code {rejected.err_code})",
+                            code=rejected.code, err_code=rejected.err_code,
+                            description=rejected.description,
+                        )  # fmt: skip
                     else:
                         acks[i] = fut.result()
                 self._pending = {t: f for t, f in self._pending.items() if not f.done()}
@@ -184,13 +186,14 @@ class Publisher:
         return acks  # type: ignore[return-value]
 
     async def _stream_of(self, subject: str) -> str:
-        """The stream listening on `subject`; `BusError` if none (JetStream answers this
+        """The stream listening on `subject`; `BusRejected` if none (JetStream answers this
         while a publish to it is still refused: the refusal is then transient)."""
-        try:
+        try:  # inside `publish_payloads`' ride: a transient failure retries the attempt
             return await self.bus.js.find_stream_name_by_subject(subject)
         except NotFoundError as e:
-            raise BusError(
-                f"publish to {subject} rejected: no stream listens on the subject (503 no responders)"
+            raise BusRejected(
+                f"publish to {subject} rejected: no stream listens on the subject (503 no responders)",
+                code=503,
             ) from e
 
     async def publish_many(
@@ -221,6 +224,7 @@ class Publisher:
         return (await self.publish_payloads([item]))[0]
 
     async def close(self) -> None:
+        """Unsubscribe from the PubAck inbox; PubAcks still in flight are dropped."""
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None

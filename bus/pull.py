@@ -1,31 +1,10 @@
 """The JetStream pull protocol, done cheaply: one inbox, one request per fetch, no task per message.
 
-nats-py's `PullSubscription.fetch` waits for each message with its own task and timer, which
-costs more than the message itself at thousands of messages per second. `Puller` subscribes
-once to `<inbox>.*`, names every pull request `<inbox>.<n>`, and collects deliveries in a
-deque fed by the subscription callback; a fetch only sleeps when nothing is buffered.
-
-A fetch of n takes what is already buffered (deliveries that arrived after an earlier fetch
-returned: they are leased to this member, so they are handed out, never dropped), then sends
-one request `{"batch": rest, "no_wait": true, "expires": timeout}`. The server (2.10+, checked
-against 2.15) answers it as follows:
-- messages available: delivers up to `rest` at once, then "404 No Messages" if it ran out;
-- nothing available: waits up to `expires` and ends the request right after the first
-  delivery ("404") or at expiry ("408");
-- the consumer's `max_ack_pending` is reached (other members hold the credit): delivers as
-  acks free credit until `expires`. Here the fetch returns once deliveries pause for
-  `linger_s`, and later deliveries of that request wait in the buffer for the next fetch.
-So a fetch returns as soon as something is available and never outlives its timeout; a
-request never outlives its `expires` (a `no_wait` request *without* `expires` would stay
-parked on the server while credit is exhausted, so every waiting request carries one).
-
-During a broker outage a fetch sends nothing (a request buffered by the client would reach
-the restarted broker late, and one per fetch would pile up): it waits for the connection
-until its timeout and returns what is buffered. "503 No Responders" (JetStream not loaded
-yet, or no such consumer) ends a fetch like a status, but it is no answer about the
-consumer: whether the server answered the last fetch (`answered`: a delivery or a status)
-and whether it said 503 (`unavailable`) is left to the caller (`Leases.fetch`, `replay`),
-which tells an outage from an empty stream and paces its retries.
+`Puller` subscribes once to `<inbox>.*`, names every pull request `<inbox>.<n>` (`no_wait`,
+with `expires`) and collects deliveries in a deque; a fetch returns as soon as something is
+available and never outlives its timeout. Deliveries that land after a fetch returned are
+handed out by the next one. During an outage it sends nothing; whether the server answered
+(`answered`) or said 503 (`unavailable`) is the caller's to interpret. docs/bus.md, "Leases".
 """
 
 from __future__ import annotations
@@ -37,8 +16,8 @@ from collections import deque
 import orjson
 from nats.aio.msg import Msg
 from specbus.bus.connection import Bus
+from specbus.bus.errors import status_error, wrap
 from specbus.bus.outage import is_transient
-from specbus.core.errors import BusError
 
 _STATUS = "Status"
 _DESCRIPTION = "Description"
@@ -60,7 +39,7 @@ class Puller:
         self._sub = None
         self._rid = 0
         self._ended: int = 0  # id of the newest request the server ended with a status
-        self._error: str | None = None
+        self._error: tuple[str, str] | None = None  # (status, description) of a failed pull
         self._wakeup: asyncio.Future | None = None
         self.answered = False  # the server answered the last fetch (a delivery or a status)
         self.unavailable = False  # ... with "503 No Responders"
@@ -71,6 +50,7 @@ class Puller:
         return len(self._buffer)
 
     async def start(self) -> Puller:
+        """Subscribe to this puller's inbox (once; later calls do nothing)."""
         if self._sub is None:
             self._inbox = self.bus.nc.new_inbox()
             self._sub = await self.bus.nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
@@ -99,7 +79,7 @@ class Puller:
                 self._ended = rid
             description = headers.get(_DESCRIPTION, "")
             if status not in ("404", "408", "409", "503") or "deleted" in description.lower():
-                self._error = f"{status} {description}".strip()
+                self._error = (status, description)
         else:
             self._buffer.append(msg)
         w = self._wakeup
@@ -172,11 +152,12 @@ class Puller:
             rid = await self._request(n - len(out), remaining - _EXPIRES_MARGIN_S if wait else None)
         except Exception as e:  # lost the connection just now (full reconnect buffer)
             if not is_transient(e):
-                raise
+                raise wrap(e, f"pulling from {self.stream}/{self.consumer}") from e
             return out
         await self._wait(rid, n - len(out), deadline)
         self._take(n, out)
         if self._error:
-            error, self._error = self._error, None
-            raise BusError(f"pull from {self.stream}/{self.consumer} failed: {error}")
+            (status, description), self._error = self._error, None
+            raise status_error(f"pull from {self.stream}/{self.consumer} failed", status,
+                               description, stream=self.stream)  # fmt: skip
         return out

@@ -1,21 +1,9 @@
 """Reading a stream back, and repositioning a durable consumer (resume = replay).
 
-- `replay(bus, stream, start_seq)` iterates stored messages from `start_seq` through an
-  ephemeral, ack-less, memory-backed consumer: the durable groups ("producers", "trainers")
-  are untouched. It stops at the end of the stream as seen by the last delivery (or at
-  `end_seq`) instead of waiting for new messages.
-- `get(bus, stream, seq)` reads one message by sequence (direct get), None if it is gone.
-- `reposition(bus, run, group, start_seq)` makes a durable consumer deliver from `start_seq`:
-  it is deleted and recreated with `DeliverPolicy.BY_START_SEQUENCE`, keeping its ack_wait,
-  max_deliver and max_ack_pending. Call it while no member is working (a trainer world
-  restarting from a checkpoint): leases of the old consumer become void, acks to them are
-  ignored, and members must `Leases.join` again.
-
-All three ride through broker outages (`bus.outage`): they wait for the broker and carry on
-(`BrokerUnavailable` after `bus.outage_give_up_s`). A replay interrupted by an outage goes on
-from the sequence after the last one it yielded, through a new ephemeral consumer (the old
-one, memory-backed, does not survive a broker restart): nothing is skipped or yielded twice,
-and an outage is never mistaken for the end of the stream.
+`replay(bus, stream, start_seq)` iterates stored messages through an ephemeral, ack-less
+consumer (the durable groups are untouched) and survives an outage without skipping or
+repeating; `get`/`last` read one message; `reposition(bus, run, group, start_seq)` recreates a
+durable consumer at a sequence (its old leases become void). docs/bus.md, "Replay and resume".
 """
 
 from __future__ import annotations
@@ -32,7 +20,7 @@ from specbus.bus.outage import NoAnswer, ride
 from specbus.bus.pull import Puller
 from specbus.bus.subjects import Group, Names
 from specbus.bus.topology import consumer_config
-from specbus.core.errors import BusError
+from specbus.core.errors import BusNotFound
 
 # Headers a direct get adds; they describe the storage, not the message.
 _DIRECT_GET_HEADERS = (
@@ -113,7 +101,8 @@ class _ReplayCursor:
         try:
             await self.bus.js.add_consumer(self.stream, config)
         except NotFoundError as e:
-            raise BusError(f"cannot replay {self.stream}: no such stream") from e
+            raise BusNotFound(f"cannot replay {self.stream}: no such stream", code=404,
+                              stream=self.stream) from e  # fmt: skip
         self.name, self.puller = name, Puller(self.bus, self.stream, name)
 
     async def pull(self, batch: int) -> list:
@@ -145,12 +134,8 @@ async def get(bus: Bus, stream: str, seq: int) -> Stored | None:
         raw = await ride(
             bus, f"reading {stream} seq {seq}", lambda: bus.js.get_msg(stream, seq, direct=True)
         )
-    except NotFoundError:
+    except BusNotFound:
         return None
-    except BusError:
-        raise
-    except Exception as e:
-        raise BusError(f"cannot read {stream} seq {seq}: {e}") from e
     headers = {k: v for k, v in (raw.headers or {}).items() if k not in _DIRECT_GET_HEADERS}
     return Stored(raw.seq or seq, raw.subject or "", raw.data or b"", headers)
 
@@ -163,12 +148,8 @@ async def last(bus: Bus, stream: str, subject: str) -> Stored | None:
             f"reading the last message of {stream} on {subject}",
             lambda: bus.js.get_last_msg(stream, subject),
         )
-    except NotFoundError:
+    except BusNotFound:
         return None
-    except BusError:
-        raise
-    except Exception as e:
-        raise BusError(f"cannot read the last message of {stream} on {subject}: {e}") from e
     headers = {k: v for k, v in (raw.headers or {}).items() if k not in _DIRECT_GET_HEADERS}
     return Stored(raw.seq or 0, raw.subject or subject, raw.data or b"", headers)
 
@@ -180,18 +161,13 @@ async def reposition(bus: Bus, run: str, group: Group, start_seq: int) -> None:
     where = f"repositioning {stream}/{group} at seq {start_seq}"
     try:
         config = (await ride(bus, where, lambda: bus.js.consumer_info(stream, group))).config
-    except NotFoundError:
+    except BusNotFound:
         config = consumer_config(group, bus.cfg)
     else:
         # A retry after a lost answer finds it deleted already: that is the goal.
-        with contextlib.suppress(NotFoundError):
+        with contextlib.suppress(BusNotFound):
             await ride(bus, where, lambda: bus.js.delete_consumer(stream, group))
     config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE if start_seq > 1 else DeliverPolicy.ALL
     config.opt_start_seq = start_seq if start_seq > 1 else None
-    try:
-        # Create-or-update with the same config: a retry after a lost answer is a no-op.
-        await ride(bus, where, lambda: bus.js.add_consumer(stream, config))
-    except BusError:
-        raise
-    except Exception as e:
-        raise BusError(f"cannot reposition {stream}/{group} at seq {start_seq}: {e}") from e
+    # Create-or-update with the same config: a retry after a lost answer is a no-op.
+    await ride(bus, where, lambda: bus.js.add_consumer(stream, config))

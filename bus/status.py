@@ -10,19 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from nats.js.errors import NotFoundError
 from specbus.bus.connection import Bus
 from specbus.bus.dead import list_dead
 from specbus.bus.lag import lag
 from specbus.bus.outage import ride
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
 from specbus.bus.topology import open_kv
+from specbus.core.errors import BusNotFound
 
 
 async def _stream(bus: Bus, name: str) -> dict[str, Any] | None:
     try:
         info = await ride(bus, f"reading stream {name}", lambda: bus.js.stream_info(name))
-    except NotFoundError:
+    except BusNotFound:
         return None
     s = info.state
     return {
@@ -41,7 +41,7 @@ async def _consumer(bus: Bus, stream: str, group: str) -> dict[str, Any] | None:
         info = await ride(
             bus, f"reading consumer {stream}/{group}", lambda: bus.js.consumer_info(stream, group)
         )
-    except NotFoundError:
+    except BusNotFound:
         return None
     c = info.config
     return {
@@ -60,6 +60,8 @@ async def _consumer(bus: Bus, stream: str, group: str) -> dict[str, Any] | None:
 
 
 async def run_status(bus: Bus, run: str) -> dict[str, Any]:
+    """What `specbus status` shows for `run` as a JSON-able dict (see the module doc); pieces of a run
+    never declared are None, not errors."""
     names = Names(run)
     streams = {
         n: await _stream(bus, n)
@@ -75,7 +77,7 @@ async def run_status(bus: Bus, run: str) -> dict[str, Any]:
     if kv is not None:
         manifest = await kv.get_manifest()
         markers = {
-            "manifest": None if manifest is None else sorted(manifest),
+            "manifest": None if manifest is None else sorted(manifest.model_dump()),
             "feed_complete": await kv.feed_complete(),
             "train_complete": await kv.train_complete(),
             "checkpoint": await kv.get_checkpoint(),

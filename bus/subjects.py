@@ -37,10 +37,12 @@ class Names:
     # -- subjects
     @property
     def tasks(self) -> str:
+        """The subject of the run's PromptTasks."""
         return f"specbus.{self.run}.tasks"
 
     @property
     def samples(self) -> str:
+        """The subject of the run's SampleRefs."""
         return f"specbus.{self.run}.samples"
 
     def dead(self, kind: str) -> str:
@@ -49,23 +51,28 @@ class Names:
 
     @property
     def dead_all(self) -> str:
+        """A wildcard over the run's explicit dead-letter subjects."""
         return f"specbus.{self.run}.dead.>"
 
     # -- streams
     @property
     def tasks_stream(self) -> str:
+        """The stream of the run's tasks (TASKS)."""
         return f"SPECBUS_{self.run}_TASKS"
 
     @property
     def samples_stream(self) -> str:
+        """The stream of the run's sample refs (SAMPLES)."""
         return f"SPECBUS_{self.run}_SAMPLES"
 
     @property
     def dead_stream(self) -> str:
+        """The stream of the run's dead letters (DEAD)."""
         return f"SPECBUS_{self.run}_DEAD"
 
     @property
     def kv_bucket(self) -> str:
+        """The run's KV bucket (manifest, markers)."""
         return f"SPECBUS_{self.run}"
 
     def dead_subjects(self) -> list[str]:
@@ -86,6 +93,7 @@ class Names:
         raise ConfigError(f"consumer group {group!r} is not one of 'producers', 'trainers'")
 
     def subject_of(self, group: Group) -> str:
+        """The subject `group` consumes: producers <- tasks, trainers <- samples."""
         return (
             self.tasks
             if group == PRODUCERS

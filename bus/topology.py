@@ -1,34 +1,16 @@
 """The broker objects of a run, declared idempotently from the bus config.
 
-`await declare(bus, cfg, run)` makes sure these exist and returns a `Topology`:
-- streams TASKS, SAMPLES, DEAD: limits retention, file storage, `cfg.replicas`, a duplicate
-  window of `cfg.duplicate_window_s`, direct get allowed (replay, lag sampling, dead-letter
-  recovery read single messages); SAMPLES also ages out after `cfg.samples_max_age_s`.
-  DEAD listens on the run's explicit dead-letter subjects and on the server's max-deliveries
-  and termination advisories for TASKS and SAMPLES;
-- durable pull consumers "producers" (TASKS) and "trainers" (SAMPLES): explicit ack,
-  `ack_wait`, `max_deliver`, `max_ack_pending` from the config, deliver all;
-- the run's KV bucket (`RunKV`): manifest, feed-complete and train-complete markers,
-  checkpoint pointer.
-
-Declaring again with the same config changes nothing. With a changed config, what the server
-can change in place is updated and logged (stream: subjects, max_age, duplicate_window,
-replicas, allow_direct; consumer: ack_wait, max_deliver, max_ack_pending); what it cannot
-(storage, retention, ack policy) raises `BusError` naming the stream and field. A consumer's
-start position is never touched by `declare` (`bus.replay.reposition` owns it), so
-re-declaring after a resume keeps the resumed position.
-
-`declare`, `open_kv` and every `RunKV` read and write ride through broker outages
-(`bus.outage`): they wait for the broker and carry on, until `bus.outage_give_up_s`
-(`BrokerUnavailable`). A create whose answer was lost is found done on the retry (the
-"already exists" path compares it with the config, as for a concurrent creator).
+`await declare(bus, cfg, run)` makes sure the run's streams (TASKS, SAMPLES, DEAD), durable
+consumers ("producers", "trainers") and KV bucket exist, and returns the run's `RunBus`
+(bus/run.py). Declaring again changes nothing; what the server can change in place is
+updated and logged, what it cannot raises `BusRejected`; a consumer's start position is never
+touched. `RunKV` is the bucket's typed markers. docs/bus.md, "Topology".
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from nats.js.api import (
@@ -40,13 +22,16 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from specbus.bus.connection import Bus
 from specbus.bus.outage import ride
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
 from specbus.core.config import BusConfig
-from specbus.core.errors import BusError
+from specbus.core.contracts import Manifest
+from specbus.core.errors import BrokerUnavailable, BusError, BusNotFound, BusRejected
+
+if TYPE_CHECKING:
+    from specbus.bus.run import RunBus
 
 log = logging.getLogger("specbus.bus")
 
@@ -60,9 +45,11 @@ KEY_MANIFEST = "manifest"
 KEY_FEED_COMPLETE = "feed_complete"
 KEY_CHECKPOINT = "checkpoint"
 KEY_TRAIN_COMPLETE = "train_complete"
+KEY_RECORDING = "recording"
 
 
 def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
+    """The run's TASKS, SAMPLES and DEAD stream configs (see the module doc)."""
     common = dict(
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
@@ -83,6 +70,8 @@ def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
 
 
 def consumer_config(group: str, cfg: BusConfig) -> ConsumerConfig:
+    """The durable pull consumer `group`: explicit ack, `ack_wait`, `max_deliver`, `max_ack_pending`,
+    deliver all."""
     return ConsumerConfig(
         name=group,
         durable_name=group,
@@ -107,7 +96,7 @@ def _reconcile(what: str, have: Any, want: Any, fixed, mutable) -> dict[str, tup
     differences to `have` and return them as {field: (old, new)}."""
     for field in fixed:
         if _differs(getattr(have, field), getattr(want, field)):
-            raise BusError(
+            raise BusRejected(
                 f"{what} exists with {field}={getattr(have, field)}, the config wants "
                 f"{getattr(want, field)}; the server cannot change it in place (use another run name)"
             )
@@ -126,24 +115,29 @@ async def _ensure_stream(bus: Bus, want: StreamConfig) -> None:
     stream_info = lambda: bus.js.stream_info(want.name)  # noqa: E731
     try:
         info = await ride(bus, what, stream_info)
-    except NotFoundError:
+    except BusNotFound:
         try:
             await ride(bus, what, lambda: bus.js.add_stream(want))
             log.info("declared stream %s", want.name)
             return
-        except APIError as e:  # another process won the race: compare with what it created
+        except BrokerUnavailable:
+            raise
+        except BusError as e:  # another process won the race: compare with what it created
             try:
                 info = await ride(bus, what, stream_info)
-            except NotFoundError:
-                raise BusError(f"cannot create stream {want.name}: {e}") from e
+            except BusNotFound:
+                raise BusError(f"cannot create stream {want.name}: {e}", stream=want.name) from e
     have = info.config
     changes = _reconcile(f"stream {want.name}", have, want, _FIXED_STREAM, _MUTABLE_STREAM)
     if not changes:
         return
     try:
         await ride(bus, what, lambda: bus.js.update_stream(have))
-    except APIError as e:
-        raise BusError(f"cannot update stream {want.name} ({changes}): {e}") from e
+    except BrokerUnavailable:
+        raise
+    except BusError as e:
+        raise BusRejected(f"cannot update stream {want.name} ({changes}): {e}",
+                          code=e.code, err_code=e.err_code, stream=want.name) from e  # fmt: skip
     log.warning(
         "updated stream %s: %s",
         want.name,
@@ -155,12 +149,15 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
     what = f"declaring consumer {stream}/{want.durable_name}"
     try:
         info = await ride(bus, what, lambda: bus.js.consumer_info(stream, want.durable_name))
-    except NotFoundError:
+    except BusNotFound:
         try:
             await ride(bus, what, lambda: bus.js.add_consumer(stream, want))
             log.info("declared consumer %s on %s", want.durable_name, stream)
-        except APIError as e:
-            raise BusError(f"cannot create consumer {want.durable_name} on {stream}: {e}") from e
+        except BrokerUnavailable:
+            raise
+        except BusError as e:
+            raise BusError(f"cannot create consumer {want.durable_name} on {stream}: {e}",
+                           code=e.code, err_code=e.err_code, stream=stream) from e  # fmt: skip
         return
     have = info.config
     changes = _reconcile(
@@ -170,10 +167,13 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
         return
     try:  # create-or-update; keeps the start position
         await ride(bus, what, lambda: bus.js.add_consumer(stream, have))
-    except APIError as e:
-        raise BusError(
-            f"cannot update consumer {stream}/{want.durable_name} ({changes}): {e}"
-        ) from e
+    except BrokerUnavailable:
+        raise
+    except BusError as e:
+        raise BusRejected(
+            f"cannot update consumer {stream}/{want.durable_name} ({changes}): {e}",
+            code=e.code, err_code=e.err_code, stream=stream,
+        ) from e  # fmt: skip
     log.warning(
         "updated consumer %s/%s: %s",
         stream,
@@ -183,8 +183,9 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
 
 
 class RunKV:
-    """The run's KV bucket (JSON values): manifest, feed-complete marker (task count),
-    train-complete marker, latest checkpoint pointer.
+    """The run's KV bucket: manifest (a `Manifest` record), feed-complete marker (task count),
+    train-complete marker, latest checkpoint pointer, recording marker (`specbus capture`)
+    (JSON values).
 
     `get_*` return None when the key was never written. Every put overwrites (history 5), so
     a put retried after a lost answer writes the same value again. Reads and writes ride
@@ -196,31 +197,32 @@ class RunKV:
         self.kv = kv
         self.bus = bus
 
-    async def _put(self, key: str, value: Any) -> int:
-        data = orjson.dumps(value)
-        try:
-            return await ride(self.bus, f"writing KV key {key!r}", lambda: self.kv.put(key, data))
-        except BusError:
-            raise
-        except Exception as e:
-            raise BusError(f"cannot write KV key {key!r}: {e}") from e
+    async def _put_bytes(self, key: str, data: bytes) -> int:
+        return await ride(self.bus, f"writing KV key {key!r}", lambda: self.kv.put(key, data))
 
-    async def _get(self, key: str) -> Any:
+    async def _get_bytes(self, key: str) -> bytes | None:
         try:
             entry = await ride(self.bus, f"reading KV key {key!r}", lambda: self.kv.get(key))
-        except KeyNotFoundError:
+        except BusNotFound:
             return None
-        except BusError:
-            raise
-        except Exception as e:
-            raise BusError(f"cannot read KV key {key!r}: {e}") from e
-        return orjson.loads(entry.value) if entry.value else None
+        return entry.value or None
 
-    async def put_manifest(self, manifest: dict[str, Any]) -> int:
-        return await self._put(KEY_MANIFEST, manifest)
+    async def _put(self, key: str, value: Any) -> int:
+        return await self._put_bytes(key, orjson.dumps(value))
 
-    async def get_manifest(self) -> dict[str, Any] | None:
-        return await self._get(KEY_MANIFEST)
+    async def _get(self, key: str) -> Any:
+        data = await self._get_bytes(key)
+        return None if data is None else orjson.loads(data)
+
+    async def put_manifest(self, manifest: Manifest) -> int:
+        """Write the run's manifest (overwrites; the feeder refuses another plan before calling it)."""
+        return await self._put_bytes(KEY_MANIFEST, manifest.to_bytes())
+
+    async def get_manifest(self) -> Manifest | None:
+        """The run's manifest; None before the feeder wrote it. Raises `RecordError` for one
+        of another schema version (a run fed by another specbus)."""
+        data = await self._get_bytes(KEY_MANIFEST)
+        return None if data is None else Manifest.from_bytes(data)
 
     async def mark_feed_complete(self, task_count: int) -> int:
         """The feeder is done: `task_count` tasks were published for this run."""
@@ -239,24 +241,30 @@ class RunKV:
         """A resumed run trains again: producers must not stop on the old marker."""
         if await self.train_complete() is None:
             return
-        try:
-            await ride(
-                self.bus,
-                f"deleting KV key {KEY_TRAIN_COMPLETE!r}",
-                lambda: self.kv.delete(KEY_TRAIN_COMPLETE),
-            )
-        except BusError:
-            raise
-        except Exception as e:
-            raise BusError(f"cannot delete KV key {KEY_TRAIN_COMPLETE!r}: {e}") from e
+        await ride(
+            self.bus,
+            f"deleting KV key {KEY_TRAIN_COMPLETE!r}",
+            lambda: self.kv.delete(KEY_TRAIN_COMPLETE),
+        )
 
     async def train_complete(self) -> dict[str, Any] | None:
+        """The trainers' summary once they marked the run complete, else None."""
         return await self._get(KEY_TRAIN_COMPLETE)
 
+    async def mark_recording_complete(self, marker: dict[str, Any]) -> int:
+        """The run is a complete recording (`specbus capture`): its SAMPLES are final."""
+        return await self._put(KEY_RECORDING, marker)
+
+    async def recording(self) -> dict[str, Any] | None:
+        """The recording marker (sample count, last sequence, store, features), else None."""
+        return await self._get(KEY_RECORDING)
+
     async def put_checkpoint(self, pointer: dict[str, Any]) -> int:
+        """Point at the latest durable checkpoint."""
         return await self._put(KEY_CHECKPOINT, pointer)
 
     async def get_checkpoint(self) -> dict[str, Any] | None:
+        """The latest checkpoint pointer, None when none was written."""
         return await self._get(KEY_CHECKPOINT)
 
 
@@ -269,7 +277,7 @@ async def open_kv(
     open_bucket = lambda: bus.js.key_value(names.kv_bucket)  # noqa: E731
     try:
         return RunKV(await ride(bus, what, open_bucket), bus)
-    except (BucketNotFoundError, NotFoundError):
+    except BusNotFound:
         if not create:
             return None
     cfg = cfg or bus.cfg
@@ -283,21 +291,21 @@ async def open_kv(
     )
     try:
         return RunKV(await ride(bus, what, lambda: bus.js.create_key_value(kv_cfg)), bus)
-    except APIError as e:
+    except BrokerUnavailable:
+        raise
+    except BusError as e:
         try:  # created concurrently by another process (or by this one, the answer lost)
             return RunKV(await ride(bus, what, open_bucket), bus)
-        except NotFoundError:
+        except BusNotFound:
             raise BusError(f"cannot create KV bucket {names.kv_bucket}: {e}") from e
 
 
-@dataclass
-class Topology:
-    names: Names
-    kv: RunKV
+async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> RunBus:
+    """Declare the run's streams, consumers and KV bucket (idempotent; see module doc) and
+    return the run's facade. Raises `BusRejected` for an existing object the server cannot
+    change in place, `BrokerUnavailable` after an outage of `bus.outage_give_up_s`."""
+    from specbus.bus.run import RunBus  # it builds on lag/replay, which build on this module
 
-
-async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> Topology:
-    """Declare the run's streams, consumers and KV bucket (idempotent; see module doc)."""
     cfg = cfg or bus.cfg
     names = Names(run)
     for stream in stream_configs(names, cfg):
@@ -306,4 +314,13 @@ async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> Topology:
         await _ensure_consumer(bus, names.stream_of(group), consumer_config(group, cfg))
     kv = await open_kv(bus, run, create=True, cfg=cfg)
     assert kv is not None
-    return Topology(names, kv)
+    return RunBus(bus, names, kv)
+
+
+async def open_run(bus: Bus, run: str) -> RunBus | None:
+    """The facade of a run that exists already (its KV bucket does), without declaring
+    anything; None if there is no such run on this broker (a reader: a recording)."""
+    from specbus.bus.run import RunBus
+
+    kv = await open_kv(bus, run)
+    return None if kv is None else RunBus(bus, Names(run), kv)

@@ -1,18 +1,11 @@
 """The disaggregated source: SampleRefs leased from the trainers' group, tensors from the store.
 
-`take(n)` fetches up to `n` refs and, for each:
-- already in the model (the ledger holds it: a replay after a resume, a redelivery) -> acked
-  and released, skipped (an early skip that saves the store read; the loader's filter after
-  the lockstep gather is what guarantees exactly once);
-- of another strategy, target or tokenizer, or missing a feature the strategy needs ->
-  dead-lettered with the reason (the run goes on);
-- tensors missing or corrupt in the store (released after an earlier ack, a dead store node,
-  a failed CRC) -> a recapture: the task is read back from TASKS by the ref's `task_seq` and
-  republished with the next generation (its dedup id makes concurrent requests one), and the
-  stale ref is acked as superseded; if the task is gone too, the ref is dead-lettered;
-- otherwise returned as an `Item` with its tensors and a trace link to its capture.
-Refs retired here (superseded, dead) are reported by `drain_retired()` so the cursor can pass
-them.
+`take(n)` fetches refs and returns `Item`s with their tensors; a ref already trained is acked
+and skipped, one of another strategy/target/tokenizer is dead-lettered, one whose tensors are
+gone triggers a recapture (its task republished with the next generation, the stale ref acked
+as superseded). Retired sequences are reported by `drain_retired()`. docs/architecture.md,
+"Tensors are a cache". `LiveSource` is the same for a live run's refs (docs/live.md): the
+data never ends and a ref whose tensors are gone is dead-lettered (the capture was the data).
 """
 
 from __future__ import annotations
@@ -20,69 +13,70 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from specbus.bus.connection import Bus
-from specbus.bus.dead import dead_letter
-from specbus.bus.lag import lag
 from specbus.bus.lease import Lease, Leases
-from specbus.bus.publisher import Publisher
-from specbus.bus.replay import get as get_stored
-from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
-from specbus.bus.topology import RunKV
-from specbus.consumers.source import GroupSettlement, Item, Trained, Upstream
+from specbus.bus.run import RunBus
+from specbus.bus.settlement import LeaseSettlement
+from specbus.bus.subjects import TRAINERS
+from specbus.core.config import StoreConfig
 from specbus.core.contracts import PromptTask, SampleRef
 from specbus.core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
+from specbus.core.source import Item, Trained, Upstream
 from specbus.core.store import open_store
+from specbus.core.store.retry import while_unavailable
 from specbus.core.telemetry import extract_link
 
 log = logging.getLogger("specbus.loader")
 
 
-class BusSource(GroupSettlement):
+class BusSource(LeaseSettlement):
+    """The disaggregated `core.source.Source`: `group` is this rank's member of the run's
+    "trainers" group; refs of another strategy/target/tokenizer or missing a `features` name
+    are dead-lettered; `trained` (the loader's ledger) skips refs already in the model; `store`
+    (the run's section) opens the stores refs name and bounds the wait for an unavailable one
+    (`store.unavailable_give_up_s`, the lease kept alive meanwhile)."""
+
     def __init__(
         self,
-        bus: Bus,
-        run: str,
+        run: RunBus,
         group: Leases,
-        kv: RunKV,
         *,
         strategy: str,
         features: tuple[str, ...],
         target_fingerprint: str | None = None,
         tokenizer_fingerprint: str | None = None,
         trained: Trained | None = None,
-        open_store_fn: Callable[[str], Any] = open_store,
-        live: bool = False,
+        store: StoreConfig | None = None,
     ):
-        self.bus, self.run, self.group, self.kv = bus, run, group, kv
-        self.names = Names(run)
-        self.publisher = Publisher(bus)
+        self.runbus, self.bus, self.run, self.group = run, run.bus, run.run, group
         self.strategy, self.features = strategy, tuple(features)
         self.target_fingerprint, self.tokenizer_fingerprint = (
             target_fingerprint,
             tokenizer_fingerprint,
         )
         self.trained = trained
-        self._open_store_fn = open_store_fn
+        # refs' stores are opened with the run's store settings (crc, http token, pools)
+        self.store_cfg = store if store is not None else StoreConfig()
         self._stores: dict[str, Any] = {}
         self._retired: list[int] = []
-        self._feed_count: int | None = None
-        self.live = live  # refs from the live intake: no feed-complete, no recapture
         self.stats = {"recaptures": 0, "dead_letters": 0, "skipped": 0}
 
     # -- helpers -----------------------------------------------------------------------
+    def _open(self, uri: str):
+        return open_store(self.store_cfg.model_copy(update={"uri": uri}))
+
     def store(self, uri: str):
+        """The store a ref's `store_uri` names, opened once (training thread)."""
         if uri not in self._stores:
-            self._stores[uri] = self._open_store_fn(uri)
+            self._stores[uri] = self._open(uri)
         return self._stores[uri]
 
     async def _store(self, uri: str):
         """The store of `uri`, opened off the bus loop: opening one (a Mooncake client) can
         take seconds, during which the heartbeats of every held lease must go on."""
         if uri not in self._stores:
-            store = await asyncio.to_thread(self._open_store_fn, uri)
+            store = await asyncio.to_thread(self._open, uri)
             self._stores.setdefault(uri, store)
         return self._stores[uri]
 
@@ -102,16 +96,13 @@ class BusSource(GroupSettlement):
 
     async def _dead(self, lease: Lease, reason: str, detail: str) -> None:
         log.warning("dead-lettering sample seq %d: %s: %s", lease.seq, reason, detail)
-        await dead_letter(self.publisher, self.names, lease, reason, detail)
+        await self.runbus.dead_letter(lease, reason, detail)
         self.stats["dead_letters"] += 1
         self._retired.append(lease.seq)
 
     async def _recapture(self, lease: Lease, why: Exception) -> None:
         ref: SampleRef = lease.record
-        if self.live:  # a live capture has no task to capture again: its tensors were the data
-            await self._dead(lease, "lost", f"live capture's tensors unavailable: {why}")
-            return
-        stored = await get_stored(self.bus, self.names.tasks_stream, ref.task_seq)
+        stored = await self.runbus.task(ref.task_seq)
         if stored is None:
             await self._dead(
                 lease,
@@ -127,7 +118,7 @@ class BusSource(GroupSettlement):
             )
             return
         again = task.model_copy(update={"generation": ref.generation + 1, "source": "recapture"})
-        await self.publisher.publish(self.names.tasks, again)
+        await self.runbus.publisher.publish(self.runbus.names.tasks, again)
         log.info(
             "recapture of %s requested (g%d -> g%d): %s",
             ref.sample_id,
@@ -141,6 +132,8 @@ class BusSource(GroupSettlement):
 
     # -- Source protocol -----------------------------------------------------------------
     async def take(self, n: int, timeout_s: float) -> list[Item]:
+        """Up to `n` items with their tensors loaded (see the module doc for what is skipped,
+        dead-lettered or recaptured); [] after `timeout_s` when nothing came."""
         items: list[Item] = []
         for lease in await self.group.fetch(n, timeout_s):
             ref: SampleRef = lease.record
@@ -157,7 +150,13 @@ class BusSource(GroupSettlement):
                 continue
             try:
                 store = await self._store(ref.store_uri)
-                tensors = await asyncio.to_thread(store.get, ref, self.features)
+                # a restarting store node: wait for it, the lease kept alive (no delivery spent)
+                tensors = await while_unavailable(
+                    lambda store=store, ref=ref: store.get(ref, self.features),
+                    what=f"reading {ref.sample_id}",
+                    give_up_s=self.store_cfg.unavailable_give_up_s,
+                    keepalive=lease.in_progress,
+                )
             except (FeatureMissing, IntegrityError) as e:
                 if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
                     await lease.ack()  # trained (and released) by another rank meanwhile
@@ -165,9 +164,9 @@ class BusSource(GroupSettlement):
                 else:
                     await self._recapture(lease, e)
                 continue
-            except StoreError as e:  # store unreachable: give it back, try later
+            except StoreError as e:  # store still unreachable: give it back, try later
                 log.warning("store error on %s, nak: %s", ref.sample_id, e)
-                await lease.nak(1.0)
+                await lease.nak(5.0)
                 continue
             items.append(
                 Item(
@@ -184,34 +183,15 @@ class BusSource(GroupSettlement):
         return items
 
     async def upstream(self) -> Upstream:
-        """Done when the feed is complete, no task is pending or in work at the producers, no
-        ref is undelivered and none is buffered here. (Checked after an empty `take`: nothing
-        can come to this rank any more except a recapture, which makes the producers' lag
-        non-zero again.) `ack_pending` is the trainers' delivered-and-unacked count."""
+        """The trainers' group drained (`RunBus.drained`) and no delivery buffered here.
+        (Checked after an empty `take`: nothing can come to this rank any more except a
+        recapture, which makes the producers' lag non-zero again.)"""
         if self.group.buffered:
             return Upstream(False, waiting_for="deliveries buffered here")
-        if self.live:  # live traffic never ends: a stop, max_steps or max_minutes ends training
-            return Upstream(False, waiting_for="live traffic (captures from serving servers)")
-        if self._feed_count is None:
-            self._feed_count = await self.kv.feed_complete()
-            if self._feed_count is None:
-                return Upstream(False, waiting_for="the feeder (feed not complete)")
-        upstream = await lag(self.bus, self.run, PRODUCERS)
-        if upstream.messages:
-            idle = (
-                "; no producer is capturing: are they running?" if not upstream.ack_pending else ""
-            )
-            return Upstream(
-                False,
-                waiting_for=f"producers: {upstream.pending} tasks pending, "
-                f"{upstream.ack_pending} in capture{idle}",
-            )
-        mine = await lag(self.bus, self.run, TRAINERS)
-        if mine.pending:
-            return Upstream(False, mine.ack_pending, f"{mine.pending} refs not delivered yet")
-        return Upstream(True, mine.ack_pending)
+        return await self.runbus.drained(TRAINERS)
 
     def release(self, items: list[Item]) -> None:
+        """Free the items' tensors in their stores (after ack)."""
         for item in items:
             self.store(item.stored.store_uri).release(item.stored)
 
@@ -220,9 +200,27 @@ class BusSource(GroupSettlement):
         return next(iter(self._stores.values())).usage() if self._stores else None
 
     def drain_retired(self) -> list[int]:
+        """Sequences retired here (dead-lettered, superseded) since the last call."""
         out, self._retired = self._retired, []
         return out
 
     def close(self) -> None:
+        """Close every store opened; the leases are the loader's to give back first."""
         for store in self._stores.values():
             store.close()
+
+
+class LiveSource(BusSource):
+    """The source of a live run (`deployment.mode: live`): SampleRefs the intake published
+    from serving traffic. As `BusSource`, except that the data never ends (a stop signal,
+    `training.max_steps` or `training.max_minutes` ends training) and a ref whose tensors are
+    gone is dead-lettered `lost`: a live capture has no task to capture again."""
+
+    async def _recapture(self, lease: Lease, why: Exception) -> None:
+        await self._dead(lease, "lost", f"live capture's tensors unavailable: {why}")
+
+    async def upstream(self) -> Upstream:
+        """Never drained: more traffic can always come."""
+        if self.group.buffered:
+            return Upstream(False, waiting_for="deliveries buffered here")
+        return Upstream(False, waiting_for="live traffic (captures from serving servers)")

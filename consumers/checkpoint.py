@@ -30,6 +30,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch, python, numpy, CUDA when present)."""
     state = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -41,6 +42,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -62,6 +64,9 @@ def plan_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") 
 
 
 class CheckpointManager:
+    """Checkpoints of one run under `directory` (see the module doc); `plan` is what a resume must
+    agree with, `keep` how many to keep (latest and best always are)."""
+
     def __init__(self, directory: str | Path, plan: dict[str, Any], keep: int = 3):
         self.directory = Path(directory)
         self.plan = json.loads(json.dumps(plan, default=str))  # what meta.json will hold

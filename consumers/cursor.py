@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SamplesCursor:
+    """Progress through SAMPLES: every sequence at or below `floor` is done, and those in `done_above`
+    (the set drains into the floor as gaps fill)."""
+
     floor: int = 0
     done_above: set[int] = field(default_factory=set)
 
     def mark(self, seqs: Iterable[int]) -> None:
+        """Mark sequences done (trained or retired); idempotent."""
         for seq in seqs:
             if seq > self.floor:
                 self.done_above.add(seq)
@@ -31,6 +35,7 @@ class SamplesCursor:
         self._advance()
 
     def is_done(self, seq: int) -> bool:
+        """True when `seq` is done."""
         return seq <= self.floor or seq in self.done_above
 
     def _advance(self) -> None:
@@ -39,8 +44,10 @@ class SamplesCursor:
             self.done_above.discard(self.floor)
 
     def to_dict(self) -> dict:
+        """A JSON-able form (for the checkpoint)."""
         return {"floor": self.floor, "done_above": sorted(self.done_above)}
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplesCursor:
+        """The cursor `to_dict` wrote."""
         return cls(floor=int(d["floor"]), done_above={int(s) for s in d["done_above"]})

@@ -1,17 +1,9 @@
 """The trainer's record of what is in the model: the single truth behind exactly-once.
 
-The broker delivers at least once: a lapsed lease, a broker restart whose consumer state went
-back (nats-server persists it asynchronously), a replay after a resume or a duplicate capture
-all bring a ref again, sometimes to another rank while the first copy is still held. The
-`Ledger` decides, not the broker. It holds
-- the SAMPLES cursor (`SamplesCursor`): the stream sequence floor below which everything is
-  done, plus the done sequences above it (bounded: the set drains into the floor as gaps fill);
-- the trained sample ids (a set, for duplicates under another sequence: a recapture, a
-  second capture of a redelivered task) and the lineage (the ids in training order).
-
-The loader owns it (a `Stateful`: `state_dict()` / `load_state_dict()` go into every
-checkpoint) and filters every lockstep window against it after the gather and before the
-step, identically on every rank (`plan_round`); recording is idempotent.
+The `Ledger` holds the SAMPLES cursor (floor + done sequences above it), the trained sample
+ids and the lineage (ids in training order). The loader owns it (a `Stateful` saved in every
+checkpoint) and filters every lockstep window against it identically on every rank
+(`plan_round`); recording is idempotent. docs/architecture.md, "Exactly once into the model".
 """
 
 from __future__ import annotations
@@ -40,6 +32,9 @@ class RoundPlan:
 
 @dataclass
 class Ledger:
+    """What is in the model: the SAMPLES cursor, the trained sample ids and the lineage (see the module
+    doc). Queries are safe from the bus thread; updates belong to the training thread."""
+
     cursor: SamplesCursor = field(default_factory=SamplesCursor)
     lineage: list[str] = field(default_factory=list)
     _ids: set[str] = field(default_factory=set, repr=False)
@@ -53,6 +48,7 @@ class Ledger:
         return self.cursor.is_done(seq) or sample_id in self._ids
 
     def trained_sample(self, sample_id: str) -> bool:
+        """True when a sample with this id is in the model (whatever its sequence or generation)."""
         return sample_id in self._ids
 
     def __len__(self) -> int:
@@ -79,9 +75,11 @@ class Ledger:
 
     # -- Stateful ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's `cursor` and `lineage`."""
         return {"cursor": self.cursor.to_dict(), "lineage": list(self.lineage)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (or a checkpoint holding those keys)."""
         self.cursor = SamplesCursor.from_dict(state["cursor"])
         self.lineage = list(state["lineage"])
         self._ids = set(self.lineage)

@@ -1,20 +1,11 @@
 """The loader: leased items -> full lockstep windows, filtered against the ledger -> micro-batches.
 
-One loader per trainer rank. A prefetch task on the bus loop keeps up to
-`need * (1 + prefetch)` items leased and their tensors loaded (prefetch=0: one window), and a
-heartbeat task keeps every held lease alive while steps run. `next_window()` blocks until all
-ranks agree (consumers/lockstep.py) and returns a `Window` of exactly
-`micro_batch * accumulation` items, or None at the end of data (partial windows nak'd, never
-trained) or when asked to stop. `commit(window)` records the window in the ledger, acks its
-items, then releases their tensors.
-
-Exactly once is decided here, not by the broker. The loader owns the `Ledger`
-(consumers/ledger.py, a `Stateful` that goes into every checkpoint). Before each step the
-ranks gather their candidate windows and filter them identically (`plan_round`): an item the
-ledger holds is acked and released, never trained (a redelivery after a lapsed lease or a
-broker restart, a replay after a resume, a second capture of one task); an item duplicating
-another rank's candidate is parked until the commit; the step runs only when every rank still
-has a full window. The source's early skip (`Trained.contains` at take time) only saves work.
+One loader per trainer rank. On the bus loop it prefetches `need * (1 + prefetch)` items and
+heartbeats their leases; `next_window()` returns a `Window` of exactly `micro_batch *
+accumulation` items once every rank holds one (consumers/lockstep.py), after gathering the
+candidates and filtering them against the ledger (`plan_round`), or None at the end of the data
+or on a stop; `commit(window)` records, acks, then releases. It owns the `Ledger` (a
+`Stateful`). docs/architecture.md, "Exactly once into the model" and "Lockstep".
 """
 
 from __future__ import annotations
@@ -31,14 +22,17 @@ from typing import Any
 from specbus.consumers.ledger import Key, Ledger, plan_round
 from specbus.consumers.lockstep import Decision, Status, agree, gather_objects, rank
 from specbus.consumers.loop_thread import LoopThread
-from specbus.consumers.source import Item, Source, Upstream
 from specbus.core.errors import BrokerUnavailable, BusError
+from specbus.core.source import Item, Source, Upstream
 
 log = logging.getLogger("specbus.loader")
 
 
 @dataclass
 class Window:
+    """One optimizer step's data on this rank: its items, their collated micro-batches, every rank's
+    keys of the step (recorded at commit) and how long the rank waited for it."""
+
     items: list[Item]
     micro_batches: list[Any]
     keys: list[Key] = field(default_factory=list)  # every rank's items of this step
@@ -50,6 +44,11 @@ class Window:
 
 
 class Loader:
+    """One trainer rank's loader over `source` (see the module doc): windows of `micro_batch *
+    accumulation` items, `prefetch` windows ahead (0: one window in flight), heartbeats every
+    `heartbeat_s`; `stop_after_s` ends the data after that long; `stop` (set by a signal) stops
+    every rank at the next step."""
+
     def __init__(
         self,
         source: Source,
@@ -92,9 +91,11 @@ class Loader:
 
     # -- Stateful: the ledger is the loader's position in the data ---------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The ledger's state: the loader's position in the data (a `Stateful`)."""
         return self.ledger.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the ledger from a checkpoint."""
         self.ledger.load_state_dict(state)
 
     # -- bus-loop side ---------------------------------------------------------------

@@ -1,19 +1,10 @@
-"""Lockstep agreement between data-parallel ranks.
+"""Lockstep agreement between data-parallel ranks: one decision per step, the same on every rank.
 
-Every optimizer step consumes exactly `world * micro_batch * accumulation` samples and every
-rank runs the same number of micro-steps, so collectives never mismatch. Before each step the
-ranks exchange one small status each and all take the same decision:
-
-- TRAIN when every rank holds a full window;
-- REBALANCE when the data is over for every rank that is not full, but together the ranks
-  hold enough for one more step (prefetch left them uneven): each rank gives back what it
-  holds beyond one window (nak), stops prefetching, and the starved ranks lease it;
-- END when no rank can complete its window and every rank sees the end of data (then the
-  partial windows are nak'd, not trained), and every message the broker counts as delivered
-  and unacked on the ranks' group is held by some rank (a lost ack or a dead member's lease
-  comes back after `ack_wait`: the data is not over before it does);
-- STOP when any rank was asked to stop (SIGINT/SIGTERM): every rank stops at the same step;
-- WAIT otherwise (keep filling, keep the leases alive).
+Before each step the ranks exchange a status (FULL / WAITING / ENDED / STOPPING), how many
+items they hold, their view of the broker's unacked count and their unsettled leases, and all
+take the same `Decision` (`decide`): TRAIN, WAIT, REBALANCE (uneven ranks at the end give back
+their surplus), END, or STOP. The exchange runs on a gloo control group. docs/architecture.md,
+"Lockstep".
 """
 
 from __future__ import annotations
@@ -27,6 +18,8 @@ import torch.distributed as dist
 
 
 class Status(enum.IntEnum):
+    """What one rank reports before a step."""
+
     ENDED = 0  # window not full and the data is over (as this rank sees it)
     WAITING = 1  # window not full, more may come
     FULL = 2
@@ -34,6 +27,8 @@ class Status(enum.IntEnum):
 
 
 class Decision(enum.Enum):
+    """What every rank does next, the same on all of them."""
+
     TRAIN = "train"
     WAIT = "wait"
     REBALANCE = "rebalance"
@@ -77,6 +72,7 @@ def decide(
 
 
 def distributed() -> bool:
+    """True in a process group of more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -131,6 +127,7 @@ def agree(
 
 
 def rank() -> int:
+    """This process's rank (0 when not distributed)."""
     return dist.get_rank() if distributed() else 0
 
 

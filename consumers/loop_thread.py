@@ -16,6 +16,8 @@ T = TypeVar("T")
 
 
 class LoopThread:
+    """An asyncio loop on a daemon thread (see the module doc)."""
+
     def __init__(self, name: str = "specbus-bus"):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -26,12 +28,16 @@ class LoopThread:
         self.loop.run_forever()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop; its future."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and wait for its result (its exception re-raised); `timeout` in
+        seconds."""
         return self.submit(coro).result(timeout)
 
     def close(self) -> None:
+        """Cancel what still runs on the loop (bounded to 10 s), stop it and join the thread."""
         if not self.loop.is_running():
             return
 

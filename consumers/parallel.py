@@ -58,6 +58,7 @@ def broadcast_parameters(module: torch.nn.Module) -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """True for a model wrapped by `shard` (FSDP2)."""
     return isinstance(model, FSDPModule)
 
 

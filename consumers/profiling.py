@@ -34,6 +34,8 @@ def collective_counts(events) -> dict[str, int]:
 
 @contextlib.contextmanager
 def profiled_step(directory: Path, step: int, rank: int) -> Iterator[None]:
+    """Profile the enclosed optimizer step on this rank: its collectives (counts by name) to
+    `<dir>/step<N>-rank<r>.json`, the op table to `.txt`."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]

@@ -1,18 +1,10 @@
-"""The trainer loop: lockstep windows -> accumulation -> optimizer step -> ack -> release.
+"""The trainer loop: lockstep windows -> accumulation -> optimizer step -> commit.
 
-One `Trainer` per rank. Every optimizer step consumes one window of exactly
-`micro_batch * accumulation` items per rank (consumers/loader.py); gradient accumulation runs
-the micro-steps locally and averages gradients across ranks in one all-reduce per optimizer
-step (consumers/parallel.py). Only after `optimizer.step()` is the window recorded in the
-loader's ledger and its items acked (then their tensors released), so a kill at any point
-loses nothing: unacked items are redelivered, and the ledger (in every checkpoint) makes a
-redelivered or replayed item a no-op.
-
-Stopping: `stop` (set by SIGINT/SIGTERM, see consumers/shutdown.py) ends the loop at the next
-step boundary on every rank (lockstep STOP), then the leases are given back and a checkpoint
-is saved at the last optimizer step. If the loop fails instead (a peer rank died and a
-collective raised, the broker was given up on), rank 0 still saves that checkpoint when it can
-do so alone (the draft replicated, not sharded), then the error propagates.
+One `Trainer` per rank, built from its parts (`TrainParts`), its loader and `cfg.training`.
+Each step trains one window of the loader, runs one gradient collective, steps, then commits
+the window (ledger, ack, release); checkpoints hold the model, optimizer and the loader's
+ledger. On a stop it saves the last step; after a failure rank 0 saves it when it can alone.
+The semantics (exactly once, stop and failure): docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -30,9 +22,10 @@ from typing import Any
 import torch
 from specbus.consumers.checkpoint import CheckpointManager, rng_state, set_rng_state
 from specbus.consumers.loader import Loader, Window
-from specbus.consumers.lockstep import control_group, distributed
+from specbus.consumers.lockstep import control_group, distributed, rank
 from specbus.consumers.parallel import average_gradients, full_state, is_sharded, load_full_state
 from specbus.consumers.profiling import profiled_step
+from specbus.core.config import TrainingConfig
 from specbus.core.strategies.base import StepContext, Strategy
 from specbus.core.telemetry import tracer
 from specbus.core.training import train_step
@@ -49,7 +42,33 @@ class TrainState:
 
 
 @dataclass
+class TrainParts:
+    """What a trainer steps: the draft (wrapped for data parallelism), its strategy, optimizer
+    and schedule, the device, and the autocast dtype (None: full precision)."""
+
+    model: torch.nn.Module
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    device: torch.device
+    autocast_dtype: torch.dtype | None = None
+
+
+@dataclass
+class TrainerHooks:
+    """What a trainer reports to: `on_log(row)` on rank 0 per log interval, `lag()` (the
+    trainers' lag for a row, or None), `profile_dir` (for `training.profile_step`)."""
+
+    on_log: Callable[[dict[str, float]], None] | None = None
+    lag: Callable[[], Any] | None = None
+    profile_dir: Path | None = None
+
+
+@dataclass
 class TrainResult:
+    """How `Trainer.fit` ended: steps and samples trained, the lineage (sample ids in training
+    order), the metric history, the last checkpoint, and whether a stop request ended it."""
+
     steps: int
     samples: int
     lineage: list[str]
@@ -63,48 +82,33 @@ def _scalar(v: Any) -> float:
 
 
 class Trainer:
+    """One rank's training loop (see the module doc). `fit()` runs it to the end of the data,
+    `cfg.max_steps` or a stop; `total_steps` is the schedule's length (for objectives that
+    depend on it); `checkpoints` None trains without saving; `state` is a resumed one."""
+
     def __init__(
         self,
-        *,
-        model: torch.nn.Module,
-        strategy: Strategy,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        parts: TrainParts,
         loader: Loader,
-        checkpoints: CheckpointManager | None,
-        state: TrainState,
+        cfg: TrainingConfig,
+        *,
         total_steps: int,
-        grad_clip: float,
-        max_steps: int | None = None,
-        checkpoint_every: int = 100,
-        log_every: int = 10,
-        rank: int = 0,
-        on_log: Callable[[dict[str, float]], None] | None = None,
-        lag: Callable[[], Any] | None = None,
-        device: torch.device | str = "cpu",
-        autocast_dtype: torch.dtype | None = None,
-        profile_step: int | None = None,
-        profile_dir: Path | None = None,
+        checkpoints: CheckpointManager | None = None,
+        state: TrainState | None = None,
+        hooks: TrainerHooks | None = None,
     ):
-        self.model, self.strategy, self.optimizer, self.scheduler = (
-            model,
-            strategy,
-            optimizer,
-            scheduler,
-        )
-        self.loader, self.checkpoints, self.state = loader, checkpoints, state
-        self.total_steps, self.grad_clip, self.max_steps = total_steps, grad_clip, max_steps
-        self.checkpoint_every, self.log_every, self.rank = checkpoint_every, log_every, rank
-        self.on_log, self.lag = on_log, lag
-        self.device = torch.device(device)
-        self.autocast_dtype = autocast_dtype
-        self.sharded = is_sharded(model)
-        self.profile_step, self.profile_dir = profile_step, profile_dir
+        self.parts, self.model, self.strategy = parts, parts.model, parts.strategy
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.loader, self.cfg, self.total_steps = loader, cfg, total_steps
+        self.checkpoints, self.state = checkpoints, state if state is not None else TrainState()
+        self.hooks = hooks if hooks is not None else TrainerHooks()
+        self.rank = rank()
+        self.sharded = is_sharded(self.model)
         self._tracer = tracer("specbus.trainer")
         self._window_metrics: dict[str, list[float]] = defaultdict(list)
         self._interval = self._new_interval()
         self._last_checkpoint: str | None = None
-        self._last_checkpoint_step = state.step
+        self._last_checkpoint_step = self.state.step
 
     @staticmethod
     def _new_interval() -> dict[str, float]:
@@ -120,6 +124,7 @@ class Trainer:
 
     @property
     def samples(self) -> int:
+        """Samples in the model (the ledger's lineage)."""
         return len(self.loader.ledger)
 
     # -- state -------------------------------------------------------------------------
@@ -139,32 +144,36 @@ class Trainer:
         }
 
     @staticmethod
-    def restore(model: torch.nn.Module, optimizer, scheduler, saved: dict[str, Any]) -> TrainState:
+    def restore(parts: TrainParts, saved: dict[str, Any]) -> TrainState:
         """Load model, optimizer, scheduler and RNG from a checkpoint; the ledger part
         (`cursor`, `lineage`) is the loader's (`Loader.load_state_dict(saved)`)."""
-        load_full_state(model, optimizer, saved["model"], saved["optimizer"])
-        if scheduler is not None and saved.get("scheduler") is not None:
-            scheduler.load_state_dict(saved["scheduler"])
+        load_full_state(parts.model, parts.optimizer, saved["model"], saved["optimizer"])
+        if parts.scheduler is not None and saved.get("scheduler") is not None:
+            parts.scheduler.load_state_dict(saved["scheduler"])
         set_rng_state(saved["rng"])
         return TrainState(step=saved["step"], history=list(saved.get("history", [])))
 
     # -- loop --------------------------------------------------------------------------
     def fit(self) -> TrainResult:
+        """Train until the loader's data ends, `max_steps`, or a stop (see the module doc).
+        Raises what failed (a collective, `BrokerUnavailable`) after the failure save, unless
+        a stop had been asked for (then returns with `stopped`)."""
+        cfg, profile_dir = self.cfg, self.hooks.profile_dir
         try:
-            while self.max_steps is None or self.state.step < self.max_steps:
+            while cfg.max_steps is None or self.state.step < cfg.max_steps:
                 window = self.loader.next_window()
                 if window is None:
                     break
-                profiled = self.state.step == self.profile_step and self.profile_dir is not None
+                profiled = self.state.step == cfg.profile_step and profile_dir is not None
                 with (
-                    profiled_step(self.profile_dir, self.state.step, self.rank)
+                    profiled_step(profile_dir, self.state.step, self.rank)
                     if profiled
                     else contextlib.nullcontext()
                 ):
                     self._step(window)
-                if self.state.step % self.log_every == 0:
+                if self.state.step % cfg.log_every == 0:
                     self._log()
-                if self.checkpoints is not None and self.state.step % self.checkpoint_every == 0:
+                if self.checkpoints is not None and self.state.step % cfg.checkpoint_every == 0:
                     self.save()
         except BaseException as e:
             # The model and the ledger are at the last optimizer step (a failed step never
@@ -201,10 +210,11 @@ class Trainer:
         with self._tracer.start_as_current_span("train_step", links=links) as span:
             span.set_attribute("specbus.step", self.state.step)
             span.set_attribute("specbus.samples", len(window.items))
-            batches = [batch.to(self.device, non_blocking=True) for batch in window.micro_batches]
+            device = self.parts.device
+            batches = [batch.to(device, non_blocking=True) for batch in window.micro_batches]
             result = train_step(
                 self.strategy, self.model, batches, self.optimizer, self.scheduler,
-                grad_clip=self.grad_clip, step=ctx, autocast_dtype=self.autocast_dtype,
+                grad_clip=self.cfg.grad_clip, step=ctx, autocast_dtype=self.parts.autocast_dtype,
                 # the step's one all-reduce (ddp); FSDP reduce-scatters inside the backward
                 reduce_gradients=None if self.sharded else average_gradients,
             )  # fmt: skip
@@ -236,8 +246,8 @@ class Trainer:
         row["redeliveries"] = float(self.loader.stats["redeliveries"])
         row["duplicates"] = float(self.loader.stats["duplicates"])
         row.update({k: float(v) for k, v in self.loader.source.stats.items()})
-        if self.lag is not None:
-            lag = self.lag()
+        if self.hooks.lag is not None:
+            lag = self.hooks.lag()
             row["lag_refs"] = float(lag.messages)
             row["lag_bytes"] = float(lag.bytes)
         usage = self.loader.source.usage()
@@ -247,8 +257,8 @@ class Trainer:
         if torch.cuda.is_available():
             row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.state.history.append(row)
-        if self.on_log is not None and self.rank == 0:
-            self.on_log(row)
+        if self.hooks.on_log is not None and self.rank == 0:
+            self.hooks.on_log(row)
         self._window_metrics.clear()
         self._interval = self._new_interval()
 

@@ -1,8 +1,11 @@
 """The run configuration: one YAML file, validated by pydantic, with dotted overrides.
 
-Every section is a strict model (`extra="forbid"`): a typo fails at start with a message that
-names the key and the value. `load_config(path, ["training.lr=2e-4"])` is the only entry point
-the CLI uses; components take their own section (`build(cfg.store)`), never the whole tree.
+The config is the composition tree: every section is a strict model (`extra="forbid"`: a typo
+fails at load, naming the key and the value) and components take their own section
+(`cfg.store.build()`, `build_engine(cfg.target)`, `Trainer(..., cfg.training)`). A name that
+chooses a component (`deployment.mode`, `target.engine`, `strategy.name`, the `store.uri`
+scheme) must be built (`core.registry`); cross-field rules are validators of `RunConfig`.
+`load_config(path, ["training.lr=2e-4"])` is the CLI's entry point.
 """
 
 from __future__ import annotations
@@ -12,13 +15,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from specbus.core.errors import ConfigError
+from specbus.core.registry import ENGINES, MODES, STORES, STRATEGIES
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class Section(BaseModel):
+    """A config section: strict (`extra="forbid"`: a typo is an error) and validated on assignment."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -41,7 +54,7 @@ class BusConfig(Section):
     max_deliver: int = Field(5, ge=1)
     max_ack_pending: int = Field(256, ge=1)
     duplicate_window_s: float = Field(120.0, gt=0)
-    samples_max_age_s: float = Field(7 * 24 * 3600.0, gt=0)
+    samples_max_age_s: float = Field(7 * 24 * 3600.0, ge=0)  # 0: kept (recordings)
     nak_delay_s: float = Field(1.0, ge=0)
     heartbeat_s: float = Field(10.0, gt=0)
     fetch_timeout_s: float = Field(1.0, gt=0)
@@ -49,9 +62,16 @@ class BusConfig(Section):
     # A broker outage is ridden through (retries with backoff); this long after it began,
     # every bus operation raises BrokerUnavailable instead (bus/outage.py).
     outage_give_up_s: float = Field(900.0, gt=0)
+    # A process started while the broker is down (a restart during an outage, a broker that
+    # comes up after its clients) waits this long for the first connection; a wrong URL
+    # fails after it, saying so from the first failed attempt. Auth errors fail at once.
+    connect_give_up_s: float = Field(120.0, gt=0)
 
 
 class MooncakeConfig(Section):
+    """How a process reaches the Mooncake cluster of a `mooncake://` store, and how releases refused
+    under a read lease are retried."""
+
     master: str = "127.0.0.1:50051"
     metadata: str = "P2P"  # "P2P" handshake, or http://127.0.0.1:port/metadata
     protocol: Literal["tcp", "rdma"] = "tcp"
@@ -68,8 +88,22 @@ class MooncakeConfig(Section):
     usage_refresh_s: float = Field(0.25, ge=0)  # budget checks reuse the master's count this long
 
 
+class HttpStoreConfig(Section):
+    """`http://` (W3'): each producer serves the features it holds; trainers fetch them."""
+
+    local: str = "mem://"  # producer: the store behind its feature server (in its process)
+    token: str | None = None  # bearer token of producers and trainers; None: $SPECBUS_STORE_TOKEN
+    advertise: str | None = None  # producer: the host its refs name; None: the bind host
+    connect_timeout_s: float = Field(2.0, gt=0)
+    read_timeout_s: float = Field(30.0, gt=0)
+    connections: int = Field(16, ge=1)  # trainer: pooled connections per producer
+    sweep_every_s: float = Field(2.0, gt=0)  # producer: release what the trainers acked
+
+
 class StoreConfig(Section):
-    """The feature store: `mem://`, `shm://[dir]` or `mooncake://<store_id>`."""
+    """The feature store: `mem://`, `shm://[dir]`, `mooncake://<store_id>`, `file:///dir` or
+    `http://host:port` (a producer's bind address; refs name `http://host:port/<store_id>`);
+    a scheme of `core.registry.STORES`."""
 
     uri: str = "shm://"
     budget_bytes: int = Field(4 << 30, gt=0)
@@ -81,10 +115,32 @@ class StoreConfig(Section):
     pool_bytes: int = Field(256 << 20, ge=0)  # shm: pre-faulted receive pool per process (0: none)
     keep_on_close: bool = False  # shm: keep the store when its last process closes it
     recycle_bytes: int = Field(256 << 20, ge=0)  # shm: released files kept for reuse (0: none)
+    http: HttpStoreConfig = HttpStoreConfig()
+    # A store that is unavailable (a restarting store node) is waited for this long, the
+    # work's lease kept alive, before the work is given back.
+    unavailable_give_up_s: float = Field(300.0, gt=0)
+
+    @field_validator("uri")
+    @classmethod
+    def _built_scheme(cls, uri: str) -> str:
+        scheme, sep, _ = uri.partition("://")
+        if not sep:
+            raise ValueError(f"store.uri {uri!r} must look like scheme://...")
+        STORES.check(scheme)
+        return uri
+
+    def build(self, **overrides: Any):
+        """Open the store this section names (`core.store.open_store`; `overrides` replace
+        fields for this handle). Raises `ConfigError`, `StoreUnavailable`."""
+        from specbus.core.store import open_store
+
+        return open_store(self, **overrides)
 
 
 class TargetConfig(Section):
-    engine: Literal["hf", "sglang", "sglang_server"] = "hf"
+    """The frozen target and the engine that runs it (`producers.engines.build_engine`)."""
+
+    engine: str = "hf"  # a name of core.registry.ENGINES
     model: str = "smollm2-135m-instruct"  # the embedded default, or a local HF directory
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = (
         "auto"  # auto: bf16 on GPU, fp32 on CPU
@@ -101,8 +157,15 @@ class TargetConfig(Section):
         None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache/specbus
     )
 
+    @field_validator("engine")
+    @classmethod
+    def _built_engine(cls, name: str) -> str:
+        return ENGINES.check(name)
+
 
 class DraftConfig(Section):
+    """The draft's architecture (a name of `core.models.registry`) and its widths; None: the target's."""
+
     architecture: str = "llama_eagle3"
     num_layers: int = Field(1, ge=1)
     hidden_size: int | None = None  # None: the target's
@@ -134,7 +197,8 @@ class DSparkConfig(Section):
 
 
 class StrategyConfig(Section):
-    # A registered strategy (core.strategies): eagle3, dflash, domino, dspark; checked when built.
+    """The training algorithm (a name of `core.registry.STRATEGIES`) and its draft."""
+
     name: str = Field("eagle3", pattern=r"^[a-z0-9_]+$")
     ttt_length: int = Field(7, ge=1)
     step_weight: float = Field(0.8, gt=0)
@@ -150,8 +214,23 @@ class StrategyConfig(Section):
     domino: DominoConfig = DominoConfig()
     dspark: DSparkConfig = DSparkConfig()
 
+    @field_validator("name")
+    @classmethod
+    def _built_strategy(cls, name: str) -> str:
+        return STRATEGIES.check(name)
+
+    def build(self, target, *, heads=None, aux_layers: list[int] | None = None):
+        """The strategy for `target` (a `TargetInfo`; `heads` for `build_model` and losses
+        that recompute the teacher; `aux_layers` overrides its default capture layers)."""
+        from specbus.core.strategies.base import build_strategy
+
+        return build_strategy(self, target, heads=heads, aux_layers=aux_layers)
+
 
 class DataConfig(Section):
+    """The training data: a source (gsm8k, chatterbot or a JSONL path), how it is tokenised, split and
+    repeated."""
+
     source: str = "gsm8k"  # gsm8k | chatterbot | a JSONL path
     max_length: int = Field(512, ge=8)
     last_turn_only: bool = False
@@ -163,6 +242,9 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
+    """The trainer's section: optimizer, schedule, batch geometry, data parallelism, checkpoints,
+    logging (`Trainer` and `build_optimizer`/`build_scheduler` read it)."""
+
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -186,24 +268,28 @@ class TrainingConfig(Section):
     checkpoint_every: int = Field(100, ge=1)
     keep_checkpoints: int = Field(3, ge=1)
     log_every: int = Field(10, ge=1)
-    eval_every: int | None = Field(None, ge=1)
     # torch.profiler around this optimizer step (0-based): its collectives per rank are written
     # to <run_dir>/profile/step<N>-rank<r>.json (counts by name) and a .txt op table
     profile_step: int | None = Field(None, ge=0)
 
 
 class DeploymentConfig(Section):
-    mode: Literal["disaggregated", "colocated", "live"] = "disaggregated"
+    """How the run's processes are laid out: a mode of `core.registry.MODES`."""
+
+    mode: str = "disaggregated"
     # Colocated mode refuses these (>1) by name: the capture path has no such parallelism.
     sequence_parallel: int = Field(1, ge=1)
     target_dp: int = Field(1, ge=1)
     target_ep: int = Field(1, ge=1)
-    producers: int = Field(1, ge=0)
-    trainers: int = Field(1, ge=1)
     # Colocated: windows captured ahead of the one training (0: the next capture starts after
     # the last window is released, residency one window; 1: capture overlaps the step, two
     # windows resident). Target-TP islands need 0.
     colocated_prefetch: int = Field(0, ge=0)
+
+    @field_validator("mode")
+    @classmethod
+    def _built_mode(cls, name: str) -> str:
+        return MODES.check(name)
 
 
 # ---- live mode (deployment.mode: live): intake, capture sink, serving server --------------
@@ -240,15 +326,31 @@ class LiveConfig(Section):
     max_new_tokens: int = Field(256, ge=1)  # `specbus serve`: a request's max_tokens cap
     serve_batch: int = Field(4, ge=1)  # `specbus serve`: requests decoded together (a wave)
 
+    @model_validator(mode="after")
+    def _timeouts_ordered(self) -> LiveConfig:
+        if self.record_timeout_s <= self.publish_timeout_s:
+            raise ValueError(
+                f"live.record_timeout_s ({self.record_timeout_s}) must exceed "
+                f"live.publish_timeout_s ({self.publish_timeout_s}): a sink must not give "
+                "up (and remove the keys) on a record the intake may still publish"
+            )
+        return self
+
 
 class TelemetryConfig(Section):
+    """Logs and traces: OpenTelemetry exporters come from the standard OTEL_* variables."""
+
     service_name: str = "specbus"
+    # Not read yet: the progress bar and TensorBoard output come with their own issue.
     console_progress: bool = True
     tensorboard_dir: Path | None = None
     otel: bool = True  # exporters come from the standard OTEL_* environment variables
 
 
 class RunConfig(Section):
+    """The run's composition tree: one section per component, plus the run's name and directory;
+    cross-field rules are its validators."""
+
     run: str = "default"
     run_dir: Path | None = None  # None: ./runs/<run>
     bus: BusConfig = BusConfig()
@@ -267,16 +369,36 @@ class RunConfig(Section):
             raise ValueError(
                 f"run name {self.run!r} must match {RUN_NAME.pattern} (it becomes a subject token)"
             )
-        if self.live.record_timeout_s <= self.live.publish_timeout_s:
+        return self
+
+    @model_validator(mode="after")
+    def _colocated(self) -> RunConfig:
+        """What colocated mode cannot run, known from the config alone (the refusals that need
+        the target or the world size are the mode's: ops/modes.py)."""
+        if self.deployment.mode != "colocated":
+            return self
+        for key in ("sequence_parallel", "target_dp", "target_ep"):
+            value = getattr(self.deployment, key)
+            if value > 1:
+                raise ValueError(
+                    f"deployment.{key}={value} is not supported in colocated mode (use 1)"
+                )
+        tp = self.target.tp_size
+        if tp > 1 and self.target.engine != "hf":
             raise ValueError(
-                f"live.record_timeout_s ({self.live.record_timeout_s}) must exceed "
-                f"live.publish_timeout_s ({self.live.publish_timeout_s}): a sink must not give "
-                "up (and remove the keys) on a record the intake may still publish"
+                f"target.tp_size={tp} in colocated mode runs on the hf engine, "
+                f"not target.engine={self.target.engine!r}"
+            )
+        if tp > 1 and self.deployment.colocated_prefetch:
+            raise ValueError(
+                f"deployment.colocated_prefetch={self.deployment.colocated_prefetch} needs "
+                f"target.tp_size=1 (an island captures in step with its peers): use 0"
             )
         return self
 
     @property
     def resolved_run_dir(self) -> Path:
+        """`run_dir`, else `./runs/<run>`."""
         return self.run_dir if self.run_dir is not None else Path("runs") / self.run
 
 
@@ -325,7 +447,8 @@ def build_config(
             shown = (
                 "" if err["type"] == "missing" or isinstance(value, dict) else f" (got {value!r})"
             )
-            lines.append(f"{loc}: {err['msg']}{shown}")
+            msg = err["msg"].removeprefix("Value error, ")  # our validators' words, as written
+            lines.append(f"{loc}: {msg}{shown}")
         raise ConfigError("invalid run config:\n  " + "\n  ".join(lines)) from e
 
 
@@ -351,4 +474,5 @@ def load_config(
 
 
 def dump_config(cfg: RunConfig) -> str:
+    """The config as YAML that `load_config` reads back to an equal config."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

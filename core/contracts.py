@@ -1,4 +1,4 @@
-"""Wire records: the small, durable messages that ride on the bus.
+"""Wire records: the small, durable messages that ride on the bus, and the run manifest.
 
 Records are frozen, strict pydantic models with a schema version. They serialise to orjson
 bytes and are bounded in size. No tensor or array can ride in a record: tensors live in a
@@ -12,7 +12,7 @@ dead-letters it with that reason, so nothing is silently dropped or misinterpret
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,6 +31,7 @@ class Record(BaseModel):
     """Base of every wire record: frozen, strict, versioned, orjson round trip, bounded."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+    max_bytes: ClassVar[int] = MAX_RECORD_BYTES  # its serialised size limit
 
     schema_version: int = SCHEMA_VERSION
 
@@ -44,10 +45,11 @@ class Record(BaseModel):
         return v
 
     def to_bytes(self) -> bytes:
+        """The record's wire bytes (orjson); `RecordError(reason="oversize")` beyond `max_bytes`."""
         data = orjson.dumps(self.model_dump(mode="json"))
-        if len(data) > MAX_RECORD_BYTES:
+        if len(data) > self.max_bytes:
             raise RecordError(
-                f"{type(self).__name__} is {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte limit",
+                f"{type(self).__name__} is {len(data)} bytes, over the {self.max_bytes}-byte limit",
                 reason="oversize",
             )
         return data
@@ -55,9 +57,9 @@ class Record(BaseModel):
     @classmethod
     def from_bytes(cls, data: bytes):
         """Parse and validate. Raises `RecordError` with reason oversize/garbage/schema/invalid."""
-        if len(data) > MAX_RECORD_BYTES:
+        if len(data) > cls.max_bytes:
             raise RecordError(
-                f"record of {len(data)} bytes exceeds {MAX_RECORD_BYTES}", reason="oversize"
+                f"record of {len(data)} bytes exceeds {cls.max_bytes}", reason="oversize"
             )
         try:
             obj = orjson.loads(data)
@@ -98,6 +100,8 @@ class FeatureSpec(Record):
 
 
 class Provenance(Record):
+    """Who captured a sample: the producer and its engine, and when."""
+
     producer_id: str
     engine: str
     created_at: float = Field(default_factory=time.time)
@@ -177,6 +181,50 @@ class SampleRef(Record):
     def msg_id(self) -> str:
         """Broker dedup id: sample id + generation (a recapture is a new message)."""
         return f"{self.run_id}:{self.sample_id}:g{self.generation}"
+
+
+class ManifestTarget(Record):
+    """The target a run was fed for: trainers refuse refs of another fingerprint."""
+
+    model: str
+    fingerprint: str
+    tokenizer_fingerprint: str
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+
+
+class VocabTable(Record):
+    """The draft vocabulary as offsets: draft id i -> target id i + d2t[i] (t2d is derived)."""
+
+    d2t: tuple[int, ...]
+    target_vocab_size: int = Field(ge=1)
+
+
+class Manifest(Record):
+    """A run's identity, written once to the run KV by the feeder (a live run: the intake),
+    read by every process.
+
+    `plan` is what every process must agree on (strategy and data settings, target, sample
+    count, vocab fingerprint) and `plan_hash` its digest: a feeder of another plan under the
+    same run name, or a checkpoint of another plan, is refused by it. `planned_tasks` sizes
+    the schedule (None in a live run: traffic has no count). `mode` is "driven" (a feeder's
+    tasks) or "live" (serving traffic, `docs/live.md`); `live` is a live run's capture
+    handshake (the intake's `CaptureConfig` as JSON). Larger than a stream record (the vocab
+    table): bounded by the KV's 1 MiB.
+    """
+
+    max_bytes: ClassVar[int] = 1000 * 1024
+
+    run: str
+    plan: dict[str, Any]
+    plan_hash: str
+    planned_tasks: int | None = Field(ge=0)
+    target: ManifestTarget
+    strategy: str
+    vocab: VocabTable
+    mode: Literal["driven", "live"] = "driven"
+    live: dict[str, Any] | None = None
 
 
 def decode(cls: type[Record], data: bytes) -> Record:

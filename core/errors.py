@@ -28,7 +28,37 @@ class RecordError(SpecbusError, ValueError):
 
 
 class BusError(SpecbusError):
-    """The broker refused or failed an operation (keeps the nats error as the cause)."""
+    """The broker refused or failed an operation.
+
+    Keeps the server's words when it answered, as nats.py's `APIError` does: `code` (the
+    status, e.g. 404, 503), `err_code` (JetStream's error code, e.g. 10059 "stream not
+    found"), `description`; and what it concerned: `stream`, `seq`. Any of them is None when
+    unknown. The nats exception, if any, is the `__cause__` (bus/errors.py wraps them).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: int | None = None,
+        err_code: int | None = None,
+        description: str | None = None,
+        stream: str | None = None,
+        seq: int | None = None,
+    ):
+        super().__init__(message)
+        self.code, self.err_code, self.description = code, err_code, description
+        self.stream, self.seq = stream, seq
+
+
+class BusNotFound(BusError):
+    """What an operation names does not exist on the broker (404): a stream, a consumer, a KV
+    bucket or key, a stored message."""
+
+
+class BusRejected(BusError):
+    """The broker understood a request and refused it (400, a publish with no stream or over a
+    limit, a change the server cannot apply in place)."""
 
 
 class BrokerUnavailable(BusError):
@@ -89,6 +119,12 @@ class StoreUnavailable(StoreError):
     Transient by nature: callers retry later (a trainer naks with a delay), unlike
     `FeatureMissing`, which means the bytes are gone and the sample must be recaptured.
     """
+
+
+class StoreDenied(ConfigError):
+    """The store refused this client's credentials (http://: a wrong or missing bearer
+    token). A configuration error, never retried: `store.http.token` (or
+    `SPECBUS_STORE_TOKEN`) must be the same for the producers and the trainers."""
 
 
 class CaptureError(SpecbusError):

@@ -22,6 +22,9 @@ from specbus.core.errors import ConfigError
 
 @dataclass(frozen=True)
 class IslandPlan:
+    """Target-TP islands of a colocated world (see the module doc); `ConfigError` for a world that is
+    not a multiple of `tp`."""
+
     world: int
     tp: int
     micro_batch: int
@@ -38,6 +41,7 @@ class IslandPlan:
 
     @property
     def num_islands(self) -> int:
+        """How many islands the world forms."""
         return self.world // self.tp
 
     @property
@@ -52,21 +56,26 @@ class IslandPlan:
 
     @property
     def global_window(self) -> int:
+        """Samples trained per optimizer step by the whole world."""
         return self.world * self.per_rank
 
     def island_of(self, rank: int) -> int:
+        """The island `rank` belongs to."""
         self._check_rank(rank)
         return rank // self.tp
 
     def ranks_of(self, island: int) -> list[int]:
+        """The ranks of `island`, leader first."""
         if not 0 <= island < self.num_islands:
             raise ConfigError(f"island {island} is not in 0..{self.num_islands - 1}")
         return list(range(island * self.tp, (island + 1) * self.tp))
 
     def leader_of(self, rank: int) -> int:
+        """The leader (first rank) of `rank`'s island."""
         return self.island_of(rank) * self.tp
 
     def is_leader(self, rank: int) -> bool:
+        """True when `rank` leads its island."""
         return rank == self.leader_of(rank)
 
     def slice_of(self, rank: int) -> slice:
@@ -75,6 +84,7 @@ class IslandPlan:
         return slice(peer * self.per_rank, (peer + 1) * self.per_rank)
 
     def steps_per_epoch(self, num_tasks: int) -> int:
+        """Optimizer steps one epoch of `num_tasks` tasks gives (complete global windows only)."""
         return num_tasks // self.global_window
 
     def trained_per_epoch(self, num_tasks: int) -> int:

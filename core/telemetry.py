@@ -62,6 +62,7 @@ def setup_tracing(
 
 
 def tracer(name: str = "specbus") -> trace.Tracer:
+    """The OpenTelemetry tracer of `name` (a no-op one when tracing is off)."""
     return trace.get_tracer(name)
 
 

@@ -1,8 +1,7 @@
-"""Optimizer, schedules, one optimizer step, and the single-process baseline loop.
+"""Optimizer, schedules and one optimizer step: what every training loop runs.
 
-The pieces (`build_optimizer`, `build_scheduler`, `train_step`) are what the bus trainer
-reuses; `train_local` is the "no bus, no store" baseline: capture with the engine -> collate
--> loss -> step, in one process. None of this imports the bus or a store.
+The bus trainer (consumers/trainer.py) and the benchmarks' single-process loop
+(ops/bench/local_loop.py) both call `train_step`. None of this imports the bus or a store.
 
 Schedules (per optimizer step, factor on `training.lr`): linear warmup over
 `ceil(warmup_ratio * total)` steps from 0, then
@@ -14,24 +13,19 @@ Schedules (per optimizer step, factor on `training.lr`): linear warmup over
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from specbus.core.config import RunConfig, TrainingConfig
-from specbus.core.data.datasets import Record, load_source, split_holdout
-from specbus.core.data.templates import detect_template, get_template
-from specbus.core.data.tokenize import TokenizedSample, tokenize_record
-from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
+from specbus.core.config import TrainingConfig
 from specbus.core.errors import ConfigError
-from specbus.core.models.target import load_target_heads
-from specbus.core.strategies.base import StepContext, Strategy, TrainBatch, build_strategy
+from specbus.core.strategies.base import StepContext, Strategy, TrainBatch
 from torch import nn
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that require grad (frozen embedding and heads excluded)."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -66,6 +60,8 @@ def lr_factor(step: int, total: int, cfg: TrainingConfig) -> float:
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule of `cfg.schedule` over `total_steps` optimizer steps (module doc); `ConfigError`
+    for `total_steps < 1`."""
     if total_steps < 1:
         raise ConfigError(f"the schedule needs total_steps >= 1, got {total_steps}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
@@ -73,17 +69,39 @@ def build_scheduler(
 
 @dataclass
 class StepResult:
+    """One optimizer step: its loss, pre-clip grad norm, the lr used and the averaged metrics."""
+
     loss: float
     grad_norm: float
     lr: float
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
-    """Average per-micro-batch figures; counts (correct/denom) are summed and acc recomputed."""
+def _host_values(values: list[Any]) -> list[float]:
+    """`float(v)` of every value, with one device-to-host copy per (device, dtype) group of
+    tensors instead of one synchronising `.item()` each (a step has ~100-200 metrics)."""
+    out: list[float | None] = [None] * len(values)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            groups.setdefault((v.device, v.dtype), []).append(i)
+        else:
+            out[i] = float(v)
+    for idx in groups.values():
+        flat = torch.stack([values[i].detach().reshape(()) for i in idx]).tolist()
+        for i, x in zip(idx, flat, strict=True):
+            out[i] = float(x)
+    return out  # type: ignore[return-value]
+
+
+def _mean_metrics(all_metrics: list[dict], extra: list[Any] = ()) -> dict[str, float]:
+    """Average per-micro-batch figures; counts (correct/denom) are summed and acc recomputed.
+    `extra` values come back (as floats) under "_extra" in the same device-to-host copy."""
     out: dict[str, float] = {}
-    for key in all_metrics[0]:
-        values = [float(m[key]) for m in all_metrics]
+    keys = list(all_metrics[0])
+    host = iter(_host_values([m[key] for key in keys for m in all_metrics] + list(extra)))
+    for key in keys:
+        values = [next(host) for _ in all_metrics]
         out[key] = (
             sum(values)
             if key.startswith(("correct_", "denom_", "loss_denom"))
@@ -96,6 +114,8 @@ def _mean_metrics(all_metrics: list[dict]) -> dict[str, float]:
         from specbus.core.strategies.eagle3 import simulated_accept_length
 
         out["sim_accept_len"] = simulated_accept_length([out[f"acc_{k}"] for k in range(steps)])
+    if extra:
+        out["_extra"] = list(host)  # type: ignore[assignment]
     return out
 
 
@@ -144,181 +164,6 @@ def train_step(
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    metrics = _mean_metrics(all_metrics)
-    return StepResult(loss=metrics["loss"], grad_norm=float(grad_norm), lr=lr, metrics=metrics)
-
-
-# ---------------------------------------------------------------------------------------------
-# The single-process baseline
-
-
-def tokenize_records(records: list[Record], tokenizer, cfg: RunConfig) -> list[TokenizedSample]:
-    """Tokenise with the tokenizer's template; drops samples with fewer than 2 supervised tokens
-    (collate zeroes each sample's last loss position)."""
-    if cfg.data.chat_template:
-        template = get_template(cfg.data.chat_template)
-    else:  # pre-tokenised records need no template (a weights-only target has no tokenizer)
-        template = detect_template(tokenizer) if tokenizer is not None else None
-    samples = [
-        tokenize_record(
-            r,
-            tokenizer,
-            template,
-            max_length=cfg.data.max_length,
-            last_turn_only=cfg.data.last_turn_only,
-        )
-        for r in records
-    ]
-    return [s for s in samples if int(s.loss_mask.sum()) >= 2]
-
-
-@dataclass
-class LocalRun:
-    """What `train_local` produced."""
-
-    draft: nn.Module
-    strategy: Strategy
-    vocab: VocabMapping
-    held_out: list[Record]
-    history: list[dict[str, Any]]
-    steps: int
-    samples: int
-    tokens: int
-    capture_s: float
-    train_s: float
-    elapsed_s: float
-
-    @property
-    def steps_per_s(self) -> float:
-        return self.steps / self.train_s if self.train_s > 0 else 0.0
-
-
-def train_local(
-    cfg: RunConfig,
-    engine,
-    *,
-    records: list[Record] | None = None,
-    cache_features: bool = False,
-    on_step: Callable[[dict[str, Any]], None] | None = None,
-    draft: nn.Module | None = None,
-) -> LocalRun:
-    """Train a draft in this process: tokenise -> vocab mapping -> (capture -> collate -> step)*.
-
-    `engine` is a `TargetEngine` (producers.engines); `records` default to `cfg.data.source`
-    minus the held-back tail. `cache_features` keeps each sample's captured features for
-    later epochs (the target is frozen, so they are identical). `on_step` receives each step's
-    log record. Steps = ceil(epochs * samples / (micro_batch * accumulation)), capped by
-    `training.max_steps`; the schedule spans `training.total_steps` or that count.
-    """
-    started = time.perf_counter()
-    tcfg = cfg.training
-    torch.manual_seed(tcfg.seed)
-    held: list[Record] = []
-    if records is None:
-        records, held = split_holdout(
-            load_source(cfg.data.source), cfg.data.holdout, cfg.data.limit
-        )
-    samples = tokenize_records(records, engine.tokenizer, cfg)
-    if not samples:
-        raise ConfigError("no training sample has supervised tokens")
-    heads = load_target_heads(engine.path)
-    strategy = build_strategy(
-        cfg.strategy, engine.info, heads=heads, aux_layers=cfg.target.aux_layers
-    )
-    vocab = build_vocab_mapping(
-        count_tokens((s.input_ids, s.loss_mask) for s in samples),
-        strategy.draft_vocab_size,
-        engine.info.vocab_size,
-    )
-    device = engine.device
-    if draft is None:
-        draft = strategy.build_model(engine.info, heads, vocab)
-    draft = draft.to(device)
-    contract = strategy.feature_contract(engine.info)
-    per_step = tcfg.micro_batch * tcfg.accumulation
-    available = math.ceil(cfg.data.epochs * len(samples) / per_step)
-    steps = min(tcfg.max_steps or available, available)
-    optimizer = build_optimizer(draft, tcfg)
-    scheduler = build_scheduler(optimizer, tcfg, tcfg.total_steps or steps)
-    autocast = (
-        torch.bfloat16 if device.type == "cuda" and tcfg.dtype in ("auto", "bfloat16") else None
-    )
-
-    cache: dict[int, dict[str, torch.Tensor]] = {}
-    history: list[dict[str, Any]] = []
-    capture_s = train_s = 0.0
-    tokens = done = 0
-    order = [
-        i
-        for epoch in range(cfg.data.epochs)
-        for i in _permutation(len(samples), cfg.data.seed + epoch)
-    ]
-    for step_index in range(steps):
-        window = order[step_index * per_step : (step_index + 1) * per_step]
-        t0 = time.perf_counter()
-        features = _features(engine, contract, samples, window, cache if cache_features else None)
-        t1 = time.perf_counter()
-        batches = [
-            strategy.collate(features[i : i + tcfg.micro_batch], max_length=cfg.data.max_length).to(
-                device
-            )
-            for i in range(0, len(features), tcfg.micro_batch)
-        ]
-        result = train_step(
-            strategy,
-            draft,
-            batches,
-            optimizer,
-            scheduler,
-            grad_clip=tcfg.grad_clip,
-            step=StepContext(step_index, tcfg.total_steps or steps),
-            autocast_dtype=autocast,
-        )
-        t2 = time.perf_counter()
-        capture_s += t1 - t0
-        train_s += t2 - t1
-        tokens += sum(b.num_tokens for b in batches)
-        done += 1
-        record = {
-            "step": step_index + 1,
-            "lr": result.lr,
-            "grad_norm": result.grad_norm,
-            **result.metrics,
-            "capture_s": t1 - t0,
-            "train_s": t2 - t1,
-        }
-        history.append(record)
-        if on_step is not None:
-            on_step(record)
-    return LocalRun(
-        draft=draft,
-        strategy=strategy,
-        vocab=vocab,
-        held_out=held,
-        history=history,
-        steps=done,
-        samples=len(samples),
-        tokens=tokens,
-        capture_s=capture_s,
-        train_s=train_s,
-        elapsed_s=time.perf_counter() - started,
-    )
-
-
-def _permutation(n: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randperm(n, generator=generator).tolist()
-
-
-def _features(engine, contract, samples, window, cache):
-    missing = [i for i in window if cache is None or i not in cache]
-    if missing:
-        captured = engine.capture(
-            [samples[i].input_ids for i in missing],
-            [samples[i].loss_mask for i in missing],
-            contract,
-        )
-        if cache is None:
-            return captured
-        cache.update(zip(missing, captured, strict=True))
-    return [cache[i] for i in window]
+    metrics = _mean_metrics(all_metrics, extra=[grad_norm])  # the step's one host sync
+    (grad_norm,) = metrics.pop("_extra")
+    return StepResult(loss=metrics["loss"], grad_norm=grad_norm, lr=lr, metrics=metrics)

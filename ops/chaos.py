@@ -112,6 +112,18 @@ class Fault:
         return f"{d['group'][0]}{d['ack_floor']}/step{d.get('last_step_logged')}"
 
 
+def dev_namespace(code: Path) -> Path:
+    """`code/.dev`, holding `specbus/<folder>` links to the checkout's folders: the checkout
+    importable as the `specbus` namespace without installing it (README, Development)."""
+    ns = code / ".dev" / "specbus"
+    ns.mkdir(parents=True, exist_ok=True)
+    for folder in ("core", "bus", "producers", "consumers", "ops", "patches"):
+        link = ns / folder
+        if not link.exists():
+            link.symlink_to(code / folder)
+    return code / ".dev"
+
+
 @dataclass
 class Plan:
     seed: int
@@ -653,7 +665,8 @@ class Trial:
         self.port = free_port()
         self.mooncake = None
         self.probe: Probe | None = None
-        pypath = [str(opts.code), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
+        pypath = [str(dev_namespace(opts.code)), str(opts.code),
+                  *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]  # fmt: skip
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1",
                     "PYTHONPATH": ":".join(dict.fromkeys(pypath)), "HF_HUB_OFFLINE": "1",
                     "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip

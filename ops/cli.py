@@ -61,10 +61,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def config_of(args: argparse.Namespace) -> RunConfig:
+    """The run config of a subcommand: `--config` plus its dotted overrides (`ConfigError` names a bad
+    key)."""
     return load_config(args.config, args.overrides)
 
 
 def broker_dir(cfg: RunConfig) -> Path:
+    """The embedded broker's store dir of a run (`<run_dir>/nats`)."""
     return cfg.resolved_run_dir / "nats"
 
 
@@ -91,12 +94,14 @@ def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
 
 # ---------------------------------------------------------------- specbus up / store
 def cmd_up(args: argparse.Namespace) -> int:
+    """`specbus up`: the embedded broker in the foreground (ops/up.py)."""
     from specbus.ops.up import run_up
 
     return run_up(args, config_of(args))
 
 
 def cmd_store(args: argparse.Namespace) -> int:
+    """`specbus store`: the Mooncake store in the foreground, or `--stop` it."""
     from specbus.ops.up import run_store
 
     return run_store(args, config_of(args))
@@ -104,6 +109,7 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- specbus status
 def cmd_status(args: argparse.Namespace) -> int:
+    """`specbus status`: the run's broker state; exit 1 when the run is not declared."""
     from specbus.bus.status import run_status
 
     cfg = config_of(args)
@@ -136,6 +142,7 @@ def _size(n: float) -> str:
 
 
 def format_status(s: dict[str, Any]) -> str:
+    """`run_status`'s dict as the lines `specbus status` prints."""
     lines = [f"run {s['run']} @ {s['url']}"]
     if not s["declared"]:
         lines.append(
@@ -197,6 +204,7 @@ def format_status(s: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------- specbus dead
 def cmd_dead(args: argparse.Namespace) -> int:
+    """`specbus dead`: the run's dead letters with their reasons (and payloads, `--payload`)."""
     from specbus.bus.dead import list_dead
 
     cfg = config_of(args)
@@ -234,6 +242,7 @@ def cmd_dead(args: argparse.Namespace) -> int:
 
 
 def add_bus_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `up`, `store`, `status` and `dead`."""
     p = sub.add_parser(
         "up",
         help="run the embedded nats-server in the foreground (loopback, store under the run dir)",
@@ -303,6 +312,7 @@ def add_bus_commands(sub: argparse._SubParsersAction) -> None:
 
 # ---------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
+    """The `specbus` parser with every registrar's subcommands (`REGISTRARS`)."""
     parser = argparse.ArgumentParser(
         prog="specbus", description="online speculative-decoding draft training on NATS JetStream"
     )
@@ -321,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one `specbus` command; its exit code (2 for a `SpecbusError`, printed on one line)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -1,4 +1,4 @@
-"""The pipeline subcommands: `feed`, `produce`, `train`, `export`, `demo`.
+"""The pipeline subcommands: `feed`, `produce`, `train`, `capture`, `export`, `demo`.
 
 Each takes the run config (`--config run.yaml` plus dotted `key=value` overrides) and the
 broker URL (`--url`, else `bus.url`). `train` reads the torchrun environment (RANK,
@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import sys
+from functools import partial
 
 from specbus.ops.cli import add_common, config_of, resolve_url
 
@@ -20,6 +21,7 @@ log = logging.getLogger("specbus")
 
 
 def format_row(row: dict[str, float], total: int | None = None) -> str:
+    """One trainer log row as the console line rank 0 prints."""
     step = int(row["step"])
     parts = [f"step {step}" + (f"/{total}" if total else "")]
     for key, fmt in (("loss", "loss {:.3f}"), ("acc_0", "acc0 {:.3f}"), ("sim_accept_len", "tau {:.2f}"),
@@ -38,6 +40,7 @@ def format_row(row: dict[str, float], total: int | None = None) -> str:
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
+    """`specbus feed`: publish the run's tasks (ops/produce.py)."""
     from specbus.ops.produce import run_feeder
 
     cfg = config_of(args)
@@ -47,6 +50,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    """`specbus produce`: one capture worker until the run is trained."""
     from specbus.ops.produce import run_producer
 
     cfg = config_of(args)
@@ -64,9 +68,14 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """`specbus train`: one trainer rank (ops/train.py), progress on rank 0."""
     from specbus.ops.train import run_trainer
 
     cfg = config_of(args)
+    if args.from_recording:  # W1: epochs over a recording (ops/offline.py)
+        from specbus.ops.offline import run_recording_trainer
+
+        run_trainer = partial(run_recording_trainer, recording=args.from_recording)
     result = run_trainer(
         cfg,
         bus_url=resolve_url(args, cfg),
@@ -81,7 +90,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_capture(args: argparse.Namespace) -> int:
+    from specbus.ops.capture import run_capture
+
+    cfg = config_of(args)
+    marker = run_capture(
+        cfg, bus_url=resolve_url(args, cfg), feed=not args.no_feed, produce=not args.no_produce
+    )
+    print(
+        f"recording {cfg.run}: {marker['samples']} samples ({marker['dead_letters']} dead "
+        f"letters), {marker['bytes'] / 2**20:.1f} MiB in {marker['store_uri']}"
+    )
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    """`specbus export`: a checkpoint as an SGLang draft directory."""
     from specbus.ops.export import export_checkpoint
 
     cfg = config_of(args)
@@ -91,6 +115,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
+    """`specbus purge --yes`: every object of a run's store that is gone; refuses without `--yes`."""
     from specbus.core.store import purge_store
 
     cfg = config_of(args)
@@ -107,9 +132,9 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if (
-        args.live
-    ):  # live mode: intake + capture-enabled server + traffic instead of feeder/producers
+    """`specbus demo`: the whole pipeline on this machine (ops/demo.py); `--live`: trained
+    from served traffic instead (ops/live_demo.py)."""
+    if args.live:  # intake + capture-enabled server + traffic instead of feeder/producers
         from specbus.ops.live_demo import run_live_demo
 
         return run_live_demo(args)
@@ -119,6 +144,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `feed`, `produce`, `train`, `export`, `purge` and `demo`."""
     p = sub.add_parser("feed", help="publish the dataset's tasks to the run's TASKS stream")
     add_common(p)
     p.set_defaults(func=cmd_feed)
@@ -140,7 +166,24 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="continue from the latest checkpoint (replay from its cursor)",
     )
+    p.add_argument(
+        "--from-recording",
+        default=None,
+        metavar="REC",
+        help="train data.epochs epochs over a recording: its directory, a SpecForge dump "
+        "directory, or the run name of a recording on the broker (see specbus capture)",
+    )
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "capture", help="capture the dataset once into a file:// store, as a recording"
+    )
+    add_common(p)
+    p.add_argument("--no-feed", action="store_true", help="the tasks are fed already")
+    p.add_argument(
+        "--no-produce", action="store_true", help="only wait for other producers, then finalize"
+    )
+    p.set_defaults(func=cmd_capture)
 
     p = sub.add_parser(
         "export", help="export a checkpoint as an SGLang draft (EAGLE3, DFLASH, DSPARK)"

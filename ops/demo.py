@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,14 +25,8 @@ from pathlib import Path
 import torch
 import yaml
 from specbus.core.config import RunConfig, build_config, dump_config
-from specbus.ops.services.common import (
-    Interrupted,
-    dies_with_parent,
-    free_port,
-    interruptible,
-    shielded,
-    stop_pids,
-)
+from specbus.ops.launch import QUIET_THREADS, Launcher
+from specbus.ops.services.common import Interrupted, interruptible, shielded
 from specbus.ops.services.nats import NatsServer
 
 STOP_TIMEOUT_S = 30.0  # a trainer stopping on SIGTERM saves a checkpoint first
@@ -78,40 +71,8 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
     return build_config(tree, list(args.overrides))
 
 
-class Procs:
-    """Child processes started by PID, stopped by PID."""
-
-    def __init__(self, logs: Path):
-        self.logs = logs
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None, show: bool = False
-    ) -> None:
-        log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                    **(env or {})}  # fmt: skip
-        try:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "specbus.ops.cli", *argv],
-                stdout=None if show else log, stderr=log, stdin=subprocess.DEVNULL, env=full_env,
-                preexec_fn=dies_with_parent(), start_new_session=True,
-            )  # fmt: skip
-        finally:
-            log.close()
-
-    def failed(self) -> tuple[str, int] | None:
-        for name, p in self.procs.items():
-            if p.poll() not in (None, 0):
-                return name, p.returncode
-        return None
-
-    def stop(self) -> None:
-        """SIGTERM all at once, SIGKILL what lingers after STOP_TIMEOUT_S, reap all."""
-        stop_pids(self.procs.values(), STOP_TIMEOUT_S)
-
-
 def run_demo(args: argparse.Namespace) -> int:
+    """`specbus demo` (see the module doc); its exit code (128 + the signal when interrupted)."""
     with interruptible():
         try:
             return _run_demo(args)
@@ -145,7 +106,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     server = None
     url = cfg.bus.url
-    procs = Procs(logs)
+    procs = Launcher(logs, env=QUIET_THREADS, session=True)
     try:
         if url is None:
             server = NatsServer(run_dir / "nats").start()
@@ -157,11 +118,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         procs.start("feeder", ["feed", *common])
         for i in range(args.producers):
             procs.start(f"producer-{i}", ["produce", *common, "--id", f"producer-{i}"])
-        port = free_port()
-        for rank in range(args.trainers):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(args.trainers), "LOCAL_RANK": str(rank),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-            procs.start(f"trainer-{rank}", ["train", *common], env=env, show=rank == 0)
+        procs.ranks(args.trainers, ["train", *common], show_rank0=True)
         pids = ", ".join(f"{name} {p.pid}" for name, p in procs.procs.items())
         print(f"started {pids}", flush=True)
         trainers = [procs.procs[f"trainer-{r}"] for r in range(args.trainers)]
@@ -184,7 +141,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             return 1
     finally:
         with shielded():  # a second Ctrl-C must not leave children behind
-            procs.stop()
+            procs.stop(STOP_TIMEOUT_S)
             if server is not None:
                 server.stop()
             _remove_abandoned_shm(cfg)

@@ -23,11 +23,14 @@ def block_drafts(config) -> int:
 
 @dataclass
 class Comparison:
+    """Measured acceptance of the untrained and the trained draft on the same held-back prompts."""
+
     untrained: AcceptanceReport
     trained: AcceptanceReport
     num_draft_tokens: int
 
     def table(self) -> str:
+        """The comparison as the lines the demo prints."""
         rows = [
             f"measured acceptance length (k={self.num_draft_tokens} draft tokens, greedy, lossless-checked, "
             f"{self.trained.prompts} held-back prompts):",
@@ -48,6 +51,8 @@ def compare_drafts(
     checkpoint: str = "latest",
     progress=lambda message: None,
 ) -> Comparison:
+    """Decode `num_prompts` held-back prompts with the untrained and the trained draft (real
+    speculative decoding, greedy, checked lossless against the target) and measure both."""
     engine = build_engine(cfg.target)
     try:
         records = load_source(cfg.data.source)

@@ -36,6 +36,8 @@ def load_trained_draft(cfg: RunConfig, checkpoint: str | Path = "latest"):
 
 
 def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: str | Path) -> Path:
+    """Export checkpoint `checkpoint` (latest, best, a path) of the run as an SGLang draft directory
+    `out` (EAGLE3, DFLASH, DSPARK); the directory."""
     draft = load_trained_draft(cfg, checkpoint)
     if hasattr(draft, "config") and getattr(draft.config, "projector", None) is not None:
         from specbus.core.export.dflash import export_dflash

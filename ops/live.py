@@ -126,8 +126,6 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
     from specbus.bus.connection import connect
     from specbus.bus.topology import declare
     from specbus.core.models.target import load_target_info, resolve_target_dir
-    from specbus.core.store import open_store
-    from specbus.core.strategies.base import build_strategy
     from specbus.producers.feeder import prepare
     from specbus.producers.live.intake import Intake, build_app
     from specbus.producers.live.manifest import capture_config, ensure_manifest, live_manifest
@@ -144,8 +142,8 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
     vocab_cfg.data.source = cfg.live.vocab_source or cfg.data.source
     prepared = await asyncio.to_thread(prepare, vocab_cfg)
     info = load_target_info(resolve_target_dir(cfg.target.model), name=cfg.target.model)
-    strategy = build_strategy(cfg.strategy, info, aux_layers=cfg.target.aux_layers)
-    store = open_store(cfg.store)  # held open for the run: samples outlive their writers
+    strategy = cfg.strategy.build(info, aux_layers=cfg.target.aux_layers)
+    store = cfg.store.build()  # held open for the run: samples outlive their writers
     try:
         capture = capture_config(
             cfg, strategy.feature_contract(info), store_uri=store.uri, store_id=store.store_id,
@@ -153,10 +151,10 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
             tokenizer_fingerprint=prepared.tokenizer_fingerprint,
         )  # fmt: skip
         async with await connect(cfg.bus, bus_url, name="specbus-intake") as bus:
-            topo = await declare(bus, cfg.bus, cfg.run)
-            await ensure_manifest(topo.kv, live_manifest(cfg, prepared, capture))
+            run = await declare(bus, cfg.bus, cfg.run)
+            await ensure_manifest(run.kv, live_manifest(cfg, prepared, capture))
             token = intake_token(cfg)
-            intake = Intake(cfg, bus, store, capture, token)
+            intake = Intake(cfg, run, store, capture, token)
             await intake.start()
             bound = sock.getsockname()
             url = f"http://{bound[0]}:{bound[1]}"
@@ -185,7 +183,8 @@ def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | Non
     """`specbus serve` (module doc). Returns the exit code."""
     import torch
     from specbus.producers.engines.registry import build_engine
-    from specbus.producers.live.serve import Generator, Server, build_app
+    from specbus.producers.live.generate import Generator
+    from specbus.producers.live.serve import Server, build_app
     from specbus.producers.live.sink import CaptureSink
 
     if cfg.target.engine != "hf":

@@ -24,12 +24,15 @@ import time
 
 import torch
 from specbus.core.config import RunConfig, build_config, dump_config
-from specbus.ops.demo import Procs, _remove_abandoned_shm, demo_config
+from specbus.ops.demo import STOP_TIMEOUT_S, _remove_abandoned_shm, demo_config
+from specbus.ops.launch import QUIET_THREADS, Launcher
 from specbus.ops.services.common import Interrupted, free_port, interruptible, shielded
 from specbus.ops.services.nats import NatsServer
 
 
 def live_demo_config(args: argparse.Namespace) -> RunConfig:
+    """`specbus demo`'s defaults, in live mode: one sample per micro-batch (traffic is
+    slower than a feeder) and a shorter schedule; overrides still win."""
     cfg = demo_config(args)
     tree = cfg.model_dump(mode="json")
     tree["deployment"]["mode"] = "live"
@@ -41,6 +44,8 @@ def live_demo_config(args: argparse.Namespace) -> RunConfig:
 
 
 def _wait_http(url: str, proc, log, timeout_s: float, handshake: bool = False) -> None:
+    """Wait for `url`'s /healthz to say ok (and, with `handshake`, that the server has the
+    intake's handshake); raises `RuntimeError` when `proc` exits first or at the deadline."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -58,6 +63,7 @@ def _wait_http(url: str, proc, log, timeout_s: float, handshake: bool = False) -
 
 
 def run_live_demo(args: argparse.Namespace) -> int:
+    """`specbus demo --live` (module doc); its exit code (128 + the signal when interrupted)."""
     with interruptible():
         try:
             return _run(args)
@@ -87,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
 
     server = None
     url = cfg.bus.url
-    procs = Procs(logs)
+    procs = Launcher(logs, env=QUIET_THREADS, session=True)
     traffic_stop = threading.Event()
     traffic_box: dict = {}
     try:
@@ -101,11 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         intake_port, serve_port = free_port(), free_port()
         procs.start("intake", ["intake", *common, "--port", str(intake_port)])
         procs.start("serve", ["serve", *common, "--port", str(serve_port)])
-        port = free_port()
-        for rank in range(args.trainers):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(args.trainers), "LOCAL_RANK": str(rank),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-            procs.start(f"trainer-{rank}", ["train", *common], env=env, show=rank == 0)
+        procs.ranks(args.trainers, ["train", *common], show_rank0=True)
         print("started " + ", ".join(f"{n} {p.pid}" for n, p in procs.procs.items()), flush=True)
         _wait_http(
             f"http://127.0.0.1:{intake_port}", procs.procs["intake"], logs / "intake.log", 300
@@ -162,7 +164,9 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         with shielded():
             traffic_stop.set()
-            procs.stop()  # serve prints its capture counts, intake its record counts on SIGTERM
+            procs.stop(
+                STOP_TIMEOUT_S
+            )  # serve prints its capture counts, intake its record counts on SIGTERM
             if server is not None:
                 server.stop()
             _remove_abandoned_shm(cfg)

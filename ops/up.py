@@ -71,6 +71,7 @@ MAX_FAILED_STARTS = 3
 
 
 def mooncake_dir(cfg: RunConfig) -> Path:
+    """The Mooncake services' work dir of a run (`<run_dir>/mooncake`)."""
     return cfg.resolved_run_dir / "mooncake"
 
 
@@ -97,6 +98,7 @@ class Up:
         self.interrupted = False
 
     def run(self) -> int:
+        """Serve until interrupted (see `Up`); the exit code."""
         from specbus.ops.services.nats import NatsServerConfig, announce
 
         args = self.args
@@ -244,6 +246,7 @@ class Up:
 
 
 def run_up(args: argparse.Namespace, cfg: RunConfig) -> int:
+    """`specbus up` (see `Up`); its exit code."""
     up = Up(args, cfg)
     with interruptible():
         try:
@@ -310,6 +313,7 @@ def stop_store(work: Path, proc: subprocess.Popen | None = None, timeout_s: floa
 
 
 def run_store(args: argparse.Namespace, cfg: RunConfig) -> int:
+    """`specbus store` (or `--stop`): the Mooncake store of the run, in the foreground; its exit code."""
     work = mooncake_dir(cfg)
     if args.stop:
         if stop_store(work):

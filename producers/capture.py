@@ -1,18 +1,10 @@
 """The capture worker: a member of the "producers" group turning PromptTasks into SampleRefs.
 
-Loop: wait while the store is over its budget (backpressure: the trainers' lag and the
-store's residency), lease up to `target.capture_batch` tasks, run the target engine with the
-leases kept alive, `store.put` each sample, publish one SampleRef per task (dedup id = sample
-id + generation, the capture span's context in the headers), then ack the tasks.
-
-Failure semantics:
-- a kill at any point loses nothing: an unacked task is redelivered to a live producer, its
-  re-put overwrites the same keys, and its re-publish is dropped by the broker's dedup;
-- a batch whose capture fails is retried one task at a time, so one poisoned task cannot
-  sink its neighbours; a failing task is nak'd with a delay and, on its last delivery,
-  dead-lettered with the error as the reason;
-- the worker exits when the trainers marked the run complete, or (with `exit_when_idle`)
-  when the feed is complete and no task is pending.
+Loop: wait while the store or the trainers' lag is over budget (backpressure), lease up to
+`capture_batch` tasks, capture them with the engine (leases kept alive), `store.put` each
+sample, publish its SampleRef (awaited), then ack the tasks: a kill at any point loses
+nothing. A failing task is retried alone, nak'd with a delay, and dead-lettered on its last
+delivery. docs/architecture.md, "Producers".
 """
 
 from __future__ import annotations
@@ -25,16 +17,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from specbus.bus.connection import Bus
-from specbus.bus.dead import dead_letter
-from specbus.bus.lag import lag
 from specbus.bus.lease import Lease, Leases
-from specbus.bus.publisher import Publisher
-from specbus.bus.subjects import PRODUCERS, Names
-from specbus.bus.topology import RunKV
-from specbus.core.config import RunConfig
+from specbus.bus.run import RunBus
+from specbus.bus.subjects import PRODUCERS, TRAINERS
 from specbus.core.contracts import PromptTask, Provenance, SampleRef
-from specbus.core.errors import CaptureError, StoreFull
+from specbus.core.errors import CaptureError, StoreFull, StoreUnavailable
+from specbus.core.store.retry import while_unavailable
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import inject, tracer
 
@@ -43,6 +31,8 @@ log = logging.getLogger("specbus.producer")
 
 @dataclass
 class CaptureStats:
+    """What one capture worker did (counts, seconds, tokens)."""
+
     tasks: int = 0
     samples: int = 0
     failures: int = 0
@@ -92,18 +82,16 @@ def capture_isolated(
         return [capture_isolated(engine, contract, [task], device)[0] for task in tasks]
 
 
-async def settle_failure(
-    lease: Lease, error: Exception, publisher: Publisher, names: Names, bus_cfg
-) -> bool:
-    """A task failed to capture: nak it with a delay, or dead-letter it on its last delivery.
+async def settle_failure(run: RunBus, lease: Lease, error: Exception) -> bool:
+    """A task failed to capture: nak it with a delay (`bus.nak_delay_s`), or dead-letter it
+    (`capture_failed`, with the error) on its last delivery (`bus.max_deliver`).
 
     Returns True when it was dead-lettered.
     """
+    bus_cfg = run.bus.cfg
     if lease.deliveries >= bus_cfg.max_deliver:
         log.warning("task seq %d failed on its last delivery, dead-lettering: %s", lease.seq, error)
-        await dead_letter(
-            publisher, names, lease, "capture_failed", f"{type(error).__name__}: {error}"
-        )
+        await run.dead_letter(lease, "capture_failed", f"{type(error).__name__}: {error}")
         return True
     log.info(
         "task seq %d capture failed (delivery %d), nak: %s", lease.seq, lease.deliveries, error
@@ -113,25 +101,33 @@ async def settle_failure(
 
 
 class CaptureWorker:
+    """One member of the run's "producers" group (`group`): captures `capture_batch` tasks at a
+    time with `engine` into `store` and publishes a SampleRef per sample (see the module doc).
+    `run()` returns when the trainers mark the run complete, on `stop()`, or (with
+    `exit_when_idle`) when the feed is complete and no task is left anywhere. An unavailable
+    store (a restarting store node) is waited for up to `unavailable_give_up_s` per put, the
+    batch's leases kept alive, before the task goes back."""
+
     def __init__(
         self,
-        cfg: RunConfig,
-        bus: Bus,
-        kv: RunKV,
+        run: RunBus,
         group: Leases,
         engine,
         store,
         contract: FeatureContract,
         *,
+        capture_batch: int,
         producer_id: str | None = None,
         exit_when_idle: bool = False,
+        unavailable_give_up_s: float = 300.0,
     ):
-        self.cfg, self.bus, self.kv, self.group = cfg, bus, kv, group
+        self.run_bus, self.group = run, group
+        self.bus_cfg = run.bus.cfg
         self.engine, self.store, self.contract = engine, store, contract
-        self.names = Names(cfg.run)
-        self.publisher = Publisher(bus)
+        self.capture_batch = capture_batch
         self.producer_id = producer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.exit_when_idle = exit_when_idle
+        self.unavailable_give_up_s = unavailable_give_up_s
         self.stats = CaptureStats()
         self._tracer = tracer("specbus.producer")
         self._stop = asyncio.Event()
@@ -140,10 +136,13 @@ class CaptureWorker:
         self._lag_bytes = 0
 
     def stop(self) -> None:
+        """Ask `run()` to return after the batch in progress."""
         self._stop.set()
 
     # -- loop ----------------------------------------------------------------------------
     async def run(self) -> CaptureStats:
+        """Capture until the run is marked trained, `stop()`, or (with `exit_when_idle`) nothing is
+        left; returns the stats."""
         while not self._stop.is_set():
             await self._poll_broker()
             if self._train_complete:
@@ -152,9 +151,7 @@ class CaptureWorker:
                 self.stats.backpressure_waits += 1
                 await asyncio.sleep(0.05)
                 continue
-            leases = await self.group.fetch(
-                self.cfg.target.capture_batch, self.cfg.bus.fetch_timeout_s
-            )
+            leases = await self.group.fetch(self.capture_batch, self.bus_cfg.fetch_timeout_s)
             if leases:
                 await self._capture(leases)
             elif self.exit_when_idle and await self._idle():
@@ -168,23 +165,23 @@ class CaptureWorker:
         if now - self._polled_at < every_s:
             return
         self._polled_at = now
-        self._train_complete = await self.kv.train_complete() is not None
-        self._lag_bytes = (await lag(self.bus, self.cfg.run)).bytes
+        self._train_complete = await self.run_bus.kv.train_complete() is not None
+        self._lag_bytes = (await self.run_bus.lag(TRAINERS)).bytes
 
     async def _over_budget(self) -> bool:
         """Backpressure: store residency (exact, every batch) or refs not yet consumed (bytes,
         as of the last broker poll) at 90 % of the budget, or of what the store can hold when
         that is less (a /dev/shm smaller than the budget)."""
         usage = await asyncio.to_thread(self.store.usage)
-        budget = self.cfg.store.budget_bytes
+        budget = usage.budget_bytes
         if usage.capacity_bytes:
             budget = min(budget, usage.capacity_bytes)
         return usage.resident_bytes >= budget * 0.9 or self._lag_bytes >= budget * 0.9
 
     async def _idle(self) -> bool:
-        if await self.kv.feed_complete() is None:
-            return False
-        return (await lag(self.bus, self.cfg.run, PRODUCERS)).messages == 0
+        """Nothing left for any producer: the producers' group drained, none in capture."""
+        view = await self.run_bus.drained(PRODUCERS)
+        return view.done and view.ack_pending == 0
 
     async def _capture(self, leases: list[Lease]) -> None:
         tasks: list[PromptTask] = [lease.record for lease in leases]
@@ -214,17 +211,23 @@ class CaptureWorker:
         task: PromptTask = lease.record
         sample_id = sample_id_of(task)
         try:
-            specs = await asyncio.to_thread(self.store.put, sample_id, tensors, task.generation)
-        except StoreFull as e:  # backpressure: give the task back for later
-            log.info("store full, task %s goes back: %s", task.task_id, e)
-            await lease.nak(self.cfg.bus.nak_delay_s)
+            # A store node restarting is the store's problem, not the task's: wait for it with
+            # the lease kept alive (the batch's heartbeat), so no delivery is spent on it.
+            specs = await while_unavailable(
+                lambda: self.store.put(sample_id, tensors, task.generation),
+                what=f"putting {sample_id}",
+                give_up_s=self.unavailable_give_up_s,
+            )
+        except (StoreFull, StoreUnavailable) as e:  # backpressure / still down: back for later
+            log.info("task %s goes back: %s", task.task_id, e)
+            await lease.nak(self.bus_cfg.nak_delay_s)
             return False
         except Exception as e:  # NaN screen, integrity: a bad capture
             await self._failed(lease, e)
             return False
         ref = SampleRef(
             sample_id=sample_id,
-            run_id=self.cfg.run,
+            run_id=self.run_bus.run,
             task_id=task.task_id,
             task_seq=lease.seq,
             epoch=task.epoch,
@@ -238,11 +241,11 @@ class CaptureWorker:
             tokenizer_fingerprint=self.engine.tokenizer_fingerprint,
             provenance=Provenance(producer_id=self.producer_id, engine=self.engine.name),
         )
-        await self.publisher.publish(self.names.samples, ref, headers=headers)
+        await self.run_bus.publisher.publish(self.run_bus.names.samples, ref, headers=headers)
         self.stats.samples += 1
         return True
 
     async def _failed(self, lease: Lease, error: Exception) -> None:
         self.stats.failures += 1
-        if await settle_failure(lease, error, self.publisher, self.names, self.cfg.bus):
+        if await settle_failure(self.run_bus, lease, error):
             self.stats.dead_letters += 1

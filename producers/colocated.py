@@ -1,242 +1,67 @@
-"""The colocated source: a trainer rank that is its own producer.
+"""The colocated source: a trainer rank that is its own producer (`deployment.mode: colocated`).
 
 It leases PromptTasks from the run's "producers" group, captures them with the rank's own
-target engine into a `mem://` store, and hands them to the same loader, lockstep windows,
-trainer and checkpoints as the disaggregated path; the tasks are acked at the optimizer
-boundary (the TASKS sequence is the cursor). The loader runs it with
-`prefetch=deployment.colocated_prefetch`: with the default 0 the capture of the next window
-starts only after the previous window was committed and its tensors released (residency never
-exceeds one window, long-sequence features never overlap); with 1 the next window is
-captured while the step runs (two windows resident). No SAMPLES stream and no remote store
-are involved.
-
-A task whose capture fails is nak'd with a delay or dead-lettered on its last delivery
-(the same rule as the capture worker); a task the checkpoint already holds is acked and
-skipped without being captured.
-
-Target-TP islands (`target.tp_size = tp > 1`, `core/islands.py`): the island's ranks run one
-sharded target, so they must capture the same tasks in the same order.
-- Only the island leader leases: per take it fetches up to `tp * n` tasks, captures the
-  largest multiple of `tp` of them and keeps the rest leased for its next take (a nak would
-  count toward `max_deliver`). It sends the batch (each task's reply subject, record bytes and
-  headers) to its peers over the island's gloo group, even an empty one (then with its view of
-  the end of data), so every island rank's take returns in step.
-- Every island rank captures the whole batch on its island worker thread (FIFO, one job per
-  leader message, independent of the bus loop's tasks: a take cancelled at the end of data
-  cannot leave a peer alone in a collective). Poison isolation (`capture_isolated`) is
-  deterministic, so all ranks see the same failures.
-- Settlement: failures are settled once, by the leader (nak with delay / dead letter). The
-  good captures are cut into `tp` equal contiguous slices; peer `i` keeps slice `i` in its
-  `mem://` store and adopts those leases (`Leases.adopt`: it heartbeats and acks them through
-  its own connection); the leader hands the peers' leases over (`Leases.hand_over`). A
-  remainder of good captures beyond a multiple of `tp` goes back to the leader's kept leases
-  (captured again next take). Equal slices keep every rank's loader room, and so its number
-  of takes, the same as its leader's.
+engine into a `mem://` store and hands them to the same loader, trainer and checkpoints as the
+disaggregated path; tasks are acked at the optimizer boundary. A failed capture is nak'd with
+a delay or dead-lettered on its last delivery (as by the capture worker); a task the ledger
+holds is acked without capture. On a GPU rank the capture runs on a CUDA stream of its own,
+so with `deployment.colocated_prefetch=1` the next window's prefill overlaps the step. With
+target-TP islands (producers/island.py) the island leader leases and every island rank
+captures the same batch, keeping its slice. The full semantics (residency, prefetch,
+islands): docs/architecture.md, "Colocated" and "Target-TP islands".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from dataclasses import dataclass
-from typing import Any
+from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
-from specbus.bus.connection import Bus
-from specbus.bus.lag import lag
-from specbus.bus.lease import Lease, Leases, parse_record
-from specbus.bus.publisher import Publisher
-from specbus.bus.subjects import PRODUCERS, Names
-from specbus.bus.topology import RunKV
-from specbus.consumers.source import GroupSettlement, Item, Trained, Upstream
-from specbus.core.config import BusConfig, RunConfig
+from specbus.bus.lease import Lease, Leases
+from specbus.bus.run import RunBus
+from specbus.bus.settlement import LeaseSettlement
+from specbus.bus.subjects import PRODUCERS
 from specbus.core.contracts import PromptTask
-from specbus.core.errors import ConfigError
-from specbus.core.islands import IslandPlan
-from specbus.core.models.target import TargetInfo
+from specbus.core.source import Item, Trained, Upstream
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import tracer
 from specbus.producers.capture import capture_isolated, sample_id_of, settle_failure
-from specbus.producers.engines.tp import check_tp_shapes
+from specbus.producers.island import Island, IslandWorker
 
 log = logging.getLogger("specbus.colocated")
 
 
-def validate_colocated(cfg: RunConfig, info: TargetInfo, world: int) -> IslandPlan:
-    """Fail fast, by name, on a colocated setup that cannot work. Returns the island plan."""
-    for key in ("sequence_parallel", "target_dp", "target_ep"):
-        value = getattr(cfg.deployment, key)
-        if value > 1:
-            raise ConfigError(
-                f"deployment.{key}={value} is not supported in colocated mode (use 1)"
-            )
-    context = cfg.target.context_length or info.max_position_embeddings
-    if cfg.data.max_length > context:
-        raise ConfigError(
-            f"data.max_length={cfg.data.max_length} leaves no headroom in the target's context of {context} tokens"
-        )
-    plan = IslandPlan(world=world, tp=cfg.target.tp_size, micro_batch=cfg.training.micro_batch,
-                      accumulation=cfg.training.accumulation)  # fmt: skip
-    if cfg.target.tp_size > 1:
-        if cfg.target.engine != "hf":
-            raise ConfigError(
-                f"target.tp_size={cfg.target.tp_size} in colocated mode runs on the hf engine, "
-                f"not target.engine={cfg.target.engine!r}"
-            )
-        if cfg.deployment.colocated_prefetch:
-            raise ConfigError(
-                f"deployment.colocated_prefetch={cfg.deployment.colocated_prefetch} needs "
-                f"target.tp_size=1 (an island captures in step with its peers): use 0"
-            )
-        if cfg.training.wrap == "fsdp" and world > 1:
-            # FSDP's checkpoint gathers are NCCL collectives on the training thread; they
-            # could interleave with the island's TP capture on its worker thread.
-            raise ConfigError(
-                f"target.tp_size={cfg.target.tp_size} with training.wrap='fsdp' is not supported "
-                "in colocated mode: use training.wrap=ddp"
-            )
-        check_tp_shapes(
-            cfg.target.tp_size,
-            num_attention_heads=info.num_attention_heads,
-            num_key_value_heads=info.num_key_value_heads,
-            intermediate_size=info.intermediate_size,
-        )
-    need = plan.island_batch * cfg.data.max_length
-    if cfg.target.max_total_tokens is not None and cfg.target.max_total_tokens < need:
-        raise ConfigError(
-            f"target.max_total_tokens={cfg.target.max_total_tokens} cannot hold one island batch "
-            f"({plan.island_batch} samples x data.max_length {cfg.data.max_length} = {need} tokens)"
-        )
-    return plan
+class ColocatedSource(LeaseSettlement):
+    """The colocated `core.source.Source`: `group` is this rank's member of the run's
+    "producers" group; tasks are captured with `engine` into `store` (a `mem://` one);
+    `trained` (the loader's ledger) skips tasks already in the model; `island` is this rank's
+    target-TP island (None or tp == 1: none)."""
 
-
-@dataclass
-class Island:
-    """This rank's place in its target-TP island: the TP mesh its engine shards over and the
-    gloo group its leader sends tasks on (None for both when tp == 1)."""
-
-    plan: IslandPlan
-    rank: int
-    tp_mesh: Any = None
-    group: Any = None
-
-    @property
-    def tp(self) -> int:
-        return self.plan.tp
-
-    @property
-    def leader(self) -> int:
-        return self.plan.leader_of(self.rank)
-
-    @property
-    def is_leader(self) -> bool:
-        return self.plan.is_leader(self.rank)
-
-    @property
-    def peer(self) -> int:
-        """This rank's index in its island (0 = the leader)."""
-        return self.rank - self.leader
-
-
-def join_island(plan: IslandPlan, rank: int, device_type: str) -> Island:
-    """Build the island groups. Every rank calls it at the same point (groups are matched by
-    creation order): per island, a TP group (the default backend: NCCL on GPU, gloo on CPU)
-    as the engine's 1-D mesh, and a gloo group for the leader's task messages (small,
-    host-side, off the GPU streams). The TP group is always a new one, never the default
-    group (a DeviceMesh over the whole world would reuse it): the capture thread's
-    collectives must not interleave with the training thread's."""
-    if plan.tp == 1:
-        return Island(plan, rank)
-    from torch.distributed.device_mesh import DeviceMesh
-
-    tp_groups = [dist.new_group(plan.ranks_of(i)) for i in range(plan.num_islands)]
-    task_groups = [
-        dist.new_group(plan.ranks_of(i), backend="gloo") for i in range(plan.num_islands)
-    ]
-    island = plan.island_of(rank)
-    mesh = DeviceMesh.from_group(tp_groups[island], device_type, mesh_dim_names=("tp",))
-    return Island(plan, rank, mesh, task_groups[island])
-
-
-class _IslandWorker(threading.Thread):
-    """One job per leader message, in order, on every island rank: the leader broadcasts the
-    message, peers receive it, then every rank captures the batch (the sharded forward's
-    collectives match). Results go to the bus loop's queue as `(message, results)`; an error
-    (a dead island rank) as the exception. `None` is the closing message."""
-
-    def __init__(self, island: Island, capture, loop: asyncio.AbstractEventLoop, device):
-        super().__init__(name=f"specbus-island-r{island.rank}", daemon=True)
-        self.island, self.capture, self.loop, self.device = island, capture, loop, device
-        self.results: asyncio.Queue = asyncio.Queue()
-        self._jobs: list = []
-        self._ready = threading.Condition()
-
-    def submit(self, message: dict | None) -> None:
-        """Leader only: queue a message (None closes the island)."""
-        with self._ready:
-            self._jobs.append(message)
-            self._ready.notify()
-
-    def _next(self) -> dict | None:
-        if self.island.is_leader:
-            with self._ready:
-                self._ready.wait_for(lambda: self._jobs)
-                message = self._jobs.pop(0)
-        else:
-            message = None
-        box = [message]
-        dist.broadcast_object_list(box, src=self.island.leader, group=self.island.group)
-        return box[0]
-
-    def run(self) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            try:
-                message = self._next()
-                if message is None:
-                    return
-                tasks = [parse_record(PromptTask, data) for _, data, _ in message["tasks"]]
-                results = self.capture(tasks) if tasks else []
-                out: Any = (message, results)
-            except BaseException as e:  # surfaced by the next take on the bus loop
-                out = e
-            self.loop.call_soon_threadsafe(self.results.put_nowait, out)
-            if isinstance(out, BaseException):
-                return
-
-
-class ColocatedSource(GroupSettlement):
     def __init__(
         self,
-        bus: Bus,
-        run: str,
+        run: RunBus,
         group: Leases,
-        kv: RunKV,
         engine,
         contract: FeatureContract,
         store,
-        bus_cfg: BusConfig,
         *,
         trained: Trained | None = None,
         capture_device=None,
         island: Island | None = None,
     ):
-        self.bus, self.run, self.group, self.kv = bus, run, group, kv
+        self.runbus, self.bus, self.run, self.group = run, run.bus, run.run, group
         # On a GPU rank the features stay where the target computed them: the trainer reads
         # them from the mem:// store on the same device (no host round trip).
         self.capture_device = capture_device
-        self.engine, self.contract, self.store, self.bus_cfg = engine, contract, store, bus_cfg
-        self.names = Names(run)
-        self.publisher = Publisher(bus)
+        self.engine, self.contract, self.store = engine, contract, store
+        self.bus_cfg = run.bus.cfg
         self.trained = trained
         self._retired: list[int] = []
         self._tracer = tracer("specbus.colocated")
         self.stats = {"capture_s": 0.0, "captured": 0, "dead_letters": 0, "skipped": 0}
         self.island = island if island is not None and island.tp > 1 else None
-        self._worker: _IslandWorker | None = None
+        self._worker: IslandWorker | None = None
         self._beat = None  # leader: the heartbeat of everything it holds
         self._kept: list[Lease] = []  # leader: leased, not captured yet (beyond a multiple of tp)
         self._upstream = Upstream(False)  # island: the leader's view, as of the last take
@@ -244,8 +69,38 @@ class ColocatedSource(GroupSettlement):
         # nak'd task waiting out its delay is ack-pending, not pending, at the broker: without
         # this, the run could end before its next delivery (and its dead letter).
         self._retrying: dict[int, float] = {}
+        self._stream = None  # CUDA: the capture stream (see _capture_on_stream)
+
+    def _capture_on_stream(self, tasks: list[PromptTask]) -> list:
+        """Capture on a stream of its own on a GPU rank, so that with
+        `deployment.colocated_prefetch` the next window's prefill runs beside the training
+        step's kernels instead of queued between them on the default stream. The features are
+        complete when this returns (the thread waits for the stream), and are marked as used
+        by the training thread's stream, so their memory is not reused before it is done."""
+        device = self.capture_device
+        if device is None or torch.device(device).type != "cuda":
+            return capture_isolated(self.engine, self.contract, tasks, device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._stream):
+            results = capture_isolated(self.engine, self.contract, tasks, device)
+        consumer = torch.cuda.default_stream(device)
+        for result in results:
+            if isinstance(result, dict):
+                for t in result.values():
+                    if t.is_cuda:
+                        t.record_stream(consumer)
+        self._stream.synchronize()
+        return results
+
+    def _on_capture_stream(self):
+        """The store's put/get checks (a NaN screen) run on the capture stream: a sync there
+        does not wait for the training step queued on the default stream."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
     async def take(self, n: int, timeout_s: float) -> list[Item]:
+        """Lease and capture up to `n` tasks, stored in this rank's `mem://` store (an island's leader
+        leases for the island; see the module doc); [] after `timeout_s` when nothing came."""
         if self.island is not None:
             return await self._take_island(n, timeout_s)
         leases = []
@@ -263,16 +118,15 @@ class ColocatedSource(GroupSettlement):
         t0 = loop.time()
         with self._tracer.start_as_current_span("capture") as span:
             span.set_attribute("specbus.tasks", len(tasks))
-            results = await asyncio.to_thread(
-                capture_isolated, self.engine, self.contract, tasks, self.capture_device
-            )
+            results = await asyncio.to_thread(self._capture_on_stream, tasks)
         self.stats["capture_s"] += loop.time() - t0
         items = []
         for lease, result in zip(leases, results, strict=True):
             if isinstance(result, Exception):
                 await self._failed(lease, result)
                 continue
-            items.append(self._stored_item(lease, result))
+            with self._on_capture_stream():
+                items.append(self._stored_item(lease, result))
             self.stats["captured"] += 1
         return items
 
@@ -296,7 +150,7 @@ class ColocatedSource(GroupSettlement):
         )
 
     async def _failed(self, lease: Lease, error: Exception) -> None:
-        if await settle_failure(lease, error, self.publisher, self.names, self.bus_cfg):
+        if await settle_failure(self.runbus, lease, error):
             self.stats["dead_letters"] += 1
             self._retired.append(lease.seq)
         else:  # nak'd with a delay: the data is not over before it comes back (see upstream)
@@ -312,7 +166,7 @@ class ColocatedSource(GroupSettlement):
     async def _take_island(self, n: int, timeout_s: float) -> list[Item]:
         island = self.island
         if self._worker is None:
-            self._worker = _IslandWorker(
+            self._worker = IslandWorker(
                 island, self._capture, asyncio.get_running_loop(), self.capture_device
             )
             self._worker.start()
@@ -364,6 +218,8 @@ class ColocatedSource(GroupSettlement):
         return items
 
     async def upstream(self) -> Upstream:
+        """The producers' group drained (`RunBus.drained`), nothing buffered here and no failed capture
+        to retry; an island's ranks share the leader's view."""
         if self.island is not None:  # the leader's view, as of the last take (same on all)
             return self._upstream
         return await self._upstream_view()
@@ -375,21 +231,19 @@ class ColocatedSource(GroupSettlement):
             return Upstream(False, waiting_for=f"{len(self._retrying)} failed captures to retry")
         if self.group.buffered:
             return Upstream(False, waiting_for="deliveries buffered here")
-        if await self.kv.feed_complete() is None:
-            return Upstream(False, waiting_for="the feeder (feed not complete)")
-        tasks = await lag(self.bus, self.run, PRODUCERS)
-        if tasks.pending:
-            return Upstream(False, tasks.ack_pending, f"{tasks.pending} tasks not delivered yet")
-        return Upstream(True, tasks.ack_pending)
+        return await self.runbus.drained(PRODUCERS)
 
     def release(self, items: list[Item]) -> None:
+        """Free the items' tensors in this rank's store."""
         for item in items:
             self.store.release(item.stored)
 
     def usage(self):
+        """This rank's store residency."""
         return self.store.usage()
 
     def drain_retired(self) -> list[int]:
+        """Sequences dead-lettered here since the last call."""
         out, self._retired = self._retired, []
         return out
 
@@ -410,4 +264,5 @@ class ColocatedSource(GroupSettlement):
         await super().give_back()
 
     def close(self) -> None:
+        """Close this rank's store (the engine is the caller's)."""
         self.store.close()

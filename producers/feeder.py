@@ -1,16 +1,10 @@
 """The feeder: a dataset -> PromptTasks on the run's TASKS stream, once, in a seeded order.
 
-`prepare(cfg)` loads and tokenises the training records (chat template + assistant-span loss
-masks; pre-tokenised JSONL is taken as is), holds back `data.holdout` records for evaluation,
-and derives the EAGLE3 vocab mapping from the supervised tokens (deterministic for the same
-prompts). `feed()` then writes the run manifest (plan, target fingerprints, vocab mapping),
-publishes one task per record per epoch in a permutation seeded by `data.seed + epoch`
-(dedup ids carry the epoch), and finally marks the feed complete with the task count.
-
-It never floods: before each batch it waits while the producers' group has more than
-`max_pending` tasks not yet done. A restarted feeder resumes after the last task it
-published (the order is a pure function of the seed), and does nothing once the feed is
-marked complete. A manifest of another plan under the same run name is refused.
+`prepare(cfg)` tokenises the training records and derives the vocab mapping; `feed(...)`
+writes the run `Manifest`, publishes one task per record per epoch (permutation seeded by
+`data.seed + epoch`, bounded by the producers' lag), then marks the feed complete. A restart
+resumes after the last task published; a manifest of another plan is refused.
+docs/architecture.md, "Feeder".
 """
 
 from __future__ import annotations
@@ -24,17 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import torch
-from specbus.bus.connection import Bus
-from specbus.bus.lag import lag
-from specbus.bus.publisher import Publisher
 from specbus.bus.replay import last
-from specbus.bus.subjects import PRODUCERS, Names
-from specbus.bus.topology import RunKV
-from specbus.core.config import RunConfig
-from specbus.core.contracts import PromptTask
+from specbus.bus.run import RunBus
+from specbus.bus.subjects import PRODUCERS
+from specbus.core.config import DataConfig, RunConfig
+from specbus.core.contracts import Manifest, ManifestTarget, PromptTask, VocabTable
 from specbus.core.data.datasets import load_source, split_holdout
-from specbus.core.data.tokenize import TokenizedSample
+from specbus.core.data.tokenize import TokenizedSample, tokenize_records
 from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
 from specbus.core.errors import ConfigError, RecordError
 from specbus.core.models.target import (
@@ -45,13 +35,15 @@ from specbus.core.models.target import (
     target_fingerprint,
     tokenizer_fingerprint,
 )
-from specbus.core.training import tokenize_records
 
 log = logging.getLogger("specbus.feeder")
 
 
 @dataclass
 class Prepared:
+    """The feeder's tokenised training samples, held-back records, vocab mapping and the target's
+    identity."""
+
     samples: list[TokenizedSample]
     holdout: list[dict[str, Any]]
     vocab: VocabMapping
@@ -79,7 +71,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise ConfigError(
             f"target {cfg.target.model!r} has no tokenizer: data.source must be pre-tokenised (input_ids)"
         )
-    samples = tokenize_records(train, tokenizer, cfg)  # the single-process loop's rule too
+    samples = tokenize_records(train, tokenizer, cfg.data)
     if not samples:
         raise ConfigError(
             f"data.source {cfg.data.source!r}: no record has a supervised (assistant) token"
@@ -124,43 +116,36 @@ def plan_of(cfg: RunConfig, prepared: Prepared) -> dict[str, Any]:
 
 
 def plan_hash(plan: dict[str, Any]) -> str:
+    """A short stable digest of a plan (sorted-key JSON)."""
     return hashlib.sha256(orjson.dumps(plan, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-def manifest_of(cfg: RunConfig, prepared: Prepared) -> dict[str, Any]:
+def manifest_of(cfg: RunConfig, prepared: Prepared) -> Manifest:
+    """The run's manifest: its plan (see `plan_of`), task count, target and vocab table."""
     plan = plan_of(cfg, prepared)
-    return {
-        "run": cfg.run,
-        "plan": plan,
-        "plan_hash": plan_hash(plan),
-        "planned_tasks": len(prepared.samples) * cfg.data.epochs,
-        "target": {
-            "model": cfg.target.model,
-            "fingerprint": prepared.target_fingerprint,
-            "tokenizer_fingerprint": prepared.tokenizer_fingerprint,
-            "num_layers": prepared.info.num_layers,
-            "hidden_size": prepared.info.hidden_size,
-            "vocab_size": prepared.info.vocab_size,
-        },
-        "strategy": cfg.strategy.name,
-        # t2d is derived: t2d[i + d2t[i]] = True for every draft id i.
-        "vocab": {
-            "d2t": prepared.vocab.d2t.tolist(),
-            "target_vocab_size": prepared.info.vocab_size,
-        },
-    }
+    return Manifest(
+        run=cfg.run,
+        plan=plan,
+        plan_hash=plan_hash(plan),
+        planned_tasks=len(prepared.samples) * cfg.data.epochs,
+        target=ManifestTarget(
+            model=cfg.target.model,
+            fingerprint=prepared.target_fingerprint,
+            tokenizer_fingerprint=prepared.tokenizer_fingerprint,
+            num_layers=prepared.info.num_layers,
+            hidden_size=prepared.info.hidden_size,
+            vocab_size=prepared.info.vocab_size,
+        ),
+        strategy=cfg.strategy.name,
+        vocab=VocabTable(
+            d2t=tuple(prepared.vocab.d2t.tolist()), target_vocab_size=prepared.info.vocab_size
+        ),
+    )
 
 
-def vocab_from_manifest(manifest: dict[str, Any]) -> VocabMapping:
-    d2t = torch.tensor(manifest["vocab"]["d2t"], dtype=torch.long)
-    t2d = torch.zeros(int(manifest["vocab"]["target_vocab_size"]), dtype=torch.bool)
-    t2d[torch.arange(d2t.numel()) + d2t] = True
-    return VocabMapping(d2t=d2t, t2d=t2d)
-
-
-async def _resume_point(bus: Bus, names: Names) -> tuple[int, int] | None:
+async def _resume_point(run: RunBus) -> tuple[int, int] | None:
     """(epoch, task index) of the last dataset task in TASKS, or None if there is none."""
-    stored = await last(bus, names.tasks_stream, names.tasks)
+    stored = await last(run.bus, run.names.tasks_stream, run.names.tasks)
     if stored is None:
         return None
     try:
@@ -171,35 +156,37 @@ async def _resume_point(bus: Bus, names: Names) -> tuple[int, int] | None:
 
 
 async def feed(
-    bus: Bus,
-    kv: RunKV,
-    cfg: RunConfig,
+    run: RunBus,
     prepared: Prepared,
+    manifest: Manifest,
+    data: DataConfig,
     *,
     batch: int = 256,
     max_pending: int | None = None,
 ) -> int:
-    """Publish the run's tasks (see module doc); returns the task count. Idempotent."""
-    names = Names(cfg.run)
+    """Publish the run's tasks, `data.epochs` seeded permutations of `prepared.samples` (see
+    module doc), holding the producers' lag under `max_pending` (default 4 x
+    `bus.max_ack_pending`); returns the task count. Idempotent: resumes after the last task
+    published, returns at once once the feed is complete. Raises `ConfigError` when the run
+    already has a manifest of another plan."""
+    kv = run.kv
     done = await kv.feed_complete()
     if done is not None:
-        log.info("feed of run %s already complete (%d tasks)", cfg.run, done)
+        log.info("feed of run %s already complete (%d tasks)", run.run, done)
         return done
-    manifest = manifest_of(cfg, prepared)
     existing = await kv.get_manifest()
-    if existing is not None and existing.get("plan_hash") != manifest["plan_hash"]:
+    if existing is not None and existing.plan_hash != manifest.plan_hash:
         raise ConfigError(
-            f"run {cfg.run!r} already has a manifest of another plan ({existing.get('plan_hash')} != "
-            f"{manifest['plan_hash']}): use another run name, or the original data/strategy settings"
+            f"run {run.run!r} already has a manifest of another plan ({existing.plan_hash} != "
+            f"{manifest.plan_hash}): use another run name, or the original data/strategy settings"
         )
     if existing is None:
         await kv.put_manifest(manifest)
-    max_pending = max_pending or 4 * cfg.bus.max_ack_pending
-    publisher = Publisher(bus)
-    resume = await _resume_point(bus, names)
+    max_pending = max_pending or 4 * run.bus.cfg.max_ack_pending
+    resume = await _resume_point(run)
     total = 0
-    for epoch in range(cfg.data.epochs):
-        order = epoch_order(len(prepared.samples), cfg.data.seed, epoch)
+    for epoch in range(data.epochs):
+        order = epoch_order(len(prepared.samples), data.seed, epoch)
         start = 0
         if resume is not None:
             r_epoch, r_index = resume
@@ -210,7 +197,7 @@ async def feed(
                 start = order.index(r_index) + 1
                 total += start
         for lo in range(start, len(order), batch):
-            while (await lag(bus, cfg.run, PRODUCERS)).messages >= max_pending:
+            while (await run.lag(PRODUCERS)).messages >= max_pending:
                 await asyncio.sleep(0.2)
             tasks = []
             for index in order[lo : lo + batch]:
@@ -218,15 +205,15 @@ async def feed(
                 tasks.append(
                     PromptTask(
                         task_id=f"t{index}",
-                        run_id=cfg.run,
+                        run_id=run.run,
                         epoch=epoch,
                         index=index,
                         input_ids=tuple(s.input_ids.tolist()),
                         loss_mask=tuple(s.loss_mask.tolist()),
                     )
                 )
-            await publisher.publish_many(names.tasks, tasks)
+            await run.publisher.publish_many(run.names.tasks, tasks)
             total += len(tasks)
     await kv.mark_feed_complete(total)
-    log.info("fed %d tasks to run %s", total, cfg.run)
+    log.info("fed %d tasks to run %s", total, run.run)
     return total

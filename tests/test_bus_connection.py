@@ -9,13 +9,13 @@ import time
 import pytest
 from specbus.bus.connection import connect
 from specbus.core.config import BusConfig
-from specbus.core.errors import BusError
+from specbus.core.errors import BusError, ConfigError
 from specbus.ops.services.common import free_port
 from specbus.ops.services.nats import NatsServer
 
 
-def test_an_unreachable_broker_fails_fast_with_one_line_errors(caplog):
-    cfg = BusConfig(connect_timeout_s=0.5, reconnect_wait_s=0.1)
+def test_an_unreachable_broker_fails_after_the_connect_give_up_with_one_line_errors(caplog):
+    cfg = BusConfig(connect_timeout_s=0.5, reconnect_wait_s=0.1, connect_give_up_s=1.0)
     url = f"nats://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with (
@@ -27,12 +27,38 @@ def test_an_unreachable_broker_fails_fast_with_one_line_errors(caplog):
     records = [r for r in caplog.records if r.name == "specbus.bus"]
     assert records, "connection errors are logged"
     assert all("\n" not in r.getMessage() and r.exc_info is None for r in records)
-    # The same error repeated is logged once at WARNING, the repeats at DEBUG.
-    assert sum(r.levelno == logging.WARNING for r in records) == 1
+    # The same error repeated is logged once at WARNING, the repeats at DEBUG; the wait for
+    # the broker is announced once.
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "not reachable yet" in warnings[1], warnings
+
+
+def test_a_process_started_during_an_outage_waits_for_the_broker(tmp_path, caplog):
+    """A producer restarted while the broker is down (issue 12: a restart during a 60 s
+    outage exited 2) connects once the broker is back, within bus.connect_give_up_s."""
+    server = NatsServer(tmp_path / "nats")
+    cfg = BusConfig(connect_timeout_s=0.5, reconnect_wait_s=0.1, connect_give_up_s=60)
+
+    async def body():
+        connecting = asyncio.create_task(connect(cfg, server.url, name="late"))
+        while not any("not reachable yet" in r.getMessage() for r in caplog.records):
+            assert not connecting.done(), connecting  # still waiting, not failed
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(server.start)  # the broker comes up after its client
+        bus = await asyncio.wait_for(connecting, 30)
+        assert bus.connected
+        await bus.close()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="specbus.bus"):
+            asyncio.run(body())
+    finally:
+        server.stop()
+    assert any("connected to" in r.getMessage() for r in caplog.records)
 
 
 def test_no_url_is_a_clear_error():
-    with pytest.raises(BusError, match="no broker URL"):
+    with pytest.raises(ConfigError, match="no broker URL"):
         asyncio.run(connect(BusConfig()))
 
 
@@ -57,17 +83,19 @@ def test_user_and_password_are_passed_through(auth_server):
         await bus.close()
 
     asyncio.run(body())
+    t0 = time.monotonic()  # refused credentials are not retried until the connect give-up
     with pytest.raises(BusError, match="cannot connect"):
         asyncio.run(
             connect(
                 BusConfig(user="trainer", password="wrong", connect_timeout_s=0.5), auth_server.url
             )
         )
+    assert time.monotonic() - t0 < 30
 
 
 def test_a_missing_creds_file_is_named(tmp_path):
     cfg = BusConfig(creds_file=tmp_path / "nope.creds")
-    with pytest.raises(BusError, match="nope.creds"):
+    with pytest.raises(ConfigError, match="nope.creds"):
         asyncio.run(connect(cfg, "nats://127.0.0.1:4222"))
 
 

@@ -11,6 +11,7 @@ from specbus.bus.lease import Leases
 from specbus.bus.publisher import Publisher
 from specbus.bus.status import run_status
 from specbus.bus.topology import declare
+from specbus.core.contracts import Manifest, ManifestTarget, VocabTable
 from specbus.core.errors import BusError, ConfigError
 
 from tests.fixtures.nats import make_ref, make_task, open_run
@@ -100,12 +101,18 @@ def test_kv_markers_round_trip(nats_server, run_id, bus_cfg):
             None,
             None,
         )
-        await kv.put_manifest({"config_hash": "abc", "features": ["hidden_states"]})
+        manifest = Manifest(
+            run=run_id, plan={"strategy": {"name": "eagle3"}}, plan_hash="abc", planned_tasks=4,
+            target=ManifestTarget(model="m", fingerprint="fp", tokenizer_fingerprint="tfp",
+                                  num_layers=2, hidden_size=8, vocab_size=16),
+            strategy="eagle3", vocab=VocabTable(d2t=(0, 1, 3), target_vocab_size=16),
+        )  # fmt: skip
+        await kv.put_manifest(manifest)
         await kv.mark_feed_complete(1234)
         await kv.put_checkpoint({"step": 10, "path": "/ckpt/10", "floor": 80})
         await kv.put_checkpoint({"step": 20, "path": "/ckpt/20", "floor": 160})
         await kv.mark_train_complete({"steps": 20})
-        assert await kv.get_manifest() == {"config_hash": "abc", "features": ["hidden_states"]}
+        assert await kv.get_manifest() == manifest
         assert await kv.feed_complete() == 1234
         assert await kv.get_checkpoint() == {"step": 20, "path": "/ckpt/20", "floor": 160}
         assert await kv.train_complete() == {"steps": 20}
@@ -176,3 +183,26 @@ def test_run_names_that_are_not_subject_tokens_are_refused():
 
     with pytest.raises(ConfigError, match="run name"):
         Names("a.b")
+
+
+def test_bus_errors_keep_the_servers_codes(nats_server, run_id, bus_cfg):
+    """A refusal reaches the caller as a specbus error that keeps what the server said (status,
+    JetStream error code, the stream) with the nats exception as its cause."""
+    from specbus.bus.connection import connect
+    from specbus.bus.replay import get
+    from specbus.core.errors import BusNotFound, BusRejected
+
+    async def body():
+        bus = await connect(bus_cfg, nats_server.url, name=f"test-{run_id}")
+        with pytest.raises(BusNotFound) as e:
+            await lag(bus, run_id)  # never declared
+        assert e.value.code == 404 and e.value.err_code == 10059 and e.value.__cause__ is not None
+        bus2, topo = await open_run(nats_server.url, bus_cfg, run_id)
+        assert await get(bus2, topo.names.tasks_stream, 99) is None  # absent: None, not an error
+        with pytest.raises(BusRejected) as e:
+            await Publisher(bus2).publish(f"nowhere.{run_id}", make_task(run_id, 1))
+        assert e.value.code == 503
+        await bus.close()
+        await bus2.close()
+
+    asyncio.run(body())

@@ -11,7 +11,7 @@ import time
 import pytest
 from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info
-from specbus.producers.colocated import validate_colocated
+from specbus.ops.modes import check_colocated
 
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
@@ -20,6 +20,7 @@ GATE = [
     "training.micro_batch=2",
     "target.capture_batch=1",
     "training.prefetch=0",
+    "training.total_steps=12",  # one schedule for every path, W1's two epochs included
 ]
 
 
@@ -43,28 +44,44 @@ def run_two_colocated_ranks(tmp_path, target, server, run_id, n: int, *overrides
 
 
 def test_equivalence_gate_colocated_equals_disaggregated(tmp_path, tiny_target, nats_server):
+    """The same 12 tasks through colocated, disaggregated (shm://), W3' (features over HTTP)
+    and W1 (a recording captured into file://, trained for two epochs: its first epoch) train
+    the same six steps, bitwise."""
     data = write_tokenised_data(tmp_path / "data.jsonl", 12)
-    dis_cfg = pipeline_config(
-        "gate_dis", tmp_path / "dis", tiny_target, data, store_uri="shm://gate_dis", overrides=GATE
-    )
-    col_cfg = pipeline_config("gate_col", tmp_path / "col", tiny_target, data, store_uri="mem://",
-                              overrides=[*GATE, "deployment.mode=colocated"])  # fmt: skip
-    dis = Cluster(dis_cfg, tmp_path / "dis-procs", nats_server.url)
-    col = Cluster(col_cfg, tmp_path / "col-procs", nats_server.url)
+
+    def cluster(run: str, store_uri: str, *overrides: str) -> Cluster:
+        cfg = pipeline_config(run, tmp_path / run, tiny_target, data, store_uri=store_uri,
+                              overrides=[*GATE, *overrides])  # fmt: skip
+        return Cluster(cfg, tmp_path / f"{run}-procs", nats_server.url)
+
+    dis = cluster("gate_dis", "shm://gate_dis")
+    col = cluster("gate_col", "mem://", "deployment.mode=colocated")
+    rec = cluster("gate_rec", f"file://{tmp_path}/gate_rec")
+    w1 = cluster("gate_w1", "mem://", "data.epochs=2")
+    w3 = cluster("gate_w3", "http://127.0.0.1:0")
     try:
-        dis.start("feeder", "feed")
-        dis.start("producer-0", "produce")
-        dis.trainers(1)
-        dis.assert_ok(dis.wait("feeder", "producer-0", "trainer-0"))
+        for c in (dis, w3):
+            c.start("feeder", "feed")
+            c.start("producer-0", "produce")
+            c.trainers(1)
         col.start("feeder", "feed")
         col.trainers(1)
+        rec.start("capture", "capture")
+        rec.assert_ok(rec.wait("capture"))
+        w1.start("trainer-0", "train", "--from-recording", "gate_rec")
+        for c in (dis, w3):
+            c.assert_ok(c.wait("feeder", "producer-0", "trainer-0"))
         col.assert_ok(col.wait("feeder", "trainer-0"))
+        w1.assert_ok(w1.wait("trainer-0"))
     finally:
-        dis.stop()
-        col.stop()
-    a, b = losses(dis), losses(col)
-    assert len(a) == 6 and a == b  # bitwise: float equality of every step's loss
-    assert dis.checkpoint_state()["lineage"] == col.checkpoint_state()["lineage"]
+        for c in (dis, col, rec, w1, w3):
+            c.stop()
+    a, b, c, d = losses(dis), losses(col), losses(w1), losses(w3)
+    assert len(a) == 6 and len(c) == 12
+    assert a == b == c[:6] == d  # bitwise: float equality of every step's loss
+    lineage = dis.checkpoint_state()["lineage"]
+    assert lineage == col.checkpoint_state()["lineage"] == w3.checkpoint_state()["lineage"]
+    assert [f"{x}/e0" for x in lineage] == w1.checkpoint_state()["lineage"][: 6 * 2]
 
 
 def test_colocated_residency_never_exceeds_one_window(tmp_path, tiny_target, nats_server, run_id):
@@ -109,16 +126,18 @@ def test_colocated_rank_killed_then_resumed_exactly_once(
         (["deployment.sequence_parallel=2"], "deployment.sequence_parallel=2"),
         (["deployment.target_ep=2"], "deployment.target_ep=2"),
         (["data.max_length=300"], "headroom"),
-        (["target.tp_size=2", "target.engine=sglang"], "not target.engine='sglang'"),
+        (["target.tp_size=2", "target.engine=sglang"], "target.engine 'sglang' is not registered"),
+        (["target.tp_size=2", "deployment.colocated_prefetch=1"], "colocated_prefetch=1"),
         (["target.max_total_tokens=10"], "max_total_tokens=10"),
     ],
 )
 def test_colocated_config_refusals(tmp_path, tiny_target, overrides, needle):
+    """Refused at load (the config alone says it) or by the mode's check (the target's shapes)."""
     data = write_tokenised_data(tmp_path / "data.jsonl", 4)
-    cfg = pipeline_config("r", tmp_path, tiny_target, data, store_uri="mem://",
-                          overrides=["deployment.mode=colocated", *overrides])  # fmt: skip
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
-        validate_colocated(cfg, load_target_info(tiny_target), world=2)
+        cfg = pipeline_config("r", tmp_path, tiny_target, data, store_uri="mem://",
+                              overrides=["deployment.mode=colocated", *overrides])  # fmt: skip
+        check_colocated(cfg, load_target_info(tiny_target), world=2)
 
 
 def test_colocated_prefetch_overlaps_capture_and_bounds_residency(

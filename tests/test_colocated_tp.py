@@ -18,7 +18,7 @@ from specbus.bus.lease import Leases
 from specbus.bus.subjects import PRODUCERS, Names
 from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info
-from specbus.producers.colocated import validate_colocated
+from specbus.ops.modes import check_colocated
 
 from tests.fixtures.pipeline import VOCAB, Cluster, pipeline_config, write_tokenised_data
 
@@ -122,11 +122,11 @@ def test_tp_island_config_refusals(tmp_path, tiny_target, tp, world, extra, need
     cfg = pipeline_config("r", tmp_path, tiny_target, data, store_uri="mem://",
                           overrides=[*TP, f"target.tp_size={tp}", *extra])  # fmt: skip
     with pytest.raises(ConfigError, match=needle):
-        validate_colocated(cfg, load_target_info(tiny_target), world=world)
+        check_colocated(cfg, load_target_info(tiny_target), world=world)
 
 
 def test_tp_island_config_accepted(tmp_path, tiny_target):
     data = write_tokenised_data(tmp_path / "data.jsonl", 4)
     cfg = pipeline_config("r", tmp_path, tiny_target, data, store_uri="mem://", overrides=TP)
-    plan = validate_colocated(cfg, load_target_info(tiny_target), world=4)
+    plan = check_colocated(cfg, load_target_info(tiny_target), world=4)
     assert (plan.num_islands, plan.island_batch) == (2, 2 * cfg.training.micro_batch)

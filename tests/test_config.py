@@ -45,3 +45,22 @@ def test_bad_files_are_clear(tmp_path):
     (tmp_path / "typo.yaml").write_text("trainig:\n  lr: 1\n")
     with pytest.raises(ConfigError, match="trainig"):
         load_config(tmp_path / "typo.yaml")
+
+
+def test_a_choice_that_is_not_built_is_refused_at_load_and_a_registered_one_accepted():
+    from specbus.core.registry import MODES
+
+    with pytest.raises(
+        ConfigError,
+        match="deployment.mode 'offline' is not registered; built: colocated, disaggregated, live",
+    ):
+        build_config({}, ["deployment.mode=offline"])
+    assert build_config({}, ["deployment.mode=live"]).deployment.mode == "live"
+    MODES.register("test-mode", "nowhere:nothing")  # resolved only when built
+    try:
+        assert build_config({}, ["deployment.mode=test-mode"]).deployment.mode == "test-mode"
+    finally:
+        MODES.unregister("test-mode")
+    for removed in ("training.eval_every=5", "deployment.producers=2", "deployment.trainers=2"):
+        with pytest.raises(ConfigError, match=removed.split("=")[0]):
+            build_config({}, [removed])

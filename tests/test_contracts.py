@@ -81,3 +81,23 @@ def test_nbytes_must_add_up_and_masks_must_be_binary():
         PromptTask(task_id="t", run_id="r", input_ids=(1, 2), loss_mask=(0, 2))
     with pytest.raises(Exception, match="differ in length"):
         PromptTask(task_id="t", run_id="r", input_ids=(1, 2), loss_mask=(0,))
+
+
+def test_the_manifest_is_a_versioned_record_with_room_for_a_vocab_table():
+    from specbus.core.contracts import Manifest, ManifestTarget, VocabTable
+    from specbus.core.data.vocab import VocabMapping
+
+    manifest = Manifest(
+        run="r", plan={"num_samples": 3}, plan_hash="abc", planned_tasks=3, strategy="eagle3",
+        target=ManifestTarget(model="m", fingerprint="f", tokenizer_fingerprint="t",
+                              num_layers=2, hidden_size=8, vocab_size=200_000),
+        vocab=VocabTable(d2t=tuple(range(0, 144_000, 3)), target_vocab_size=200_000),
+    )  # fmt: skip
+    data = manifest.to_bytes()
+    assert len(data) > MAX_RECORD_BYTES  # a 48k draft vocab over a large target vocabulary
+    assert Manifest.from_bytes(data) == manifest
+    vocab = VocabMapping.from_d2t(manifest.vocab.d2t, manifest.vocab.target_vocab_size)
+    assert vocab.draft_vocab_size == 48_000 and int(vocab.t2d.sum()) == 48_000
+    with pytest.raises(RecordError) as e:
+        Manifest.from_bytes(data.replace(b'"schema_version":1', b'"schema_version":2'))
+    assert e.value.reason == "schema"

@@ -56,11 +56,11 @@ def test_holdout_is_the_tail_and_limit_caps_the_train_part():
 
 
 def test_prompt_only_records_get_the_targets_own_answer():
-    from specbus.core.data.regenerate import complete_with_target
     from specbus.core.data.templates import detect_template
     from specbus.core.data.tokenize import tokenize_record
     from specbus.core.eval.speculative import greedy_generate
     from specbus.core.models.target import load_causal_lm, load_tokenizer, resolve_target_dir
+    from specbus.ops.bench.regenerate import complete_with_target
 
     path = resolve_target_dir("smollm2-135m-instruct")
     tokenizer, model = load_tokenizer(path), load_causal_lm(path)

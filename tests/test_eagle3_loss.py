@@ -267,3 +267,33 @@ def test_collate_refuses_features_that_break_the_contract():
         assert "hidden_states" in str(e)
     else:
         raise AssertionError("a [L, 2H] hidden_states was accepted")
+
+
+def test_fused_step_loss_equals_the_reference_arithmetic():
+    """The CUDA path's `_FusedStepLoss` (loss, acceptance rate and gradient from one pass)
+    computes the same function as `step_loss` + `acceptance_rate` + autograd."""
+    from specbus.core.strategies.eagle3 import eagle3_ttt_loss
+
+    results = []
+    for fused in (False, True):
+        strategy, draft, batch = setup(ttt_length=3)
+        t = batch.tensors
+        loss, metrics = eagle3_ttt_loss(
+            draft, input_ids_BL=t["input_ids"], attention_mask_BL=t["attention_mask"],
+            loss_mask_BL=t["loss_mask"], hidden_states_BL3H=t["hidden_states"],
+            target_BLH=t["target"], lm_head_VH=strategy.heads.lm_head, ttt_length=3,
+            fused=fused,
+        )  # fmt: skip
+        (loss * 0.7).backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), metrics, grads))
+    (loss_r, m_r, g_r), (loss_f, m_f, g_f) = results
+    torch.testing.assert_close(loss_f, loss_r, rtol=1e-12, atol=1e-14)
+    assert m_f.keys() == m_r.keys()
+    for key in m_r:
+        torch.testing.assert_close(
+            torch.as_tensor(m_f[key]).double(), torch.as_tensor(m_r[key]).double(),
+            rtol=1e-12, atol=1e-14, msg=key,
+        )  # fmt: skip
+    for name in g_r:
+        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-10, atol=1e-13, msg=name)

@@ -167,3 +167,57 @@ def test_llama3_rope_scaling_matches_transformers():
     )
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     torch.testing.assert_close(rope_inv_freq(128, 500000.0, scaling), expected.float())
+
+
+def _tiles(bm):
+    """Dense partial / full tiles `[B, H, Qt, Kt]` of a BlockMask."""
+
+    def dense(num, idx):
+        kt = idx.shape[-1]
+        out = torch.zeros(*num.shape, kt + 1, dtype=torch.bool)
+        sel = torch.where(torch.arange(kt) < num[..., None], idx.long(), kt)
+        return out.scatter_(-1, sel, True)[..., :kt]
+
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+@pytest.mark.parametrize(
+    "seq,lengths", [(300, (300, 200)), (256, (256, 100)), (1000, (1000,)), (130, (130, 1))]
+)
+def test_ttt_block_masks_are_create_block_masks_tiles_built_once(seq, lengths):
+    """The tile-level builder gives exactly create_block_mask's partial and full tiles for
+    every TTT step (lengths that are and are not whole tiles, padded rows)."""
+    from specbus.core.models.llama_eagle3 import ttt_block_masks, ttt_mask_mod
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    pad = torch.zeros(len(lengths), seq, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        pad[i, :n] = 1
+    masks = ttt_block_masks(pad, 4)
+    for k, m in enumerate(masks):
+        ref = create_block_mask(ttt_mask_mod(pad), len(lengths), None, seq, (k + 1) * seq, "cpu")
+        for ours, theirs in zip(_tiles(m.block_mask), _tiles(ref), strict=True):
+            assert torch.equal(ours, theirs), (k, seq)
+
+
+def test_flex_ttt_forward_matches_the_eager_path_on_cpu():
+    """The flex TTT path (grouped-query keys, the per-step masks of the forward) computes the
+    eager path's attention (CPU: the unfused flex forward; CUDA: tests/test_eagle3_gpu.py)."""
+    import warnings
+
+    from specbus.core.models.llama_eagle3 import _ttt_flex
+
+    warnings.filterwarnings("ignore", message=".*without torch.compile.*")
+    torch.manual_seed(0)
+    padding = torch.tensor([[1] * 200, [1] * 150 + [0] * 50])
+    eager = TTTCache(key_padding_BL=padding)
+    flex = TTTCache(key_padding_BL=padding, attention="flex")
+    with torch.no_grad():
+        for _ in range(3):
+            k, v = torch.randn(2, 2, 2, 200, 16).unbind(0)  # 2 kv heads
+            q = torch.randn(2, 4, 200, 16)  # 4 query heads
+            eager.keys.append(k.repeat_interleave(2, 1)), eager.values.append(v.repeat_interleave(2, 1))  # fmt: skip
+            flex.keys.append(k), flex.values.append(v)
+            torch.testing.assert_close(
+                _ttt_flex(q, flex), _ttt_eager(q, eager), rtol=1e-5, atol=1e-5
+            )

@@ -148,3 +148,44 @@ def test_a_broken_verifier_is_caught_by_the_lossless_check(target, monkeypatch):
             aux_layers=strategy.aux_layers,
             max_new_tokens=20,
         )
+
+
+def test_batched_generation_equals_batch1_greedy_and_keeps_the_eos(target):
+    from specbus.core.data.regenerate import generate_batched, token_records
+
+    prompts = [
+        torch.tensor([3, 17, 5, 9]),
+        torch.tensor([1, 2]),
+        torch.tensor([7, 7, 30, 4, 11, 2]),
+    ]
+    eos = (5,)
+    outs = generate_batched(target, prompts, max_new_tokens=24, eos_ids=eos, pad_id=0, batch_size=2)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out == greedy_generate(target, prompt, 24, eos)
+    sampled = generate_batched(target, prompts, max_new_tokens=8, pad_id=0, temperature=1.0, seed=3)
+    assert sampled == generate_batched(
+        target, prompts, max_new_tokens=8, pad_id=0, temperature=1.0, seed=3
+    )
+    records = token_records(prompts, outs)
+    for record, prompt, out in zip(records, prompts, outs, strict=True):
+        assert record["input_ids"] == prompt.tolist() + out
+        assert record["loss_mask"] == [0] * len(prompt) + [1] * len(out)
+
+
+def test_a_wrong_memoised_reference_is_decoded_again_and_mismatches_can_be_counted(
+    target, monkeypatch
+):
+    import specbus.core.eval.speculative as spec_mod
+
+    info = TargetInfo.from_hf_config(target.config, name="tiny", path=".")
+    strategy = build_strategy(StrategyConfig(draft=DraftConfig(draft_vocab_size=V)), info)
+    draft = strategy.build_model().double().eval()
+    prompt = torch.tensor([1, 2, 3])
+    kwargs = dict(aux_layers=strategy.aux_layers, max_new_tokens=20)
+    wrong = {tuple(prompt.tolist()): [0] * 20}  # a faster decode that went elsewhere
+    report = measure_acceptance(target, draft, [prompt], references=wrong, **kwargs)
+    assert report.lossless and report.mismatches == 0
+    assert wrong[tuple(prompt.tolist())] == greedy_generate(target, prompt, 20)
+    monkeypatch.setattr(spec_mod, "_crop", lambda cache, keep: None)  # a broken verifier
+    report = measure_acceptance(target, draft, [prompt, prompt], strict=False, **kwargs)
+    assert report.mismatches == 2 and not report.lossless

@@ -89,7 +89,7 @@ class _Rank:
         self.group = self.loop.call(Leases.join(self.bus, run, TRAINERS))
         self.ledger = Ledger()
         source = BusSource(
-            self.bus, run, self.group, self.topo.kv, strategy="eagle3",
+            self.topo, self.group, strategy="eagle3",
             features=("hidden_states",), target_fingerprint="fp", tokenizer_fingerprint="fp",
             trained=self.ledger,
         )  # fmt: skip

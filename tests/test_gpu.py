@@ -133,7 +133,7 @@ def test_pipeline_trains_on_cuda(mode, tmp_path, tiny_target, nats_server, run_i
 
 def test_bench_random_target_is_seeded_and_carries_the_heads(tmp_path):
     from specbus.core.models.target import load_target_heads, target_fingerprint
-    from specbus.ops.bench.gpu_pipeline import build_random_target, write_target
+    from specbus.ops.bench.random_target import build_random_target, write_target
 
     small = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,

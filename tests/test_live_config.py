@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from specbus.bus.subjects import TRAINERS
 from specbus.core.config import build_config
+from specbus.core.contracts import Manifest, ManifestTarget, VocabTable
 from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info
+from specbus.core.registry import MODES
 from specbus.core.strategies.base import build_strategy
-from specbus.ops.train import check_live_manifest
+from specbus.ops.modes import LIVE
+from specbus.ops.train import check_manifest_mode, schedule_length
 from specbus.producers.live.manifest import capture_config, feature_decls
 from specbus.producers.live.wire import capture_decision, sample_id_of
 
@@ -19,17 +23,28 @@ def test_a_sink_cannot_give_up_before_the_intake_does():
         build_config({}, ["live.record_timeout_s=1", "live.publish_timeout_s=2"])
 
 
+def _manifest(mode: str) -> Manifest:
+    target = ManifestTarget(model="m", fingerprint="f", tokenizer_fingerprint="t", num_layers=2,
+                            hidden_size=8, vocab_size=16)  # fmt: skip
+    return Manifest(run="default", plan={}, plan_hash="x", planned_tasks=None if mode == "live"
+                    else 4, target=target, strategy="eagle3",
+                    vocab=VocabTable(d2t=(0,), target_vocab_size=16), mode=mode)  # fmt: skip
+
+
 def test_trainers_and_manifest_agree_on_the_mode_and_a_live_schedule_has_a_length():
+    assert MODES.get("live") is LIVE and LIVE.group == TRAINERS
     live = build_config({}, ["deployment.mode=live", "training.total_steps=10"])
-    check_live_manifest(live, {"mode": "live"})
+    check_manifest_mode(live, _manifest("live"))
     with pytest.raises(ConfigError, match="started by a feeder"):
-        check_live_manifest(live, {"plan_hash": "x"})
+        check_manifest_mode(live, _manifest("driven"))
     with pytest.raises(ConfigError, match="live"):
-        check_live_manifest(build_config({}), {"mode": "live"})
+        check_manifest_mode(build_config({}), _manifest("live"))
     with pytest.raises(ConfigError, match="total_steps"):
-        check_live_manifest(build_config({}, ["deployment.mode=live"]), {"mode": "live"})
-    check_live_manifest(build_config({}, ["deployment.mode=live", "training.max_steps=5"]),
-                        {"mode": "live"})  # fmt: skip
+        LIVE.check(build_config({}, ["deployment.mode=live"]), None, 1)
+    capped = build_config({}, ["deployment.mode=live", "training.max_steps=5"])
+    LIVE.check(capped, None, 1)
+    assert schedule_length(capped.training, None, 2) == 5
+    assert schedule_length(live.training, None, 2) == 10
 
 
 def test_a_live_run_has_no_feeder_and_no_producer():
@@ -53,6 +68,7 @@ def test_intake_refuses_a_run_that_is_not_live():
     [
         ("eagle3", ["input_ids", "loss_mask", "aux", "final"]),
         ("dflash", ["input_ids", "loss_mask", "aux"]),
+        ("domino", ["input_ids", "loss_mask", "aux"]),
         ("dspark", ["input_ids", "loss_mask", "aux", "final"]),
     ],
 )

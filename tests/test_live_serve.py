@@ -15,8 +15,8 @@ from specbus.core.config import TargetConfig
 from specbus.core.models.target import load_target_info
 from specbus.core.strategies.base import build_strategy
 from specbus.producers.engines.hf import HFEngine
+from specbus.producers.live.generate import Generator, Job
 from specbus.producers.live.manifest import capture_config
-from specbus.producers.live.serve import Generator, Job
 from specbus.producers.live.sink import CaptureSink
 from specbus.producers.live.wire import sample_id_of
 

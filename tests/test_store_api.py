@@ -1,4 +1,5 @@
-"""The FeatureStore contract, on every backend (mem://, shm://, mooncake:// on a real master)."""
+"""The FeatureStore contract, on every backend (mem://, shm://, mooncake:// on a real master,
+file:// in a temporary directory, http:// against a feature server on loopback)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from specbus.core.store import FeatureStore, open_store
 
 from tests.fixtures.mooncake import mooncake_store_config
 
-BACKENDS = ["mem", "shm", "mooncake"]
+BACKENDS = ["mem", "shm", "mooncake", "file", "http"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -23,13 +24,23 @@ def make_store(request, store_id):
         if request.param == "mooncake":
             services = request.getfixturevalue("mooncake_services")
             store = open_store(mooncake_store_config(services, store_id, **fields))
+        elif request.param == "file":
+            root = request.getfixturevalue("tmp_path") / "files"
+            store = open_store(f"file://{root}?store_id={store_id}", **fields)
+        elif request.param == "http":  # a feature server (mem:// behind it) on loopback
+            from specbus.core.config import StoreConfig
+            from specbus.producers.feature_server import serve_store
+
+            served = serve_store(StoreConfig(uri=f"http://127.0.0.1:0/{store_id}", **fields))
+            opened.append(served)
+            store = open_store(served.uri, pool_bytes=96 << 20, **fields)
         else:
             store = open_store(f"{request.param}://{store_id}", pool_bytes=96 << 20, **fields)
         opened.append(store)
         return store
 
     yield make
-    for store in opened:
+    for store in reversed(opened):  # clients before their servers
         store.close()
 
 
@@ -61,9 +72,7 @@ def test_round_trip_every_dtype(make_store):
     assert {n: (s.shape, s.dtype) for n, s in specs.items()} == {
         n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()
     }
-    assert all(
-        s.key == f"{store.uri.split('://')[1].split('?')[0]}/a/g0/{n}" for n, s in specs.items()
-    )
+    assert all(s.key == f"{store.store_id}/a/g0/{n}" for n, s in specs.items())
     _assert_same(store.get(specs), tensors)
     assert set(store.get(specs, names=["hidden", "loss_mask"])) == {"hidden", "loss_mask"}
     usage = store.usage()

@@ -464,3 +464,41 @@ def test_close_without_a_master_is_bounded_and_says_what_it_left(
     store.close()
     assert time.monotonic() - t0 < 3
     assert "still refused at close" in caplog.text and str(1 << 20) in caplog.text
+
+
+def test_a_put_rides_out_a_store_node_restart(private_mooncake, store_id, caplog):
+    """Regression (chaos, store-node kill on Mooncake): puts that fail while the node restarts
+    are waited out, the lease kept alive, instead of failing the task toward max_deliver."""
+    import asyncio
+    import logging
+
+    from specbus.core.store.retry import while_unavailable
+
+    store = open_store(mooncake_store_config(private_mooncake, store_id))
+    private_mooncake.kill_node()
+    wait_until(lambda: store.usage().capacity_bytes == 0, 10, "the master dropping the segment")
+    beats = []
+
+    async def keepalive():
+        beats.append(time.monotonic())
+
+    async def body():
+        put = asyncio.create_task(
+            while_unavailable(
+                lambda: store.put("y", {"h": torch.arange(10.0)}),
+                what="putting y", give_up_s=60, keepalive=keepalive,
+            )
+        )  # fmt: skip
+        while not beats:  # the put failed at least once: the store is known to be down
+            assert not put.done(), put
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(private_mooncake.start_node)
+        return await asyncio.wait_for(put, 60)
+
+    with caplog.at_level(logging.WARNING, logger="specbus.store"):
+        specs = asyncio.run(body())
+    assert torch.equal(store.get(specs)["h"], torch.arange(10.0))
+    lines = [r.getMessage() for r in caplog.records if r.name == "specbus.store"]
+    assert any("store unavailable while putting y" in m for m in lines)
+    assert any("store back after" in m for m in lines)
+    store.close()

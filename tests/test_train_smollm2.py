@@ -12,7 +12,7 @@ from specbus.core.config import build_config
 from specbus.core.data.templates import detect_template
 from specbus.core.data.tokenize import prompt_ids
 from specbus.core.eval.speculative import measure_acceptance
-from specbus.core.training import train_local
+from specbus.ops.bench.local_loop import train_local
 from specbus.producers.engines.hf import HFEngine
 
 pytestmark = pytest.mark.slow

@@ -87,6 +87,8 @@ def gsm8k_records(with_answers: bool = True) -> list[Record]:
 
 
 def chatterbot_records() -> list[Record]:
+    """English dialogues of the `chatterbot-corpus` package as chat records (each conversation's turns
+    alternate user/assistant)."""
     root = _package_dir("chatterbot_corpus", "chatterbot-corpus") / "data" / "english"
     records = []
     for path in sorted(root.glob("*.yml")):

@@ -16,6 +16,9 @@ from specbus.core.errors import ConfigError
 
 @dataclass(frozen=True)
 class ChatTemplate:
+    """Where assistant spans start and end in a rendered conversation (the loss mask's markers), and
+    the default system prompt."""
+
     assistant_header: str
     user_header: str
     end_of_turn: str
@@ -38,12 +41,14 @@ TEMPLATES: dict[str, ChatTemplate] = {
 
 
 def register_template(name: str, template: ChatTemplate) -> None:
+    """Register a chat template under `name`; `ConfigError` for a taken name."""
     if name in TEMPLATES:
         raise ConfigError(f"chat template {name!r} is already registered")
     TEMPLATES[name] = template
 
 
 def get_template(name: str) -> ChatTemplate:
+    """The template `name`; `ConfigError` naming the known ones otherwise."""
     try:
         return TEMPLATES[name]
     except KeyError as e:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from specbus.core.config import DataConfig
 from specbus.core.data.templates import ChatTemplate
 from specbus.core.errors import ConfigError
 
@@ -73,6 +74,7 @@ def normalize_messages(turns: list[dict[str, Any]], template: ChatTemplate) -> l
 def render(
     messages: list[dict[str, str]], tokenizer, *, add_generation_prompt: bool = False
 ) -> str:
+    """The conversation rendered by the tokenizer's own chat template (text, not tokens)."""
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
     )
@@ -165,3 +167,24 @@ def prompt_ids(record: dict[str, Any], tokenizer, template: ChatTemplate) -> tor
         messages = messages[:-1]
     text = render(messages, tokenizer, add_generation_prompt=True)
     return torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+
+
+def tokenize_records(
+    records: list[dict[str, Any]], tokenizer, data: DataConfig
+) -> list[TokenizedSample]:
+    """Tokenise with `data.chat_template` (else the tokenizer's own, detected); drops samples
+    with fewer than 2 supervised tokens (collate zeroes each sample's last loss position).
+    Raises `ConfigError` for a record of no known shape."""
+    from specbus.core.data.templates import detect_template, get_template
+
+    if data.chat_template:
+        template = get_template(data.chat_template)
+    else:  # pre-tokenised records need no template (a weights-only target has no tokenizer)
+        template = detect_template(tokenizer) if tokenizer is not None else None
+    samples = [
+        tokenize_record(
+            r, tokenizer, template, max_length=data.max_length, last_turn_only=data.last_turn_only
+        )
+        for r in records
+    ]
+    return [s for s in samples if int(s.loss_mask.sum()) >= 2]

@@ -27,29 +27,43 @@ class VocabMapping:
     d2t: torch.Tensor
     t2d: torch.Tensor
 
+    @classmethod
+    def from_d2t(cls, d2t: list[int] | tuple[int, ...], target_vocab_size: int) -> VocabMapping:
+        """The mapping from its offsets (a manifest's `VocabTable`): t2d[i + d2t[i]] = True."""
+        offsets = torch.tensor(d2t, dtype=torch.long)
+        t2d = torch.zeros(int(target_vocab_size), dtype=torch.bool)
+        t2d[torch.arange(offsets.numel()) + offsets] = True
+        return cls(d2t=offsets, t2d=t2d)
+
     @property
     def draft_vocab_size(self) -> int:
+        """Draft vocabulary size N."""
         return int(self.d2t.numel())
 
     @property
     def target_vocab_size(self) -> int:
+        """Target vocabulary size V."""
         return int(self.t2d.numel())
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids (any shape, on their device)."""
         return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
 
     def fingerprint(self) -> str:
+        """A digest of the mapping: processes of one run must agree on it."""
         digest = hashlib.sha256(self.d2t.numpy().tobytes())
         digest.update(self.t2d.numpy().tobytes())
         return digest.hexdigest()[:32]
 
     def save(self, path: str | Path) -> None:
+        """Write `d2t` and `t2d` as safetensors (the export's layout)."""
         from safetensors.torch import save_file
 
         save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()}, str(path))
 
     @classmethod
     def load(cls, path: str | Path) -> VocabMapping:
+        """Read a mapping `save` wrote."""
         from safetensors.torch import load_file
 
         try:

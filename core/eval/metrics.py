@@ -29,6 +29,8 @@ class EvalAccumulator:
         self.batches = 0
 
     def add(self, metrics: dict) -> None:
+        """Accumulate one batch's metrics: counts summed, rates and losses weighted by its
+        `loss_denom`."""
         steps = sum(1 for k in metrics if k.startswith("correct_"))
         if not self.correct:
             self.correct, self.denom = [0.0] * steps, [0.0] * steps

@@ -49,6 +49,7 @@ def export_keys(cfg: DFlashConfig) -> set[str]:
 
 
 def config_dict(cfg: DFlashConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The SGLang `config.json` of a DFlash-family draft."""
     dflash: dict[str, Any] = {
         "target_layer_ids": list(cfg.target_layer_ids),
         "mask_token_id": cfg.mask_token_id,

@@ -24,20 +24,36 @@ strategy passes them in (frozen), and decoding reads them from the target.
 Training attention (`forward`): the queries are N blocks of K positions; block n sees the
 context keys strictly before its anchor and every key of its own block. A query row with no
 allowed key (a padding block) gets a zero attention output, as the reference's eager path.
+Three paths: "eager" (explicit scores, the reference's arithmetic), "sdpa" (the dense boolean
+mask `[B, Q, L + Q]`) and "flex" (`FlexBlocks`: a flex-attention BlockMask built from the
+anchors at the tile level, no dense mask; context and queries padded to whole tiles; compiled
+kernel on CUDA, on the CPU the same tiles and mask as a dense SDPA, for tests).
 Decoding (`ContextCache`): the context K/V of every verified position is kept per layer; a
 block attends to all of it and to itself (no mask).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
+from specbus.core.models.dflash_attention import (  # noqa: F401  (part of this module's API)
+    FLEX_TILE,
+    FlexBlocks,
+    _flex_dense,
+    _repeat_kv,
+    flex_attend,
+    flex_blocks,
+)
+from specbus.core.models.kernels import swiglu
 from specbus.core.models.llama_eagle3 import RMSNorm, apply_rope, rope_inv_freq
 from torch import nn
+
+log = logging.getLogger("specbus.dflash")
 
 PROJECTORS = ("dflash", "domino", "dspark")
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
@@ -102,6 +118,8 @@ class DFlashConfig:
 
 
 class MLP(nn.Module):
+    """The draft's SwiGLU MLP (silu only)."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         if cfg.hidden_act != "silu":
@@ -111,17 +129,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _repeat_kv(x_BNkvTD: torch.Tensor, n_rep: int) -> torch.Tensor:
-    if n_rep == 1:
-        return x_BNkvTD
-    b, n, t, d = x_BNkvTD.shape
-    return x_BNkvTD[:, :, None].expand(b, n, n_rep, t, d).reshape(b, n * n_rep, t, d)
+        """down(silu(gate(x)) * up(x)) (a compiled kernel on CUDA, `core.models.kernels`)."""
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Attention(nn.Module):
+    """Block attention: a block's queries see the injected context keys/values (projected target
+    states) and their own block."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -155,9 +170,10 @@ class Attention(nn.Module):
         allow_BQS: torch.Tensor | None,
         attention: str = "sdpa",
     ) -> torch.Tensor:
-        """`allow_BQS` (S = L + Q) is the boolean mask over [context | block keys]; None: all.
-        `attention`: "sdpa" (any backend; memory-efficient on CUDA) or "eager" (explicit scores,
-        the reference's arithmetic)."""
+        """`allow_BQS` (S = L + Q) is the boolean mask over [context | block keys], None (all), or
+        `FlexBlocks` (flex attention; queries already padded to its `q_pad`). `attention`:
+        "sdpa" (any backend) or "eager" (explicit scores, the reference's arithmetic) for a
+        boolean mask."""
         b, q_len, _ = x_BQH.shape
         q = self.q_norm(self.q_proj(x_BQH).view(b, q_len, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x_BQH).view(b, q_len, self.num_kv_heads, self.head_dim))
@@ -165,6 +181,12 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, k, self.inv_freq, positions_BQ)
         rep = self.num_heads // self.num_kv_heads
+        if isinstance(allow_BQS, FlexBlocks):
+            pad = allow_BQS.ctx_len - kv_ctx[0].shape[2]
+            keys = torch.cat([F.pad(kv_ctx[0], (0, 0, 0, pad)), k], dim=2)
+            values = torch.cat([F.pad(kv_ctx[1], (0, 0, 0, pad)), v], dim=2)
+            out = flex_attend(q, keys, values, allow_BQS, rep)
+            return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
         keys = _repeat_kv(torch.cat([kv_ctx[0], k], dim=2), rep)
         values = _repeat_kv(torch.cat([kv_ctx[1], v], dim=2), rep)
         empty_BQ1 = None if allow_BQS is None else ~allow_BQS.any(-1, keepdim=True)
@@ -186,6 +208,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One draft layer: attention over context + block, then the MLP, pre-norm with residuals."""
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -194,6 +218,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x_BQH, kv_ctx, positions_BQ, allow_BQS, attention="sdpa") -> torch.Tensor:
+        """The block's hidden states `[B, Q, H]` after this layer."""
         h = x_BQH + self.self_attn(
             self.input_layernorm(x_BQH), kv_ctx, positions_BQ, allow_BQS, attention
         )
@@ -221,6 +246,7 @@ class MarkovHead(nn.Module):
             self.joint_proj = nn.Linear(2 * r + h, 3 * r)
 
     def prev_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The Markov head's embedding of the previous tokens."""
         return self.markov_w1(token_ids.long())
 
     def _rnn_step(self, state, prev_emb, hidden):
@@ -269,6 +295,7 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(input_dim, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """One acceptance logit per position."""
         return self.proj(features).squeeze(-1)
 
 
@@ -285,6 +312,7 @@ class ContextCache:
 
     @property
     def length(self) -> int:
+        """Verified context positions cached."""
         return 0 if not self.keys else int(self.keys[0].shape[2])
 
 
@@ -319,6 +347,7 @@ class DFlashDraft(nn.Module):
 
     @property
     def block_size(self) -> int:
+        """Tokens per drafted block (K)."""
         return self.config.block_size
 
     @torch.no_grad()
@@ -361,10 +390,14 @@ class DFlashDraft(nn.Module):
         seq = ctx.shape[1]
         ctx_pos, q_pos = positions_BS[:, :seq], positions_BS[:, seq:]
         h = noise_BQH.to(ctx.dtype)
+        q_len = h.shape[1]
+        if isinstance(allow_BQS, FlexBlocks):  # whole query tiles (the padding sees nothing)
+            h = F.pad(h, (0, 0, 0, allow_BQS.q_pad - q_len))
+            q_pos = F.pad(q_pos, (0, allow_BQS.q_pad - q_len))
         for layer in self.layers:
             kv = layer.self_attn.context_kv(ctx, ctx_pos)
             h = layer(h, kv, q_pos, allow_BQS, attention)
-        return self.norm(h)
+        return self.norm(h[:, :q_len])
 
     # -- decoding ------------------------------------------------------------------------
     @torch.no_grad()
@@ -406,6 +439,7 @@ class DFlashDraft(nn.Module):
     def confidence_logits(
         self, hidden: torch.Tensor, prev_ids: torch.Tensor
     ) -> torch.Tensor | None:
+        """DSpark's acceptance logits for the block's positions (None without a confidence head)."""
         if getattr(self, "confidence_head", None) is None:
             return None
         features = hidden

@@ -12,13 +12,9 @@ Vd draft vocab, K TTT step.
     lm_head       [Vd, H]
     d2t [Vd] int64, t2d [V] bool  vocab mapping buffers
 
-Attention has two modes. Training (TTT, `TTTCache`): at step 0 every query attends causally
-(+ key padding) to the step-0 keys; at step K > 0 it attends to the same step-0 keys plus,
-from each step 1..K, only the key at its own position (the "diagonal"); rotary positions are
-offset by K. `attention="eager"` reproduces SpecForge's sdpa-backend arithmetic exactly (scores
-against the step-0 keys are an L x L tensor per step); `attention="flex"` (CUDA) builds a
-flex-attention block mask over the concatenated keys instead. Decoding (`DecodeCache`) is plain
-causal attention over a growing KV cache, which is the same function at inference positions.
+Attention has two modes (eagle3_attention.py): training (TTT, `TTTCache`; rotary positions
+offset by the step K) and decoding (`DecodeCache`, plain causal attention over a growing KV
+cache, the same function at inference positions).
 """
 
 from __future__ import annotations
@@ -30,6 +26,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
+from specbus.core.models.eagle3_attention import (  # noqa: F401  (part of this module's API)
+    TILE,
+    DecodeCache,
+    TTTCache,
+    TTTMask,
+    _ttt_eager,
+    _ttt_flex,
+    block_mask_from_tiles,
+    step0_mask,
+    ttt_block_masks,
+    ttt_mask_mod,
+)
+from specbus.core.models.kernels import rms_norm, rope, swiglu
 from torch import nn
 
 
@@ -57,6 +66,7 @@ class Eagle3Config:
     pad_token_id: int | None = None
 
     def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` SGLang loads as `LlamaForCausalLMEagle3`."""
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLMEagle3"],
             "model_type": "llama",
@@ -89,6 +99,7 @@ class Eagle3Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> Eagle3Config:
+        """The config of an exported draft (rope settings in either transformers spelling)."""
         rope_theta, rope_scaling = d.get("rope_theta"), d.get("rope_scaling")
         if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
             params = dict(d["rope_parameters"])
@@ -124,18 +135,17 @@ class Eagle3Config:
 
 
 class RMSNorm(nn.Module):
+    """Llama's RMSNorm, computed in fp32 (fp64 kept)."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = (
-            x if dtype == torch.float64 else x.to(torch.float32)
-        )  # fp32 compute (fp64 kept for tests)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        """`x` normalised by its RMS over the last dimension, scaled, in `x`'s dtype (fp32
+        compute, fp64 kept for tests; one fused kernel on CUDA, `core.models.kernels`)."""
+        return rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -167,9 +177,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _on_device(inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The fp32 frequencies on `device`, copied once (kept on the CPU tensor itself): a
+    host-to-device copy per rotary call was a blocking copy per TTT step."""
+    if inv_freq.device == device:
+        return inv_freq
+    copies = inv_freq.__dict__.setdefault("_specbus_on", {})
+    if device not in copies:
+        copies[device] = inv_freq.to(device, torch.float32)
+    return copies[device]
 
 
 def apply_rope(
@@ -178,13 +194,9 @@ def apply_rope(
     inv_freq: torch.Tensor,
     position_ids_BL: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs_BLD2 = position_ids_BL.to(torch.float32)[..., None] * inv_freq.to(
-        position_ids_BL.device, torch.float32
-    )
-    emb_BLD = torch.cat((freqs_BLD2, freqs_BLD2), dim=-1)
-    cos = emb_BLD.cos().to(q_BNLD.dtype)[:, None]
-    sin = emb_BLD.sin().to(q_BNLD.dtype)[:, None]
-    return q_BNLD * cos + _rotate_half(q_BNLD) * sin, k_BNLD * cos + _rotate_half(k_BNLD) * sin
+    """`(q, k)` rotated by the rotary embedding of `position_ids_BL` (`kernels.rope`: fp32
+    frequencies, tables in q's dtype)."""
+    return rope(q_BNLD, k_BNLD, _on_device(inv_freq, position_ids_BL.device), position_ids_BL)
 
 
 def _repeat_kv(x_BNkvLD: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -194,105 +206,10 @@ def _repeat_kv(x_BNkvLD: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x_BNkvLD[:, :, None].expand(b, n, n_rep, seq, d).reshape(b, n * n_rep, seq, d)
 
 
-# ---------------------------------------------------------------------------------------------
-# Attention caches
-
-
-@dataclass
-class TTTCache:
-    """Keys/values of every TTT step so far (step 0 first) and the step-0 mask.
-
-    `key_padding_BL` is the batch attention mask (1 = real token). `mask_BNLL` (eager) is the
-    additive causal+padding mask of step 0, built lazily once per forward.
-    """
-
-    key_padding_BL: torch.Tensor
-    attention: str = "eager"
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-    mask_B1LL: torch.Tensor | None = None
-
-    @property
-    def step(self) -> int:
-        return len(self.keys)
-
-
-@dataclass
-class DecodeCache:
-    """Causal KV cache for inference: `k/v [B, N, T, D]` (kv heads already repeated)."""
-
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else int(self.k.shape[2])
-
-    def crop(self, length: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
-
-
-def step0_mask(key_padding_BL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive `[B, 1, L, L]` mask: 0 where query i may see key j (j <= i, j real), else min."""
-    seq = key_padding_BL.shape[1]
-    device = key_padding_BL.device
-    causal_LL = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-    allowed_B1LL = causal_LL[None, None] & key_padding_BL.bool()[:, None, None, :]
-    mask = torch.zeros(allowed_B1LL.shape, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed_B1LL, torch.finfo(dtype).min)
-
-
-def _ttt_eager(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
-    """SpecForge's sdpa-backend arithmetic: scores vs step-0 keys + one diagonal per earlier step."""
-    scale = math.sqrt(q_BNLD.shape[-1])
-    k0, v0 = cache.keys[0], cache.values[0]
-    seq = q_BNLD.shape[2]
-    if cache.mask_B1LL is None:
-        cache.mask_B1LL = step0_mask(cache.key_padding_BL, q_BNLD.dtype)
-    scores = torch.matmul(q_BNLD, k0.transpose(2, 3)) / scale + cache.mask_B1LL
-    diag = [((q_BNLD * k).sum(-1) / scale)[..., None] for k in cache.keys[1:]]
-    scores = torch.cat([scores, *diag], dim=-1) if diag else scores
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_BNLD.dtype)
-    out = torch.matmul(probs[..., :seq], v0)
-    for i, v in enumerate(cache.values[1:], start=1):
-        out = out + probs[..., seq + i - 1, None] * v
-    return out
-
-
-def _ttt_flex(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
-    """Same attention with a flex-attention block mask over [K0 | K1 | ... | Kk] (no L x L tensor)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, n, seq, _ = q_BNLD.shape
-    pad_BL = cache.key_padding_BL.bool()
-
-    def mask_mod(bi, hi, qi, kvi):
-        step, j = kvi // seq, kvi % seq
-        return ((step == 0) & (j <= qi) & pad_BL[bi, j]) | ((step > 0) & (j == qi))
-
-    total = seq * cache.step
-    block = create_block_mask(mask_mod, b, None, seq, total, device=q_BNLD.device)
-    k = torch.cat(cache.keys, dim=2)
-    v = torch.cat(cache.values, dim=2)
-    return _compiled_flex()(q_BNLD, k, v, block_mask=block)
-
-
-_FLEX = None
-
-
-def _compiled_flex():
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        # dynamic=None: the key length grows with the TTT step and L varies by batch; a static
-        # compile per shape would hit the recompile limit and fall back to the unfused kernel.
-        _FLEX = torch.compile(flex_attention, dynamic=None)
-    return _FLEX
-
-
 class Attention(nn.Module):
+    """The draft's attention over [embedding; hidden] (2H wide), with a TTT cache when training and a
+    causal cache when decoding."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -310,6 +227,7 @@ class Attention(nn.Module):
     def forward(
         self, x_BL2H: torch.Tensor, position_ids_BL: torch.Tensor, cache: TTTCache | DecodeCache
     ) -> torch.Tensor:
+        """Attention output `[B, L, H]`; the step's keys/values are appended to `cache`."""
         b, seq, _ = x_BL2H.shape
         q = self.q_proj(x_BL2H).view(b, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BL2H).view(b, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -317,9 +235,14 @@ class Attention(nn.Module):
         rep = self.num_heads // self.num_kv_heads
         if isinstance(cache, TTTCache):
             q, k = apply_rope(q, k, self.inv_freq, position_ids_BL + cache.step)
-            cache.keys.append(_repeat_kv(k, rep))
-            cache.values.append(_repeat_kv(v, rep))
-            out = _ttt_flex(q, cache) if cache.attention == "flex" else _ttt_eager(q, cache)
+            if cache.attention == "flex":  # grouped-query attention inside the kernel
+                cache.keys.append(k)
+                cache.values.append(v)
+                out = _ttt_flex(q, cache)
+            else:
+                cache.keys.append(_repeat_kv(k, rep))
+                cache.values.append(_repeat_kv(v, rep))
+                out = _ttt_eager(q, cache)
         else:
             q, k = apply_rope(q, k, self.inv_freq, position_ids_BL)
             past = cache.length
@@ -342,6 +265,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Llama's SwiGLU MLP."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         if cfg.hidden_act != "silu":
@@ -351,10 +276,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """down(silu(gate(x)) * up(x)) (a compiled kernel on CUDA, `core.models.kernels`)."""
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """EAGLE3's decoder layer: the normed token embedding and hidden state concatenated into attention,
+    then the MLP, each with a residual on the hidden state."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -364,6 +293,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, emb_BLH, hidden_BLH, position_ids_BL, cache) -> torch.Tensor:
+        """The layer's hidden state `[B, L, H]` for one TTT step (or one decode step)."""
         residual = hidden_BLH
         x = torch.cat((self.input_layernorm(emb_BLH), self.hidden_norm(hidden_BLH)), dim=-1)
         hidden_BLH = residual + self.self_attn(x, position_ids_BL, cache)
@@ -411,6 +341,7 @@ class LlamaEagle3Draft(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Linear and embedding weights N(0, initializer_range), norms 1."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, self.config.initializer_range)
@@ -420,6 +351,7 @@ class LlamaEagle3Draft(nn.Module):
 
     @torch.no_grad()
     def load_embedding(self, embed_VH: torch.Tensor) -> None:
+        """Copy the target's embedding into the frozen `embed_tokens`; `ConfigError` for another shape."""
         if tuple(embed_VH.shape) != tuple(self.embed_tokens.weight.shape):
             raise ConfigError(
                 f"target embedding {tuple(embed_VH.shape)} != draft embed_tokens {tuple(self.embed_tokens.weight.shape)}"
@@ -428,6 +360,7 @@ class LlamaEagle3Draft(nn.Module):
 
     @torch.no_grad()
     def load_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Copy the run's `d2t`/`t2d` into the draft's buffers; `ConfigError` for another shape."""
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise ConfigError(
                 f"vocab mapping d2t{tuple(d2t.shape)}/t2d{tuple(t2d.shape)} does not fit the draft "
@@ -437,9 +370,12 @@ class LlamaEagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
 
     def embed(self, ids_BL: torch.Tensor) -> torch.Tensor:
+        """The frozen target embedding of `ids_BL`."""
         return self.embed_tokens(ids_BL)
 
     def project(self, aux_BL3H: torch.Tensor) -> torch.Tensor:
+        """The 3 aux hidden states `[B, L, 3H]` projected to `[B, L, H]`; `ConfigError` for another
+        width."""
         if aux_BL3H.shape[-1] != self.fc.in_features:
             raise ConfigError(
                 f"aux hidden states width {aux_BL3H.shape[-1]} != 3 * target hidden {self.fc.in_features}"
@@ -473,6 +409,8 @@ class LlamaEagle3Draft(nn.Module):
         position_ids = torch.arange(input_ids_BL.shape[1], device=input_ids_BL.device)[None]
         hidden = self.project(hidden_states_BL3H.to(self.fc.weight.dtype))
         cache = TTTCache(key_padding_BL=attention_mask_BL, attention=attention)
+        if attention == "flex":  # every step's block mask, once per forward
+            cache.block_masks = ttt_block_masks(attention_mask_BL, ttt_length)
         logits = []
         ids = input_ids_BL
         for k in range(ttt_length):

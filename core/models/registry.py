@@ -20,6 +20,9 @@ _DRAFTS: dict[str, DraftBuilder] = {}
 
 
 def register_draft(name: str) -> Callable[[DraftBuilder], DraftBuilder]:
+    """Decorator: register a draft builder `(DraftConfig, TargetInfo, aux_layers) -> nn.Module` under
+    `name`; `ConfigError` for a taken name."""
+
     def wrap(builder: DraftBuilder) -> DraftBuilder:
         if name in _DRAFTS:
             raise ConfigError(f"draft architecture {name!r} is already registered")
@@ -30,6 +33,7 @@ def register_draft(name: str) -> Callable[[DraftBuilder], DraftBuilder]:
 
 
 def available_drafts() -> list[str]:
+    """The registered draft architectures, sorted."""
     return sorted(_DRAFTS)
 
 

@@ -63,6 +63,7 @@ class TargetInfo:
 
     @property
     def default_aux_layers(self) -> list[int]:
+        """EAGLE3's default capture layers for this depth (`ConfigError` below 4 layers)."""
         return default_aux_layers(self.num_layers)
 
     @classmethod
@@ -260,6 +261,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def load_target_info(path: Path, name: str | None = None) -> TargetInfo:
+    """The shapes of the target at `path` (its config only: no weights read)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -267,6 +269,7 @@ def load_target_info(path: Path, name: str | None = None) -> TargetInfo:
 
 
 def load_tokenizer(path: Path):
+    """The target's tokenizer (transformers `AutoTokenizer`)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

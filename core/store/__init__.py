@@ -5,6 +5,8 @@
                                                        (a query may set StoreConfig fields:
                                                        shm://x?recycle_bytes=0)
     mooncake://<store_id>?master=H:P&metadata=P2P&admin=H:P&protocol=tcp
+    file:///abs/dir[?store_id=x]                       persistent safetensors files (recordings)
+    http://host:port/<store_id>                        features a producer serves (W3')
 
 A store's `uri` is canonical: `open_store(store.uri)` in another process reaches the same
 samples (that is what SampleRef.store_uri records). See core/store/base.py for the contract.
@@ -14,29 +16,30 @@ samples (that is what SampleRef.store_uri records). See core/store/base.py for t
 from __future__ import annotations
 
 import urllib.parse
-from pathlib import Path
 from typing import Any
 
-from specbus.core.config import MooncakeConfig, StoreConfig
+from specbus.core.config import StoreConfig
 from specbus.core.errors import ConfigError
+from specbus.core.registry import STORES
 from specbus.core.store.base import FeatureStore, StoreUsage, check_store_id
 
 __all__ = ["FeatureStore", "StoreUsage", "open_store", "parse_uri", "purge_store"]
 
-SCHEMES = ("mem", "shm", "mooncake")
-
 
 def parse_uri(uri: str) -> tuple[str, str | None, str | None, dict[str, str]]:
-    """`(scheme, store_id or None, absolute dir or None, query)`; raises ConfigError."""
+    """`(scheme, store_id or None, absolute dir or None, query)`; raises ConfigError for a
+    scheme no store is built for (`core.registry.STORES`)."""
     parts = urllib.parse.urlsplit(uri)
-    if parts.scheme not in SCHEMES:
+    if parts.scheme not in STORES:
         raise ConfigError(
-            f"store.uri {uri!r}: scheme must be one of {', '.join(s + '://' for s in SCHEMES)}"
+            f"store.uri {uri!r}: scheme must be one of {', '.join(s + '://' for s in STORES.names())}"
         )
     query = dict(urllib.parse.parse_qsl(parts.query))
     path = parts.path or None
-    if path is not None and parts.scheme != "shm":
-        raise ConfigError(f"store.uri {uri!r}: only shm:// takes a directory path")
+    if parts.scheme == "http":  # the netloc is an address; the path names the store
+        return parts.scheme, path.strip("/") or query.pop("store_id", None), None, query
+    if path is not None and parts.scheme not in ("shm", "file"):
+        raise ConfigError(f"store.uri {uri!r}: only shm:// and file:// take a directory path")
     return parts.scheme, parts.netloc or query.pop("store_id", None), path, query
 
 
@@ -47,7 +50,11 @@ def open_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> FeatureStore:
     `store_id=` names the store when the URI does not. For mooncake://, the URI's query
     (master, metadata, admin, protocol) overrides `cfg.mooncake`.
     """
-    cfg = StoreConfig(uri=cfg_or_uri) if isinstance(cfg_or_uri, str) else cfg_or_uri
+    if isinstance(cfg_or_uri, str):
+        parse_uri(cfg_or_uri)  # a ConfigError naming the scheme, before pydantic's
+        cfg = StoreConfig(uri=cfg_or_uri)
+    else:
+        cfg = cfg_or_uri
     store_id_kw = kw.pop("store_id", None)
     if kw:
         try:
@@ -56,29 +63,18 @@ def open_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> FeatureStore:
             raise ConfigError(f"open_store: invalid store option(s) {sorted(kw)}: {e}") from e
     scheme, uri_id, path, query = parse_uri(cfg.uri)
     store_id = check_store_id(store_id_kw or uri_id or cfg.store_id or "default")
-    if scheme != "mooncake" and query:  # shm://id?recycle_bytes=... tunes this handle
-        unknown = set(query) - (set(StoreConfig.model_fields) - {"uri", "mooncake", "store_id"})
-        if unknown:
-            raise ConfigError(f"store.uri {cfg.uri!r}: unknown option(s) {sorted(unknown)}")
-        cfg = StoreConfig.model_validate({**cfg.model_dump(), **query})
+    return STORES.get(scheme)(cfg, store_id, path, query)
 
-    if scheme == "mem":
-        from specbus.core.store.mem import MemStore
 
-        return MemStore(cfg, store_id)
-    if scheme == "shm":
-        from specbus.core.store.shm import ShmStore
-
-        if path is not None and not Path(path).is_absolute():
-            raise ConfigError(f"store.uri {cfg.uri!r}: a shm directory must be absolute")
-        return ShmStore(cfg, store_id, Path(path) if path else None)
-    from specbus.core.store.mooncake import MooncakeStore
-
-    unknown = set(query) - set(MooncakeConfig.model_fields)
+def query_options(cfg: StoreConfig, query: dict[str, str]) -> StoreConfig:
+    """`cfg` with the URI query's StoreConfig fields applied (`shm://id?recycle_bytes=0` tunes
+    this handle). Raises `ConfigError` for a field that is not one."""
+    if not query:
+        return cfg
+    unknown = set(query) - (set(StoreConfig.model_fields) - {"uri", "mooncake", "store_id", "http"})
     if unknown:
-        raise ConfigError(f"store.uri {cfg.uri!r}: unknown mooncake option(s) {sorted(unknown)}")
-    mc = MooncakeConfig.model_validate({**cfg.mooncake.model_dump(), **query})
-    return MooncakeStore(cfg, store_id, mc)
+        raise ConfigError(f"store.uri {cfg.uri!r}: unknown option(s) {sorted(unknown)}")
+    return StoreConfig.model_validate({**cfg.model_dump(), **query})
 
 
 def purge_store(cfg_or_uri: StoreConfig | str, **kw: Any) -> int:

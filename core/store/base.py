@@ -81,6 +81,7 @@ class StoreUsage:
 
     @property
     def fraction(self) -> float:
+        """Resident bytes over the budget (0 without a budget)."""
         return self.resident_bytes / self.budget_bytes if self.budget_bytes else 0.0
 
 
@@ -119,7 +120,9 @@ class FeatureStore(Protocol):
         """Reclaim orphans; return the bytes freed. See the backend for its policy."""
         ...
 
-    def usage(self) -> StoreUsage: ...
+    def usage(self) -> StoreUsage:
+        """The store's residency (resident bytes, samples, peak, budget, capacity, pending
+        releases, cached bytes) as this handle sees it; the budget check's source."""
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An empty tensor to fill and then `put`; where the backend can (Mooncake: registered
@@ -276,12 +279,15 @@ class StoreBase:
 
 
 def check_id(kind: str, value: str) -> str:
+    """`value` if it is a legal key segment (`kind` names it in the `ValueError`)."""
     if not isinstance(value, str) or not _ID.match(value):
         raise ValueError(f"{kind} {value!r} must match {_ID.pattern} (it becomes a key segment)")
     return value
 
 
 def make_key(store_id: str, sample_id: str, gen: int, name: str) -> str:
+    """The object key of one tensor: `{store_id}/{sample_id}/g{gen}/{name}`; `ValueError` for an
+    illegal id or generation."""
     if not isinstance(gen, int) or gen < 0:
         raise ValueError(f"generation {gen!r} of sample {sample_id!r} must be an int >= 0")
     return f"{store_id}/{check_id('sample id', sample_id)}/g{gen}/{check_id('tensor name', name)}"
@@ -289,6 +295,8 @@ def make_key(store_id: str, sample_id: str, gen: int, name: str) -> str:
 
 @dataclass(frozen=True)
 class KeyParts:
+    """The parts of an object key."""
+
     store_id: str
     sample_id: str
     gen: int
@@ -309,6 +317,7 @@ def parse_key(key: str, store_id: str | None = None) -> KeyParts:
 
 
 def sample_prefix(store_id: str, sample_id: str, gen: int) -> str:
+    """The key prefix of one generation of a sample."""
     return f"{store_id}/{sample_id}/g{gen}/"
 
 
@@ -342,6 +351,7 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def as_cpu_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The tensor as a contiguous CPU tensor (a copy only when needed)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"feature {name!r} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in DTYPE_NAMES:
@@ -350,6 +360,7 @@ def as_cpu_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def crc32_of(t: torch.Tensor) -> int:
+    """CRC32 of the tensor's bytes (0 for an empty one)."""
     return zlib.crc32(byte_view(t).numpy().data) if t.numel() else 0
 
 
@@ -369,6 +380,7 @@ def screen_nonfinite(sample_id: str, name: str, t: torch.Tensor) -> None:
 
 
 def screen_all(sample_id: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """`IntegrityError` if any floating tensor holds NaN or Inf."""
     for name, t in tensors.items():
         screen_nonfinite(sample_id, name, t)
 
@@ -393,6 +405,7 @@ class Screener:
         self._pools: dict[int, ThreadPoolExecutor] = {}
 
     def help(self, shared: SharedScreen) -> None:
+        """Let a worker thread sum the chunks of `shared` from the back while the put goes on."""
         nice = 19 if shared.nbytes < self.NICE_BELOW_BYTES else 0
         pool = self._pools.get(nice)
         if pool is None:
@@ -402,6 +415,7 @@ class Screener:
         pool.submit(shared.help)
 
     def close(self) -> None:
+        """Wait for the workers and stop them."""
         for pool in self._pools.values():
             pool.shutdown(wait=True)
 
@@ -415,6 +429,7 @@ def _niced(nice: int) -> None:
 def make_spec(
     store_id: str, sample_id: str, gen: int, name: str, t: torch.Tensor, crc: bool
 ) -> FeatureSpec:
+    """The `FeatureSpec` of tensor `name` of a sample (CRC when `crc`)."""
     return FeatureSpec(
         name=name,
         key=make_key(store_id, sample_id, gen, name),
@@ -451,10 +466,12 @@ def prepare(
 
 
 def empty_for(spec: FeatureSpec) -> torch.Tensor:
+    """An uninitialised CPU tensor of the spec's shape and dtype."""
     return torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
 
 
 def check_crc(spec: FeatureSpec, t: torch.Tensor) -> None:
+    """`IntegrityError` when the spec has a CRC and the tensor does not match it."""
     if spec.crc32 is not None and crc32_of(t) != spec.crc32:
         raise IntegrityError(
             f"feature {spec.key!r}: CRC32 mismatch (stored bytes differ from the spec)"
@@ -462,12 +479,14 @@ def check_crc(spec: FeatureSpec, t: torch.Tensor) -> None:
 
 
 def to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """The tensors moved to `device` (unchanged for None)."""
     if device is None:
         return tensors
     return {k: v.to(device) for k, v in tensors.items()}
 
 
 def check_store_id(store_id: str) -> str:
+    """`store_id` if it is a legal store id; `ConfigError` otherwise."""
     try:
         return check_id("store id", store_id)
     except ValueError as e:

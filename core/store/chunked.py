@@ -98,6 +98,7 @@ class SharedScreen:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of floating tensors this screen covers."""
         return sum(f.numel() * f.element_size() for _, f, _, _ in self._tensors)
 
     def screen_next(self) -> None:
@@ -125,6 +126,7 @@ class SharedScreen:
             self._back = self._front
 
     def finish(self) -> None:
+        """Sum what the helper did not, then raise `IntegrityError` if any chunk held NaN or Inf."""
         with self._lock:
             self._back = self._front  # the helper takes no more chunks
         for i, s in enumerate(self.sums):

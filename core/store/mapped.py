@@ -45,6 +45,8 @@ class _Entry:
 
 
 class MappedFiles:
+    """This process's mappings of the store's files, kept across puts (bounded to `max_bytes`)."""
+
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.users = 0  # store handles of this process sharing the cache (see `shared`)
@@ -53,6 +55,7 @@ class MappedFiles:
         self._lock = threading.Lock()
 
     def wants(self, nbytes: int) -> bool:
+        """True when a file of `nbytes` is worth mapping (large enough, and room for it)."""
         return nbytes >= MIN_BYTES and nbytes <= self.max_bytes
 
     @contextlib.contextmanager
@@ -106,6 +109,7 @@ class MappedFiles:
                     self._drop(entry)
 
     def clear(self) -> None:
+        """Unmap everything."""
         with self._lock:
             while self._entries:
                 self._drop(self._entries.popitem(last=False)[1])

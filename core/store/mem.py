@@ -53,6 +53,9 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 class MemStore(StoreBase):
+    """A `FeatureStore` in this process's memory, shared by the handles of one store id (tensors
+    are kept as given, contiguous: a GPU tensor stays on its GPU)."""
+
     def __init__(self, cfg: StoreConfig, store_id: str):
         self.cfg = cfg
         self.store_id = store_id
@@ -63,6 +66,7 @@ class MemStore(StoreBase):
     def put(
         self, sample_id: str, tensors: Mapping[str, torch.Tensor], gen: int = 0
     ) -> dict[str, FeatureSpec]:
+        """Keep the sample's tensors (see `FeatureStore.put`)."""
         kept, specs = prepare(
             self.store_id,
             sample_id,
@@ -92,6 +96,7 @@ class MemStore(StoreBase):
     def get(
         self, ref: RefLike, names: Iterable[str] | None = None, device=None
     ) -> dict[str, torch.Tensor]:
+        """The kept tensors (see `FeatureStore.get`); `FeatureMissing` once released."""
         out = {}
         with self._shared.lock:
             for name, spec in specs_of(ref, names).items():
@@ -111,6 +116,7 @@ class MemStore(StoreBase):
         return to_device(out, device)
 
     def release(self, ref: RefLike) -> None:
+        """Forget one generation of a sample (see `FeatureStore.release`)."""
         sh = self._shared
         with sh.lock:
             for spec in specs_of(ref).values():
@@ -120,9 +126,13 @@ class MemStore(StoreBase):
                     sh.resident -= sample.nbytes
 
     def adopt(self, ref: RefLike) -> None:
+        """Verify a sample another handle of this process put: present, with the spec's sizes (and
+        CRC)."""
         self.get(ref)  # presence + sizes (+ CRC): nothing else to take over in one process
 
     def gc(self, live: Iterable[str] | None = None, *, min_age_s: float | None = None) -> int:
+        """With `live`, forget samples not in it that are older than `gc_grace_s` (or `min_age_s`);
+        without, nothing can be orphaned in one process. Returns the bytes freed."""
         if live is None:
             return 0  # nothing in a process can be half-written or owned by a dead writer
         live = set(live)
@@ -138,9 +148,11 @@ class MemStore(StoreBase):
         return freed
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor (nothing to gain from special memory here)."""
         return torch.empty(shape, dtype=dtype)  # a put copies (shm) or keeps (mem) any tensor
 
     def usage(self) -> StoreUsage:
+        """Residency of the store id in this process."""
         sh = self._shared
         with sh.lock:
             return StoreUsage(sh.resident, len(sh.samples), sh.peak, self.cfg.budget_bytes)
@@ -162,3 +174,10 @@ class MemStore(StoreBase):
                     freed += sample.nbytes
             sh.resident -= freed
         return freed
+
+
+def open_mem(cfg: StoreConfig, store_id: str, path: str | None, query: dict[str, str]) -> MemStore:
+    """`mem://<store_id>[?option=value]` (`core.registry.STORES`)."""
+    from specbus.core.store import query_options
+
+    return MemStore(query_options(cfg, query), store_id)

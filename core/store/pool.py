@@ -26,6 +26,9 @@ ALIGN = 4096
 
 
 class BufferPool:
+    """One pre-allocated arena of `nbytes` (registered with `register` when given, for Mooncake),
+    handing out page-aligned views that return to it when their tensors die."""
+
     def __init__(self, nbytes: int, register: Callable[[int, int], None] | None = None):
         self.nbytes = nbytes
         self._arena = torch.empty(nbytes, dtype=torch.uint8)
@@ -39,6 +42,7 @@ class BufferPool:
         self.in_use = 0
 
     def contains(self, ptr: int, nbytes: int) -> bool:
+        """True when `[ptr, ptr + nbytes)` lies inside the arena."""
         return self.base <= ptr and ptr + nbytes <= self.base + self.nbytes
 
     def alloc(self, nbytes: int) -> int | None:
@@ -59,6 +63,7 @@ class BufferPool:
     def free(self, offset: int, nbytes: int) -> None:
         # Called from finalizers too, possibly while this thread holds the lock (GC runs
         # anywhere): only enqueue here; the list is edited under the lock by alloc/free.
+        """Give a block back (by its offset and size)."""
         self._returned.append((offset, max(ALIGN, -(-nbytes // ALIGN) * ALIGN)))
 
     def _drain(self) -> None:
@@ -90,6 +95,7 @@ class BufferPool:
         )
 
     def free_bytes(self) -> int:
+        """Bytes of the arena not handed out."""
         with self._lock:
             self._drain()
             return sum(size for _, size in self._free)

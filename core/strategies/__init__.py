@@ -1,9 +1,6 @@
-"""Training strategies (one per algorithm) behind a registry; importing this package registers
-the built-in ones (eagle3; dflash, domino, dspark). A new algorithm is one module that calls
-`register_strategy` and an import here."""
+"""Training strategies (one per algorithm) behind `core.registry.STRATEGIES` (eagle3; dflash,
+domino, dspark). A new algorithm is one module and a line in that registry's table."""
 
-from specbus.core.strategies import dflash as _dflash  # noqa: F401  (registers dflash, domino, dspark)
-from specbus.core.strategies import eagle3 as _eagle3  # noqa: F401  (registers "eagle3")
 from specbus.core.strategies.base import (
     FeatureContract,
     FeatureField,

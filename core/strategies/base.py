@@ -18,8 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from specbus.core.config import StrategyConfig
-from specbus.core.errors import CaptureError, ConfigError
+from specbus.core.errors import CaptureError
 from specbus.core.models.target import TargetHeads, TargetInfo
+from specbus.core.registry import STRATEGIES
 from torch import nn
 
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
@@ -39,9 +40,11 @@ class FeatureField:
     dtype: str
 
     def resolve(self, seq_len: int) -> tuple[int, ...]:
+        """The concrete shape for a sample of `seq_len` tokens."""
         return tuple(seq_len if d == "L" else int(d) for d in self.shape)
 
     def accepts(self, dtype: torch.dtype) -> bool:
+        """Whether a tensor of `dtype` satisfies this field."""
         if self.dtype == "float":
             return dtype in FLOAT_DTYPES
         return any(_DTYPES[d] == dtype for d in self.dtype.split("|"))
@@ -64,9 +67,11 @@ class FeatureContract:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The feature names, in contract order."""
         return tuple(f.name for f in self.fields)
 
     def field(self, name: str) -> FeatureField:
+        """The field called `name`; `KeyError` if the contract has none."""
         for f in self.fields:
             if f.name == name:
                 return f
@@ -105,6 +110,7 @@ class TrainBatch:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TrainBatch:
+        """A copy with every tensor on `device` (counts and meta kept)."""
         moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
         return TrainBatch(
             moved, self.num_samples, self.num_tokens, self.num_loss_tokens, dict(self.meta)
@@ -124,39 +130,48 @@ Metrics = dict[str, float | torch.Tensor]
 
 @runtime_checkable
 class Strategy(Protocol):
+    """An algorithm (eagle3, dflash, ...) behind `core.registry.STRATEGIES`: what it needs captured,
+    how it batches, its draft and its loss (see the module doc). Strategies import neither the bus
+    nor a store."""
+
     name: str
 
-    def feature_contract(self, target: TargetInfo) -> FeatureContract: ...
+    def feature_contract(self, target: TargetInfo) -> FeatureContract:
+        """The tensors a captured sample must carry for this target."""
 
     def collate(
         self, samples: list[dict[str, torch.Tensor]], max_length: int | None = None
-    ) -> TrainBatch: ...
+    ) -> TrainBatch:
+        """Per-sample tensor dicts -> one padded `TrainBatch` (truncated to `max_length`)."""
 
     def build_model(
         self, target: TargetInfo, heads: TargetHeads | None, vocab: Any | None
-    ) -> nn.Module: ...
+    ) -> nn.Module:
+        """A fresh draft for `target`: frozen parts from `heads`, its vocabulary from `vocab`."""
 
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext
-    ) -> tuple[torch.Tensor, Metrics]: ...
+    ) -> tuple[torch.Tensor, Metrics]:
+        """`(loss, metrics)` of one micro-batch; `step` is the schedule position."""
 
 
 StrategyFactory = Callable[..., Strategy]
-_STRATEGIES: dict[str, StrategyFactory] = {}
 
 
 def register_strategy(name: str) -> Callable[[StrategyFactory], StrategyFactory]:
+    """Decorator: register a strategy factory `(cfg, target, *, heads, aux_layers)` under
+    `name` (`core.registry.STRATEGIES`; built-ins are listed there)."""
+
     def wrap(factory: StrategyFactory) -> StrategyFactory:
-        if name in _STRATEGIES:
-            raise ConfigError(f"strategy {name!r} is already registered")
-        _STRATEGIES[name] = factory
+        STRATEGIES.register(name, factory)
         return factory
 
     return wrap
 
 
 def available_strategies() -> list[str]:
-    return sorted(_STRATEGIES)
+    """The registered strategy names, sorted."""
+    return STRATEGIES.names()
 
 
 def build_strategy(
@@ -172,12 +187,7 @@ def build_strategy(
     that recompute the teacher; `aux_layers` overrides the strategy's default capture layers.
     Raises `ConfigError` for an unregistered name.
     """
-    try:
-        factory = _STRATEGIES[cfg.name]
-    except KeyError as e:
-        raise ConfigError(
-            f"strategy.name {cfg.name!r} is not registered; known: {available_strategies()}"
-        ) from e
+    factory = STRATEGIES.get(cfg.name)
     return factory(cfg, target, heads=heads, aux_layers=aux_layers)
 
 

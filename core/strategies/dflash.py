@@ -1,46 +1,15 @@
-"""DFlash, Domino and DSpark: block drafting from injected target context (SpecForge 0.2.0 semantics).
+"""DFlash, Domino and DSpark as strategies: feature contract, collate, draft, objective.
 
-Shape legend: B batch, L sequence, N blocks (anchors), K block size, Q = N*K, S = L + Q,
-H hidden, V target vocab, A aux width (target layers x H).
-
-Shared by the three (`draft_blocks`):
-- Anchors: up to `num_anchors` positions t per sample where loss_mask[t] and loss_mask[t+1]
-  are set, drawn without replacement (uniform scores from an explicit generator, the lowest
-  `num_anchors` kept, sorted); a sample with fewer valid positions pads with kept=False
-  blocks (anchor 0). Fixed anchors can be passed instead.
-- Block n = [token at anchor_n, MASK x (K-1)], embedded with the target's embedding, at
-  positions anchor_n + k. The draft attends to the projected, normed target context (KV
-  injection): block n sees context positions < anchor_n and all of block n (bidirectional).
-
-Objectives (`*_loss`, pure: inputs -> (loss, metrics); `model` is called once):
-- dflash: position k predicts token anchor+k through the target lm_head;
-  w[n,k] = keep * (anchor+k < L) * (k >= 1) * loss_mask[anchor+k] * exp(-(k-1)/gamma);
-  loss = sum(CE * w) / sum(w).
-- domino: the same labels; final logits = base + embed_proj(hidden_k, GRU(emb(tokens
-  anchor..anchor+k-1))) for k >= 1 (teacher forced); loss = (1-lambda) * CE_final + lambda *
-  CE_base (each sum(CE*w) / (sum(w) + 1e-6)); lambda = lambda_start * (1 - step / (ratio *
-  total)) clamped to [0, 1], 0 when the total is unknown.
-- dspark: position k (0..K-1) predicts token anchor+k+1; eval mask = keep * in range *
-  loss_mask, cut at the first unsupervised position of the block; w = eval * exp(-k/gamma);
-  logits = base + Markov bias of the previous token (the anchor, then the true tokens);
-  L1 = sum_v |softmax(draft) - softmax(teacher)|, the teacher being the target lm_head on the
-  captured final hidden state at anchor+k; accept = clamp(1 - L1/2, 0, 1); confidence =
-  BCE(confidence logit, accept); loss = world * (a_ce CE + a_l1 L1 + a_conf conf) . w /
-  sum over ranks of sum(w).
-Logits are computed `chunk_blocks` blocks at a time (activation-checkpointed when training).
-
-Metrics (detached): per drafted position j (the j-th token after the anchor) correct_j,
-denom_j, acc_j, ploss_j; accuracy; accept_len (mean over blocks of the accepted prefix + 1);
-sim_accept_len = sum_j prod_{i<=j} acc_i; loss, loss_denom; plus each objective's own terms.
+One adapter class for the family (`projector` picks the objective); the objectives
+themselves, with the shape legend and their semantics, are pure functions in
+dflash_loss.py (re-exported here). docs/dflash.md describes what they match.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from specbus.core.config import StrategyConfig
 from specbus.core.errors import ConfigError
 from specbus.core.models.dflash import DFlashConfig, DFlashDraft
@@ -52,454 +21,18 @@ from specbus.core.strategies.base import (
     StepContext,
     TrainBatch,
     pad_right,
-    register_strategy,
+)
+from specbus.core.strategies.dflash_loss import (
+    block_mask,
+    dflash_loss,
+    domino_lambda,
+    domino_loss,
+    draft_blocks,
+    dspark_loss,
+    sample_anchors,
 )
 from specbus.core.strategies.eagle3 import unwrap
 from torch import nn
-
-# ---------------------------------------------------------------------------------------------
-# Anchors, masks, blocks
-
-
-def sample_anchors(
-    loss_mask_BL: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(anchors_BN, keep_BN)`: see the module docstring. N = min(num_anchors, max valid count);
-    with no valid position anywhere, N = 1 and nothing is kept."""
-    device = loss_mask_BL.device
-    seq = loss_mask_BL.shape[1]
-    cand = max(seq - 1, 0)
-    valid = (loss_mask_BL[:, :cand] > 0.5) & (loss_mask_BL[:, 1 : cand + 1] > 0.5)
-    counts = valid.sum(dim=1)
-    width = min(num_anchors, int(counts.max())) if cand else 0
-    if width == 0:
-        shape = (loss_mask_BL.shape[0], 1)
-        return torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(
-            shape, dtype=torch.bool, device=device
-        )
-    scores = torch.rand(valid.shape, generator=generator, device=_gen_device(generator)).to(device)
-    scores.masked_fill_(~valid, 2.0)
-    picked = scores.argsort(dim=1)[:, :width]
-    keep = torch.arange(width, device=device)[None] < counts.clamp(max=width)[:, None]
-    anchors = torch.where(keep, picked, torch.full_like(picked, cand)).sort(dim=1).values
-    keep = anchors < cand
-    return torch.where(keep, anchors, 0), keep
-
-
-def _gen_device(generator: torch.Generator | None) -> torch.device:
-    return generator.device if generator is not None else torch.device("cpu")
-
-
-def block_mask(
-    anchors_BN: torch.Tensor, keep_BN: torch.Tensor, seq_len: int, block_size: int
-) -> torch.Tensor:
-    """`allow_BQS`: query q (block q // K) may see key s: a context key s < anchor, or a key of
-    its own block; nothing for a block that is not kept."""
-    device = anchors_BN.device
-    n = anchors_BN.shape[1]
-    q = torch.arange(n * block_size, device=device)
-    s = torch.arange(seq_len + n * block_size, device=device)
-    q_block = (q // block_size)[None, :, None]
-    anchor_BQ1 = anchors_BN.repeat_interleave(block_size, dim=1)[:, :, None]
-    context = (s[None, None] < seq_len) & (s[None, None] < anchor_BQ1)
-    own = (s[None, None] >= seq_len) & ((s[None, None] - seq_len) // block_size == q_block)
-    return (context | own) & keep_BN.repeat_interleave(block_size, dim=1)[:, :, None]
-
-
-def gather_blocks(values_BL: torch.Tensor, anchors_BN: torch.Tensor, offsets_K: torch.Tensor):
-    """`values[anchor + k]` for every block `[B, N, K]` (indices clamped), and the in-range mask."""
-    seq = values_BL.shape[1]
-    idx = anchors_BN[:, :, None] + offsets_K[None, None]
-    safe = idx.clamp(max=seq - 1)
-    gathered = torch.gather(values_BL[:, None].expand(-1, anchors_BN.shape[1], -1), 2, safe)
-    return gathered, idx < seq, safe
-
-
-def draft_blocks(
-    model: nn.Module,
-    *,
-    input_ids_BL: torch.Tensor,
-    hidden_states_BLA: torch.Tensor,
-    anchors_BN: torch.Tensor,
-    keep_BN: torch.Tensor,
-    embed_VH: torch.Tensor,
-    mask_token_id: int,
-    block_size: int,
-    attention: str = "sdpa",
-) -> torch.Tensor:
-    """The draft's post-norm hidden of every block `[B, N, K, H]` (one call of `model`)."""
-    b, seq = input_ids_BL.shape
-    n = anchors_BN.shape[1]
-    device = input_ids_BL.device
-    noise = torch.full((b, n, block_size), mask_token_id, dtype=torch.long, device=device)
-    anchor_tok = torch.gather(input_ids_BL, 1, anchors_BN.clamp(0, seq - 1))
-    noise[:, :, 0] = torch.where(keep_BN, anchor_tok, torch.full_like(anchor_tok, mask_token_id))
-    noise_BQH = F.embedding(noise.view(b, n * block_size), embed_VH)
-    offsets = torch.arange(block_size, device=device)
-    positions = torch.cat(
-        [
-            torch.arange(seq, device=device)[None].expand(b, -1),
-            (anchors_BN[:, :, None] + offsets).view(b, n * block_size),
-        ],
-        dim=1,
-    )
-    allow = block_mask(anchors_BN, keep_BN, seq, block_size)
-    hidden = model(noise_BQH, hidden_states_BLA, positions, allow, attention)
-    return hidden.view(b, n, block_size, -1)
-
-
-def chunked_sum(fn: Callable[..., tuple[torch.Tensor, ...]], *tensors, chunk: int):
-    """Sum `fn`'s terms over slices of dim 1 (blocks) of every tensor (None passes through);
-    activation-checkpointed per slice when gradients are needed (SpecForge's chunked reduce)."""
-    n = next(t for t in tensors if t is not None).shape[1]
-    step = chunk or n
-    totals = None
-    for start in range(0, n, step):
-        args = tuple(t[:, start : start + step] if t is not None else None for t in tensors)
-        if (
-            chunk
-            and torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in args)
-        ):
-            from torch.utils.checkpoint import checkpoint
-
-            terms = checkpoint(fn, *args, use_reentrant=False)
-        else:
-            terms = fn(*args)
-        totals = (
-            terms if totals is None else tuple(a + b for a, b in zip(totals, terms, strict=True))
-        )
-    return totals
-
-
-@torch.no_grad()
-def accept_prefix(pred_BNK, target_BNK, valid_BNK) -> torch.Tensor:
-    """Accepted prefix length per block: consecutive correct valid positions (invalid count as
-    correct inside the prefix, zero themselves), as the reference's `compute_accept_len`."""
-    correct = (pred_BNK == target_BNK) | ~valid_BNK
-    return (correct.long().cumprod(dim=2) * valid_BNK.long()).sum(dim=2).float()
-
-
-def _position_metrics(metrics: Metrics, correct_K, denom_K, ce_K, first: int) -> None:
-    """Per drafted position j = k - first: correct_j, denom_j, acc_j, ploss_j; sim_accept_len."""
-    accs = []
-    for j, k in enumerate(range(first, correct_K.shape[0])):
-        metrics[f"correct_{j}"] = correct_K[k]
-        metrics[f"denom_{j}"] = denom_K[k]
-        metrics[f"acc_{j}"] = correct_K[k] / denom_K[k].clamp_min(1e-6)
-        metrics[f"ploss_{j}"] = ce_K[k] / denom_K[k].clamp_min(1e-6)
-        accs.append(metrics[f"acc_{j}"])
-    metrics["sim_accept_len"] = torch.stack(accs).cumprod(0).sum()
-
-
-def _logits(hidden: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
-    return F.linear(hidden.to(lm_head_VH.dtype), lm_head_VH)
-
-
-def _ce(logits_BNKV: torch.Tensor, target_BNK: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits_BNKV.reshape(-1, logits_BNKV.shape[-1]).float(),
-        target_BNK.reshape(-1),
-        reduction="none",
-    ).view_as(target_BNK)
-
-
-# ---------------------------------------------------------------------------------------------
-# DFlash
-
-
-def dflash_loss(
-    model: nn.Module,
-    *,
-    input_ids_BL: torch.Tensor,
-    loss_mask_BL: torch.Tensor,
-    hidden_states_BLA: torch.Tensor,
-    embed_VH: torch.Tensor,
-    lm_head_VH: torch.Tensor,
-    mask_token_id: int,
-    block_size: int = 16,
-    num_anchors: int = 512,
-    gamma: float | None = 7.0,
-    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
-    generator: torch.Generator | None = None,
-    chunk_blocks: int = 128,
-    attention: str = "sdpa",
-    den_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    world_size: int = 1,
-) -> tuple[torch.Tensor, Metrics]:
-    """The DFlash objective (module docstring). `anchors` = (anchors_BN, keep_BN) or sampled
-    with `generator`; `den_reduce` sums the weight total over data-parallel ranks."""
-    anchors_BN, keep_BN = anchors or sample_anchors(loss_mask_BL, num_anchors, generator)
-    hidden = draft_blocks(
-        model, input_ids_BL=input_ids_BL, hidden_states_BLA=hidden_states_BLA,
-        anchors_BN=anchors_BN, keep_BN=keep_BN, embed_VH=embed_VH,
-        mask_token_id=mask_token_id, block_size=block_size, attention=attention,
-    )  # fmt: skip
-    offsets = torch.arange(block_size, device=input_ids_BL.device)
-    target, in_range, _ = gather_blocks(input_ids_BL, anchors_BN, offsets)
-    lm, _, _ = gather_blocks(loss_mask_BL.float(), anchors_BN, offsets)
-    mask = keep_BN[:, :, None].float() * in_range.float() * (offsets > 0).float() * lm
-    decay = (
-        torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
-        if gamma
-        else torch.ones(block_size, device=offsets.device)
-    )
-    weights = mask * decay
-
-    def terms(h, tgt, m, w):
-        logits = _logits(h, lm_head_VH)
-        ce = _ce(logits, tgt)
-        with torch.no_grad():
-            pred = logits.argmax(-1)
-            hit = ((pred == tgt) & (m > 0.5)).float()
-            acc_len = accept_prefix(pred, tgt, m > 0)
-            blocks = (m > 0).any(-1).float()
-        return (
-            (ce * w).sum(), w.sum(), hit.sum(), m.sum(),
-            hit.sum((0, 1)), m.sum((0, 1)), (ce.detach() * m).sum((0, 1)),
-            ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
-        )  # fmt: skip
-
-    num, den, correct, acc_den, correct_K, den_K, ce_K, acc_num, blocks = chunked_sum(
-        terms, hidden, target, mask, weights, chunk=chunk_blocks
-    )
-    total = den_reduce(den.detach().clone()) if den_reduce is not None else den.detach()
-    loss = world_size * num / total.clamp_min(1e-12)
-    metrics: Metrics = {
-        "loss": loss.detach(),
-        "loss_denom": den.detach(),
-        "accuracy": correct / acc_den.clamp_min(1e-6),
-        "accept_len": acc_num / blocks.clamp_min(1e-6),
-    }
-    _position_metrics(metrics, correct_K, den_K, ce_K, first=1)
-    return loss, metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# Domino
-
-
-def domino_lambda(step: StepContext | None, start: float = 1.0, decay_ratio: float = 0.5) -> float:
-    """Base-loss weight: linear from `start` to 0 over the first `decay_ratio` of the schedule."""
-    if step is None or not step.total_steps:
-        return 0.0
-    decay_steps = max(1, int(step.total_steps * decay_ratio))
-    progress = min(step.global_step / decay_steps, 1.0)
-    return max(0.0, min(1.0, start * (1.0 - progress)))
-
-
-def domino_loss(
-    model: nn.Module,
-    *,
-    input_ids_BL: torch.Tensor,
-    loss_mask_BL: torch.Tensor,
-    hidden_states_BLA: torch.Tensor,
-    embed_VH: torch.Tensor,
-    lm_head_VH: torch.Tensor,
-    mask_token_id: int,
-    lambda_base: float,
-    block_size: int = 16,
-    num_anchors: int = 512,
-    gamma: float | None = 7.0,
-    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
-    generator: torch.Generator | None = None,
-    chunk_blocks: int = 128,
-    attention: str = "sdpa",
-) -> tuple[torch.Tensor, Metrics]:
-    """The Domino objective (module docstring); `lambda_base` from `domino_lambda`."""
-    draft = unwrap(model)
-    anchors_BN, keep_BN = anchors or sample_anchors(loss_mask_BL, num_anchors, generator)
-    hidden = draft_blocks(
-        model, input_ids_BL=input_ids_BL, hidden_states_BLA=hidden_states_BLA,
-        anchors_BN=anchors_BN, keep_BN=keep_BN, embed_VH=embed_VH,
-        mask_token_id=mask_token_id, block_size=block_size, attention=attention,
-    )  # fmt: skip
-    offsets = torch.arange(block_size, device=input_ids_BL.device)
-    target, in_range, _ = gather_blocks(input_ids_BL, anchors_BN, offsets)
-    lm, _, _ = gather_blocks(loss_mask_BL.float(), anchors_BN, offsets)
-    mask = keep_BN[:, :, None].float() * in_range.float() * (offsets > 0).float() * lm
-    decay = (
-        torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
-        if gamma
-        else torch.ones(block_size, device=offsets.device)
-    )
-    weights = mask * decay
-
-    def terms(h, tgt, m, w):
-        base = _logits(h, lm_head_VH)
-        final = draft.domino_logits(base, h, F.embedding(tgt, embed_VH))
-        final_ce, base_ce = _ce(final, tgt), _ce(base, tgt)
-        with torch.no_grad():
-            pred, base_pred = final.argmax(-1), base.argmax(-1)
-            valid = m > 0.5
-            hit = ((pred == tgt) & valid).float()
-            base_hit = ((base_pred == tgt) & valid).float()
-            blocks = (m > 0).any(-1).float()
-            acc_len = accept_prefix(pred, tgt, m > 0)
-            base_len = accept_prefix(base_pred, tgt, m > 0)
-        return (
-            (final_ce * w).sum(), (base_ce * w).sum(), w.sum(), hit.sum(), base_hit.sum(), m.sum(),
-            ((acc_len + 1.0) * blocks).sum(), ((base_len + 1.0) * blocks).sum(), blocks.sum(),
-            hit.sum((0, 1)), m.sum((0, 1)), (final_ce.detach() * m).sum((0, 1)),
-        )  # fmt: skip
-
-    (final_num, base_num, den, correct, base_correct, acc_den, acc_num, base_acc_num, blocks,
-     correct_K, den_K, ce_K) = chunked_sum(terms, hidden, target, mask, weights, chunk=chunk_blocks)  # fmt: skip
-    final_loss = final_num / (den + 1e-6)
-    base_loss = base_num / (den + 1e-6)
-    loss = (1.0 - lambda_base) * final_loss + lambda_base * base_loss
-    metrics: Metrics = {
-        "loss": loss.detach(),
-        "loss_denom": den.detach(),
-        "final_loss": final_loss.detach(),
-        "base_loss": base_loss.detach(),
-        "accuracy": correct / (acc_den + 1e-6),
-        "base_accuracy": base_correct / (acc_den + 1e-6),
-        "accept_len": acc_num / (blocks + 1e-6),
-        "base_accept_len": base_acc_num / (blocks + 1e-6),
-        "lambda_base": torch.tensor(float(lambda_base)),
-    }
-    _position_metrics(metrics, correct_K, den_K, ce_K, first=1)
-    return loss, metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# DSpark
-
-
-def dspark_loss(
-    model: nn.Module,
-    *,
-    input_ids_BL: torch.Tensor,
-    loss_mask_BL: torch.Tensor,
-    hidden_states_BLA: torch.Tensor,
-    target_BLH: torch.Tensor,
-    embed_VH: torch.Tensor,
-    lm_head_VH: torch.Tensor,
-    mask_token_id: int,
-    block_size: int = 16,
-    num_anchors: int = 512,
-    gamma: float | None = 7.0,
-    ce_alpha: float = 0.1,
-    l1_alpha: float = 0.9,
-    confidence_alpha: float = 1.0,
-    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
-    generator: torch.Generator | None = None,
-    chunk_blocks: int = 128,
-    attention: str = "sdpa",
-    den_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    world_size: int = 1,
-) -> tuple[torch.Tensor, Metrics]:
-    """The DSpark objective (module docstring); `target_BLH` is the captured post-norm final
-    hidden state (the teacher for L1 and the confidence target)."""
-    draft = unwrap(model)
-    anchors_BN, keep_BN = anchors or sample_anchors(loss_mask_BL, num_anchors, generator)
-    hidden = draft_blocks(
-        model, input_ids_BL=input_ids_BL, hidden_states_BLA=hidden_states_BLA,
-        anchors_BN=anchors_BN, keep_BN=keep_BN, embed_VH=embed_VH,
-        mask_token_id=mask_token_id, block_size=block_size, attention=attention,
-    )  # fmt: skip
-    b, seq = input_ids_BL.shape
-    device = input_ids_BL.device
-    offsets = torch.arange(1, block_size + 1, device=device)
-    idx = anchors_BN[:, :, None] + offsets
-    safe = torch.where(keep_BN[:, :, None], idx.clamp(max=seq - 1), torch.zeros_like(idx))
-    n = anchors_BN.shape[1]
-    target = torch.gather(input_ids_BL[:, None].expand(-1, n, -1), 2, safe)
-    lm = torch.gather(loss_mask_BL[:, None].expand(-1, n, -1), 2, safe)
-    eval_mask = (idx < seq) & (lm > 0.5) & keep_BN[:, :, None]
-    eval_mask = eval_mask.int().cumprod(dim=-1).bool()
-    weights = eval_mask.float()
-    if gamma:
-        weights = weights * torch.exp(-torch.arange(block_size, device=device).float() / gamma)
-    anchor_tok = torch.gather(input_ids_BL, 1, anchors_BN)
-    prev = torch.cat([anchor_tok[:, :, None], target[:, :, :-1]], dim=-1)
-    need_teacher = l1_alpha > 0 or (confidence_alpha > 0 and draft.confidence_head is not None)
-    teacher_h = None
-    if need_teacher:
-        teacher_idx = (safe - 1).clamp(min=0).reshape(b, -1, 1).expand(-1, -1, target_BLH.shape[-1])
-        teacher_h = torch.gather(target_BLH, 1, teacher_idx).view(b, n, block_size, -1)
-
-    def terms(h, prv, tgt, w, ev, th):
-        base = _logits(h, lm_head_VH)
-        logits = (
-            draft.markov_head.block_logits(base, prv, h) if draft.markov_head is not None else base
-        )
-        ce = _ce(logits, tgt)
-        zero = ce.new_zeros(())
-        l1_num = conf_num = conf_err = agree = t_top1 = d_top1 = tau_num = tau_den = zero
-        rate_K = ce.new_zeros(ce.shape[-1])
-        accept = None
-        if th is not None:
-            with torch.no_grad():
-                t_logits = _logits(th, lm_head_VH)
-                t_prob = torch.softmax(t_logits.float(), dim=-1)
-                t_ids = t_logits.argmax(-1)
-            d_prob = torch.softmax(logits.float(), dim=-1)
-            l1 = (d_prob - t_prob).abs().sum(-1)
-            accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
-            if l1_alpha > 0:
-                l1_num = (l1 * w).sum()
-        conf = draft.confidence_logits(h, prv)
-        if conf is not None and confidence_alpha > 0:
-            if accept is None:
-                raise ConfigError("DSpark's confidence loss needs the target's final hidden state")
-            bce = F.binary_cross_entropy_with_logits(
-                conf.float(), accept.detach(), reduction="none"
-            )
-            conf_num = (bce * w).sum()
-            conf_err = ((conf.float().sigmoid() - accept).abs() * w).sum()
-        with torch.no_grad():
-            pred = logits.argmax(-1)
-            hit = ((pred == tgt) & ev).float()
-            evf = ev.float()
-            if accept is not None:
-                agree = ((pred == t_ids).float() * evf).sum()
-                t_top1 = (t_prob.max(-1).values * evf).sum()
-                d_top1 = (d_prob.max(-1).values * evf).sum()
-                blocks = ev.any(-1).float()
-                tau_num = (((accept.detach() * evf).cumprod(-1).sum(-1) + 1.0) * blocks).sum()
-                tau_den = blocks.sum()
-                rate_K = (accept.detach() * evf).sum((0, 1))
-            acc_len = accept_prefix(pred, tgt, ev)
-            blocks = ev.any(-1).float()
-        return (
-            (ce * w).sum(), l1_num, conf_num, conf_err, hit.sum(), evf.sum(),
-            (ce.detach() * evf).sum((0, 1)), hit.sum((0, 1)), evf.sum((0, 1)),
-            agree, t_top1, d_top1, tau_num, tau_den, rate_K,
-            ((acc_len + 1.0) * blocks).sum(), blocks.sum(),
-        )  # fmt: skip
-
-    (ce_num, l1_num, conf_num, conf_err, correct, eval_den, ce_K, correct_K, den_K, agree, t_top1,
-     d_top1, tau_num, tau_den, rate_K, acc_num, blocks) = chunked_sum(
-        terms, hidden, prev, target, weights, eval_mask, teacher_h, chunk=chunk_blocks
-    )  # fmt: skip
-    den = weights.sum()
-    total = den_reduce(den.detach().clone()) if den_reduce is not None else den.detach()
-    objective = ce_alpha * ce_num + l1_alpha * l1_num + confidence_alpha * conf_num
-    loss = world_size * objective / total.clamp_min(1e-12)
-    d = den.clamp_min(1e-12)
-    e = eval_den.clamp_min(1.0)
-    metrics: Metrics = {
-        "loss": loss.detach(),
-        "loss_denom": den.detach(),
-        "accuracy": correct / e,
-        "ce_loss": ce_num.detach() / d,
-        "l1_loss": l1_num.detach() / d,
-        "confidence_loss": conf_num.detach() / d,
-        "confidence_abs_error": conf_err.detach() / d,
-        "accept_len": acc_num / blocks.clamp_min(1e-6),
-    }
-    if teacher_h is not None:
-        metrics.update(
-            teacher_agreement=agree / e, teacher_top1_prob=t_top1 / e,
-            draft_top1_prob=d_top1 / e, tau_probabilistic=tau_num / tau_den.clamp_min(1e-6),
-        )  # fmt: skip
-        for j in range(block_size):
-            metrics[f"acceptance_rate_{j}"] = rate_K[j] / den_K[j].clamp_min(1e-6)
-    _position_metrics(metrics, correct_K, den_K, ce_K, first=0)
-    return loss, metrics
-
 
 # ---------------------------------------------------------------------------------------------
 # The strategies
@@ -507,6 +40,8 @@ def dspark_loss(
 
 @dataclass(frozen=True)
 class Heads:
+    """The target's frozen embedding and lm_head, as the objectives take them."""
+
     embed_VH: torch.Tensor
     lm_head_VH: torch.Tensor
 
@@ -560,10 +95,6 @@ class DFlashFamilyStrategy:
                 f"strategy.draft.hidden_size={cfg.draft.hidden_size}: a {self.name} draft shares the "
                 f"target's embedding and lm_head, so its width is the target's ({target.hidden_size})"
             )
-        if cfg.attention == "flex":
-            raise ConfigError(
-                f"strategy.attention=flex is not built for {self.name} (use auto or sdpa)"
-            )
         self.aux_layers = (
             list(aux_layers)
             if aux_layers is not None
@@ -613,9 +144,12 @@ class DFlashFamilyStrategy:
 
     @property
     def draft_vocab_size(self) -> int:
+        """The draft's vocabulary: the target's (DFlash drafts through the target lm_head)."""
         return self.target.vocab_size  # the target's own lm_head: no reduced vocabulary
 
     def feature_contract(self, target: TargetInfo | None = None) -> FeatureContract:
+        """input_ids, loss_mask, hidden_states (the chosen target layers), and the final hidden state
+        for DSpark."""
         target = target or self.target
         h = target.hidden_size
         fields = [
@@ -658,6 +192,7 @@ class DFlashFamilyStrategy:
         )
 
     def model_config(self, target: TargetInfo | None = None) -> DFlashConfig:
+        """The draft's config: the target's widths unless `strategy.draft` sets them."""
         target = target or self.target
         d = self.cfg.draft
         heads = d.num_attention_heads or target.num_attention_heads
@@ -725,6 +260,8 @@ class DFlashFamilyStrategy:
         return torch.Generator().manual_seed(seed)
 
     def loss_kwargs(self, batch: TrainBatch, step: StepContext | None) -> dict:
+        """The objective's inputs for one micro-batch (anchors drawn from `generator(step)`
+        unless the batch carries fixed ones)."""
         t = batch.tensors
         heads = self.target_heads(t["input_ids"].device, t["hidden_states"].dtype)
         anchors = None
@@ -742,18 +279,30 @@ class DFlashFamilyStrategy:
         )  # fmt: skip
 
     def resolve_attention(self, device: torch.device) -> str:
-        """ "auto": SDPA on CUDA (the memory-efficient kernel with the block mask), the
-        reference's eager arithmetic on CPU; "sdpa": SDPA everywhere."""
+        """ "auto": flex attention on CUDA (a tile-level block mask: the context tiles below
+        each query tile's anchors and its own blocks' tiles, no dense mask), the reference's
+        eager arithmetic on CPU; "sdpa": SDPA with the dense boolean mask everywhere; "flex":
+        flex everywhere (on the CPU the same tiles as a dense SDPA: a test path)."""
         if self.cfg.attention == "auto":
-            return "sdpa" if torch.device(device).type == "cuda" else "eager"
-        return "sdpa"
+            return "flex" if torch.device(device).type == "cuda" else "eager"
+        return self.cfg.attention
+
+    @staticmethod
+    def fused(batch: TrainBatch) -> bool:
+        """The fused vocabulary head (`fused_head`) on CUDA; the reference's checkpointed
+        chunks on the CPU (bitwise the reference's arithmetic)."""
+        return batch.tensors["input_ids"].device.type == "cuda"
 
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None
     ) -> tuple[torch.Tensor, Metrics]:
-        return dflash_loss(model, **self.loss_kwargs(batch, step), **_rank_pooling())
+        """The DFlash objective and metrics of one micro-batch."""
+        return dflash_loss(
+            model, **self.loss_kwargs(batch, step), **_rank_pooling(), fused=self.fused(batch)
+        )
 
     def export(self, model: nn.Module, out_dir, dtype: str = "bfloat16"):
+        """Write the draft as an SGLang DFLASH / DSPARK directory."""
         from specbus.core.export.dflash import export_dflash
 
         return export_dflash(unwrap(model), out_dir, dtype=dtype)
@@ -781,38 +330,38 @@ def _rank_pooling() -> dict:
 
 
 class DominoStrategy(DFlashFamilyStrategy):
+    """Domino: DFlash plus a correction head, its loss weight decaying with the schedule."""
+
     projector = "domino"
     SECTIONS = ("domino",)
 
     def lambda_base(self, step: StepContext | None) -> float:
+        """The base-loss weight at `step`."""
         d = self.cfg.domino
         return domino_lambda(step, d.lambda_start, d.lambda_decay_ratio)
 
     def forward_loss(self, model, batch, step=None):
+        """The Domino objective and metrics of one micro-batch."""
         return domino_loss(
             model, **self.loss_kwargs(batch, step), lambda_base=self.lambda_base(step)
         )
 
 
 class DSparkStrategy(DFlashFamilyStrategy):
+    """DSpark: Markov and confidence heads, CE + L1 + confidence loss pooled over ranks."""
+
     projector = "dspark"
     SECTIONS = ("dspark",)
 
     def forward_loss(self, model, batch, step=None):
+        """The DSpark objective and metrics of one micro-batch."""
         d = self.cfg.dspark
         return dspark_loss(
             model, **self.loss_kwargs(batch, step), target_BLH=batch.tensors["target"],
             ce_alpha=d.ce_alpha, l1_alpha=d.l1_alpha, confidence_alpha=d.confidence_alpha,
-            **_rank_pooling(),
+            **_rank_pooling(), fused=self.fused(batch),
         )  # fmt: skip
 
-
-for _cls in (DFlashFamilyStrategy, DominoStrategy, DSparkStrategy):
-    register_strategy(_cls.projector)(
-        lambda cfg, target, *, heads=None, aux_layers=None, _cls=_cls: _cls(
-            cfg, target, heads=heads, aux_layers=aux_layers
-        )
-    )
 
 __all__ = [
     "DFlashFamilyStrategy",

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from specbus.core.config import StrategyConfig
 from specbus.core.data.vocab import VocabMapping
 from specbus.core.errors import ConfigError
+from specbus.core.models.kernels import compiled
 from specbus.core.models.llama_eagle3 import shift_left
 from specbus.core.models.registry import build_draft
 from specbus.core.models.target import TargetHeads, TargetInfo
@@ -36,7 +37,6 @@ from specbus.core.strategies.base import (
     StepContext,
     TrainBatch,
     pad_right,
-    register_strategy,
 )
 from torch import nn
 
@@ -62,7 +62,18 @@ def compute_teacher(
     t2d_V: torch.Tensor,
     loss_mask_BL1: torch.Tensor,
     ttt_length: int,
+    draft_ids_Vd: torch.Tensor | None = None,
 ) -> Teacher:
+    """The TTT teacher from the target's logits: its distribution renormalised over the draft
+    vocabulary, its probability mass on each draft token, its argmax ids, and the supervised
+    positions whose argmax the draft can emit; padded by `ttt_length` for the shifted steps.
+    `draft_ids_Vd` = `t2d_V.nonzero()` (ascending), when the caller has it: the same columns
+    as the boolean index, without its device-to-host sync (`draft_columns`); then the whole
+    teacher is one compiled function on CUDA (`teacher_tensors`)."""
+    if draft_ids_Vd is not None:
+        return Teacher(
+            *teacher_tensors(target_logits_BLV, t2d_V, loss_mask_BL1, ttt_length, draft_ids_Vd)
+        )
     logits = upcast(target_logits_BLV)
     target_ids = logits.argmax(-1)
     position_mask = t2d_V[target_ids][..., None].int() * loss_mask_BL1
@@ -74,6 +85,23 @@ def compute_teacher(
         target_p_on_draft_BLVd=F.pad(target_p_on_draft, (0, 0, 0, ttt_length), value=0.0),
         target_ids_BL=F.pad(target_ids, (0, ttt_length), value=0),
         position_mask_BL1=position_mask,
+    )
+
+
+@compiled
+def teacher_tensors(target_logits_BLV, t2d_V, loss_mask_BL1, ttt_length: int, draft_ids_Vd):
+    """`compute_teacher`'s tensors with the draft columns given by index (compiled on CUDA)."""
+    logits = upcast(target_logits_BLV)
+    target_ids = logits.argmax(-1)
+    position_mask = t2d_V[target_ids][..., None].int() * loss_mask_BL1
+    draft_logits = logits.index_select(-1, draft_ids_Vd)
+    target_p = torch.softmax(draft_logits, dim=2)
+    target_p_on_draft = torch.exp(draft_logits - torch.logsumexp(logits, dim=-1, keepdim=True))
+    return (
+        F.pad(target_p, (0, 0, 0, ttt_length), value=1 / target_p.shape[-1]),
+        F.pad(target_p_on_draft, (0, 0, 0, ttt_length), value=0.0),
+        F.pad(target_ids, (0, ttt_length), value=0),
+        position_mask,
     )
 
 
@@ -89,10 +117,52 @@ def step_loss(
 def acceptance_rate(
     logits_BLVd: torch.Tensor, target_p_on_draft_BLVd: torch.Tensor, position_mask_BL1: torch.Tensor
 ) -> torch.Tensor:
+    """The expected acceptance of one TTT step: sum over the draft vocabulary of
+    min(p_target, p_draft), averaged over the supervised positions."""
     draft_p = torch.softmax(upcast(logits_BLVd), dim=-1).to(target_p_on_draft_BLVd.dtype)
     per_token = torch.minimum(target_p_on_draft_BLVd, draft_p).sum(-1)
     mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
     return (per_token * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+@compiled
+def ttt_step_terms(logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd):
+    """`(ploss, acceptance_rate, d ploss / d logits)` of one TTT step: `step_loss` and
+    `acceptance_rate` from one log_softmax, the gradient as log_softmax's backward forms it.
+    Compiled on CUDA (`core/models/kernels.py`): a few fused passes over the vocabulary."""
+    batch, seq = logits_BLVd.shape[:2]
+    logp = torch.log_softmax(upcast(logits_BLVd), dim=2)
+    weight = position_mask_BL1 * target_p_BLVd  # pm * (tp * logp) == (pm * tp) * logp: pm 0/1
+    ploss = -torch.sum(weight * logp, 2).mean()
+    prob = logp.exp()
+    per_token = torch.minimum(target_p_on_draft_BLVd, prob.to(target_p_on_draft_BLVd.dtype))
+    mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
+    rate = (per_token.sum(-1) * mask).sum() / mask.sum().clamp_min(1e-8)
+    grad_logp = weight * (-1.0 / (batch * seq))
+    grad = grad_logp - prob * grad_logp.sum(-1, keepdim=True)
+    return ploss, rate, grad
+
+
+class _FusedStepLoss(torch.autograd.Function):
+    """`step_loss` and `acceptance_rate` of one TTT step in one pass over the logits, with
+    the loss's gradient w.r.t. the logits formed in the forward (`ttt_step_terms`) and kept
+    until the backward, which only scales it: no second softmax for the acceptance rate, no
+    saved log-probabilities, no backward passes over the vocabulary."""
+
+    @staticmethod
+    def forward(ctx, logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd):
+        ploss, rate, grad = ttt_step_terms(
+            logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd
+        )
+        ctx.save_for_backward(grad)
+        ctx.dtype = logits_BLVd.dtype
+        ctx.mark_non_differentiable(rate)
+        return ploss, rate
+
+    @staticmethod
+    def backward(ctx, g_loss, _):
+        (grad,) = ctx.saved_tensors
+        return (grad * g_loss).to(ctx.dtype), None, None, None
 
 
 def simulated_accept_length(accs: list[float] | torch.Tensor) -> float:
@@ -102,6 +172,18 @@ def simulated_accept_length(accs: list[float] | torch.Tensor) -> float:
         running *= float(a)
         total += running
     return total
+
+
+def draft_columns(draft: nn.Module) -> torch.Tensor:
+    """The target ids of the draft vocabulary, `t2d.nonzero()` ascending, cached on the draft
+    until its `t2d` buffer changes (one host sync per mapping instead of one per step)."""
+    t2d = draft.t2d
+    key = (t2d.device, t2d.data_ptr(), t2d._version)
+    cached = draft.__dict__.get("_draft_columns")
+    if cached is None or cached[0] != key:
+        cached = (key, t2d.nonzero().squeeze(-1))
+        draft.__dict__["_draft_columns"] = cached
+    return cached[1]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -123,8 +205,11 @@ def eagle3_ttt_loss(
     ttt_length: int = 7,
     step_weight: float = 0.8,
     attention: str = "eager",
+    fused: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """The EAGLE3 TTT objective (module docstring). Pure: reads `model`, writes nothing.
+    `fused`: each step's loss and acceptance rate through `_FusedStepLoss` (the CUDA path;
+    the same function, rounded differently), else the reference's arithmetic.
 
     `model` is the draft or a DDP/FSDP wrapper of it (called once). Returns the weighted loss
     (grad flows to the draft's trainable parameters only) and detached per-step metrics:
@@ -137,7 +222,9 @@ def eagle3_ttt_loss(
         target_hidden = shift_left(target_BLH)
         loss_mask = loss_mask_BL[..., None]
         target_logits = F.linear(target_hidden.to(lm_head_VH.dtype), lm_head_VH)
-        teacher = compute_teacher(target_logits, draft.t2d, loss_mask, ttt_length)
+        teacher = compute_teacher(
+            target_logits, draft.t2d, loss_mask, ttt_length, draft_columns(draft)
+        )
         del target_logits
     batch, seq = input_ids.shape
     step_logits = model(
@@ -146,7 +233,13 @@ def eagle3_ttt_loss(
     position_mask = teacher.position_mask_BL1
     losses, metrics = [], {}
     for k, logits in enumerate(step_logits):
-        ploss = step_loss(logits, teacher.target_p_BLVd[:, k : k + seq], position_mask)
+        if fused:
+            ploss, rate = _FusedStepLoss.apply(
+                logits, teacher.target_p_BLVd[:, k : k + seq], position_mask,
+                teacher.target_p_on_draft_BLVd[:, k : k + seq],
+            )  # fmt: skip
+        else:
+            ploss = step_loss(logits, teacher.target_p_BLVd[:, k : k + seq], position_mask)
         with torch.no_grad():
             pred = logits.argmax(-1)
             pred_target = pred + draft.d2t[pred]
@@ -158,8 +251,12 @@ def eagle3_ttt_loss(
             metrics[f"acc_{k}"] = correct / denom
             metrics[f"correct_{k}"] = correct
             metrics[f"denom_{k}"] = denom
-            metrics[f"acceptance_rate_{k}"] = acceptance_rate(
-                logits, teacher.target_p_on_draft_BLVd[:, k : k + seq], position_mask
+            metrics[f"acceptance_rate_{k}"] = (
+                rate
+                if fused
+                else acceptance_rate(
+                    logits, teacher.target_p_on_draft_BLVd[:, k : k + seq], position_mask
+                )
             )
         losses.append(ploss)
         position_mask = shift_left(position_mask)
@@ -201,9 +298,12 @@ class Eagle3Strategy:
 
     @property
     def draft_vocab_size(self) -> int:
+        """The draft vocabulary size (clamped to the target's)."""
         return min(self.cfg.draft.draft_vocab_size, self.target.vocab_size)
 
     def feature_contract(self, target: TargetInfo | None = None) -> FeatureContract:
+        """input_ids, loss_mask, hidden_states (3 aux layers concatenated) and target (the final hidden
+        state)."""
         target = target or self.target
         h = target.hidden_size
         return FeatureContract(
@@ -277,6 +377,7 @@ class Eagle3Strategy:
         return draft
 
     def lm_head(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The target's frozen lm_head on `device` in `dtype` (cached)."""
         if self.heads is None:
             raise ConfigError(
                 "eagle3 recomputes the teacher from the target lm_head: build_strategy(..., heads=...)"
@@ -298,6 +399,7 @@ class Eagle3Strategy:
     def forward_loss(
         self, model: nn.Module, batch: TrainBatch, step: StepContext | None = None
     ) -> tuple[torch.Tensor, Metrics]:
+        """The TTT loss and metrics of one micro-batch (docs/eagle3.md)."""
         t = batch.tensors
         device = t["input_ids"].device
         # The reference runs its frozen head in the feature dtype (bf16 on GPU) and upcasts logits.
@@ -313,11 +415,10 @@ class Eagle3Strategy:
             ttt_length=self.cfg.ttt_length,
             step_weight=self.cfg.step_weight,
             attention=self.resolve_attention(device, t["input_ids"].shape[1]),
+            fused=self.fused(batch),
         )
 
-
-@register_strategy("eagle3")
-def _eagle3(
-    cfg: StrategyConfig, target: TargetInfo, *, heads=None, aux_layers=None
-) -> Eagle3Strategy:
-    return Eagle3Strategy(cfg, target, heads=heads, aux_layers=aux_layers)
+    @staticmethod
+    def fused(batch: TrainBatch) -> bool:
+        """`_FusedStepLoss` on CUDA; the CPU keeps the reference's arithmetic (bitwise)."""
+        return batch.tensors["input_ids"].device.type == "cuda"

@@ -27,7 +27,7 @@ def run_one(name: str, args, engine, packed, held, template) -> dict:
     from specbus.core.data.tokenize import prompt_ids
     from specbus.core.eval.block import block_generate
     from specbus.core.eval.speculative import measure_acceptance
-    from specbus.core.training import train_local
+    from specbus.ops.bench.local_loop import train_local
 
     cfg = build_config(
         {},

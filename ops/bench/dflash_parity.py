@@ -116,7 +116,7 @@ def make_batch(seed: int):
     return ids, mask, aux, final
 
 
-def run(projector: str, steps: int = 3, attention: str = "eager") -> Report:
+def run(projector: str, steps: int = 3, attention: str = "eager", fused: bool = False) -> Report:
     import torch
     from specbus.core.models.dflash import DFlashDraft
     from specbus.core.strategies.base import StepContext
@@ -173,7 +173,7 @@ def run(projector: str, steps: int = 3, attention: str = "eager") -> Report:
         )  # fmt: skip
         if projector == "dflash":
             ref_loss, ref_acc, ref_m = wrapper(input_ids=ids, hidden_states=aux, loss_mask=mask)
-            loss, m = dflash_loss(ours, **kwargs)
+            loss, m = dflash_loss(ours, **kwargs, fused=fused)
             ratios = ref_m["ratio_metrics"]
             report.check("accuracy", m["accuracy"], ratios["acc"][0] / ratios["acc"][1])
             report.check("loss_denom", m["loss_denom"], ref_m["loss_terms"][1])
@@ -198,7 +198,7 @@ def run(projector: str, steps: int = 3, attention: str = "eager") -> Report:
             ref_loss, ref_acc, ref_m = wrapper(
                 input_ids=ids, hidden_states=aux, loss_mask=mask, target_last_hidden_states=final
             )
-            loss, m = dspark_loss(ours, **kwargs, target_BLH=final)
+            loss, m = dspark_loss(ours, **kwargs, target_BLH=final, fused=fused)
             ratios = ref_m["ratio_metrics"]
             report.check("accuracy", m["accuracy"], ref_acc)
             for key in ("ce_loss", "l1_loss", "confidence_loss", "confidence_abs_error",
@@ -238,9 +238,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument(
         "--attention",
-        choices=("eager", "sdpa"),
+        choices=("eager", "sdpa", "flex"),
         default="eager",
         help="specbus's attention path (the reference runs eager)",
+    )
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="specbus's fused vocabulary head (the CUDA default; dflash and dspark)",
     )
     ap.add_argument("--json", default=None, help="write the worst errors here")
     args = ap.parse_args()
@@ -249,10 +254,10 @@ def main() -> int:
     torch.set_num_threads(1)
     out, ok = {}, True
     for name in args.strategies.split(","):
-        r = run(name, args.steps, args.attention)
+        r = run(name, args.steps, args.attention, args.fused)
         out[name] = {"worst_relative_error": r.worst, "failures": r.failures}
         print(
-            f"== {name} ({args.attention}): {'PASS' if not r.failures else 'FAIL'} (rtol {RTOL}, atol {ATOL})"
+            f"== {name} ({args.attention}{', fused' if args.fused else ''}): {'PASS' if not r.failures else 'FAIL'} (rtol {RTOL}, atol {ATOL})"
         )
         for q, e in r.worst.items():
             print(f"   {q:38s} worst relative error {e:.2e}")

@@ -47,7 +47,7 @@ def main() -> None:
     from specbus.core.data.templates import detect_template
     from specbus.core.data.tokenize import prompt_ids, tokenize_record
     from specbus.core.eval.speculative import measure_acceptance
-    from specbus.core.training import train_local
+    from specbus.ops.bench.local_loop import train_local
     from specbus.producers.engines.hf import HFEngine
 
     cfg = build_config(

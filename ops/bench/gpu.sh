@@ -12,6 +12,11 @@
 #   BENCH=multi bash ops/bench/gpu.sh     # on 2+ GPUs: ops/bench/gpu_multi.py
 #   GPU_TESTS=0 BENCH=dflash BENCH_ARGS="--runs dspark:512-4096" bash ops/bench/gpu.sh
 #                                         # DSpark colocated, mixed lengths (ops/bench/gpu_dflash.py)
+#   GPU_TESTS=0 BENCH=perf bash ops/bench/gpu.sh
+#                                         # the draft-step performance call (docs/benchmarks.md):
+#                                         # floor probe, EAGLE3 pipeline 2048/4096 (colocated with
+#                                         # capture overlap, disaggregated), DSpark 512-4096 and
+#                                         # DFlash 2048 colocated, one-step profiles, GPU checks
 #
 # Fetch the wheels here first (once; see the device README):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -28,7 +33,9 @@ started=$(date +%s)
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout as the `specbus` namespace without installing it (see README, Development).
+mkdir -p .dev/specbus && for d in core bus producers consumers ops patches; do ln -sfn "$PWD/$d" .dev/specbus/$d; done
+export PYTHONPATH="$PWD/.dev:$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="/tmp/site/bin:$PATH"  # nats-server from its wheel
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device README)
@@ -40,7 +47,7 @@ export NCCL_NVLS_ENABLE=0  # NVLink multicast off (device README)
   df -h /dev/shm /tmp | sed 1d
   nproc; free -g | sed -n 2p
 } 2>&1 | tee "$OUT/env.txt"
-python3 -c "import core.config, core.contracts, bus.connection, ops.cli, ops.train, ops.produce, producers.engines.hf, consumers.trainer" \
+python3 -c "import specbus.core.config, specbus.core.contracts, specbus.bus.connection, specbus.ops.cli, specbus.ops.train, specbus.ops.produce, specbus.producers.engines.hf, specbus.consumers.trainer" \
   || { echo "imports failed: a wheel is missing"; exit 1; }
 command -v nats-server >/dev/null || { echo "nats-server not on PATH"; exit 1; }
 
@@ -52,9 +59,43 @@ if [ "${GPU_TESTS:-1}" != 0 ]; then
   echo "gpu tests exit $status after $(( $(date +%s) - started ))s"
 fi
 
-if [ "${BENCH:-pipeline}" = multi ]; then  # several GPUs: ops/bench/gpu_multi.py
+if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, each bounded
+  floor=.gpu/floor.py; [ -f "$floor" ] || floor=../shared/bench/floor.py
+  # The device returns at most 8 files from $OUT: the stages write to $PERF and, after each
+  # stage, everything is packed into $OUT/perf.tgz (so a call cut by its limit still returns
+  # what the finished stages wrote); summary.txt is copied beside it.
+  PERF=${PERF:-/tmp/specbus-perf}; rm -rf "$PERF"; mkdir -p "$PERF"; cp "$OUT/env.txt" "$PERF/"
+  pack() { tar czf "$OUT/.perf.tgz" -C "$PERF" . && mv "$OUT/.perf.tgz" "$OUT/perf.tgz"; }
+  stage() {  # name timeout_s command...: log to $PERF/<name>.log, note the time and exit code
+    local name=$1 limit=$2; shift 2
+    local t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" > "$PERF/$name.log" 2>&1  # the whole process group
+    local rc=$?
+    echo "stage $name exit $rc in $(( $(date +%s) - t0 ))s (total $(( $(date +%s) - started ))s)" | tee -a "$PERF/stages.txt"
+    tail -n "${TAIL:-12}" "$PERF/$name.log"
+    pack
+    return $rc
+  }
+  # the one-step profiles first: they compile every kernel once; the pipeline processes after
+  # them load the compiled graphs from the on-disk inductor/triton caches
+  stage floor 90 python3 "$floor"
+  stage profile 150 python3 -m specbus.ops.bench.step_profile --strategies eagle3,dspark,dflash \
+    --seqs 2048,4096 --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles"
+  stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --steps 24 \
+    --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$PERF/gpu_pipeline.json"
+  stage dflash 170 python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
+    --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$PERF/gpu_dflash.json"
+  stage gputests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+    tests/test_gpu_perf.py tests/test_eagle3_gpu.py
+  python3 -m specbus.ops.bench.perf_summary "$PERF" 2>&1 | tee "$PERF/summary.txt"
+  cp "$PERF/summary.txt" "$OUT/"; pack
+  echo "total $(( $(date +%s) - started ))s"
+  exit 0
+elif [ "${BENCH:-pipeline}" = multi ]; then  # several GPUs: ops/bench/gpu_multi.py
   timeout "${BENCH_TIMEOUT:-420}" python3 -m specbus.ops.bench.gpu_multi --out "$OUT/gpu_multi.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+elif [ "${BENCH:-pipeline}" = floor ]; then  # the bare probe (shared/bench/floor.py, carried in .gpu/)
+  timeout "${BENCH_TIMEOUT:-300}" python3 .gpu/floor.py 2>&1 | tee "$OUT/floor.log"
 elif [ "${BENCH:-pipeline}" = dflash ]; then  # DSpark / DFlash colocated: ops/bench/gpu_dflash.py
   timeout "${BENCH_TIMEOUT:-540}" python3 -m specbus.ops.bench.gpu_dflash --out "$OUT/gpu_dflash.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

@@ -2,7 +2,7 @@
 a DSpark (or DFlash / Domino) draft, bf16, colocated, micro-batch 1, mixed sequence lengths.
 
 Each run is `specbus train` in colocated mode as users run it (one trainer rank capturing its
-own tasks; the random-target `hf` engine of `ops/bench/gpu_pipeline.py`, registered in the
+own tasks; the random-target `hf` engine of `ops/bench/random_target.py`, registered in the
 worker process), on pre-tokenised samples whose lengths are drawn uniformly from
 [--min-len, --max-len] (the last three quarters of each supervised). Figures are the steady
 state after `--warmup` optimizer steps: samples/s (per GPU), tokens/s, the capture fraction
@@ -20,7 +20,6 @@ import argparse
 import json
 import random
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import torch
 from specbus.core.config import build_config
-from specbus.ops.bench.gpu_pipeline import QWEN3_8B, TINY, run_mode, worker, write_target
+from specbus.ops.bench.gpu_pipeline import run_mode
+from specbus.ops.bench.random_target import QWEN3_8B, TINY, write_target
 
 SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC, GOAL_SAMPLES_PER_S = 5.7, 0.112, 6.5
 
@@ -67,14 +67,12 @@ def config_for(run: str, work: Path, target: Path, data: Path, strategy: str, hi
         "training": {"micro_batch": 1, "log_every": args.log_every, "checkpoint_every": 100_000,
                      "lr": 6e-4, "warmup_ratio": 0.04, "grad_clip": 1.0,
                      "max_steps": args.steps, "total_steps": args.steps},
-        "deployment": {"mode": "colocated"},
+        "deployment": {"mode": "colocated", "colocated_prefetch": args.colocated_prefetch},
     }  # fmt: skip
     return build_config(tree)
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        sys.exit(worker(sys.argv[2:]))
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -90,6 +88,11 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--markov-rank", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per run")
+    ap.add_argument(
+        "--colocated-prefetch", type=int, default=0,
+        help="deployment.colocated_prefetch (1: capture the next window on its own stream "
+        "while the step runs)",
+    )  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

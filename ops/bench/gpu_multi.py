@@ -35,10 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -47,8 +44,8 @@ from pathlib import Path
 
 import torch
 from specbus.core.config import build_config, dump_config
-from specbus.ops.bench.gpu_pipeline import QWEN3_8B, TINY, shm_uri, write_data, write_target
-from specbus.ops.services.common import free_port, stop_pid
+from specbus.ops.bench.random_target import QWEN3_8B, TINY, shm_uri, write_data, write_target
+from specbus.ops.launch import Launcher
 from specbus.ops.services.nats import NatsServer
 
 
@@ -71,76 +68,55 @@ class Run:
         self.config_path = work / f"{self.cfg.run}.yaml"
         self.config_path.write_text(dump_config(self.cfg))
         self.name = name
-        self.logs: dict[str, Path] = {}
 
     def feed(self) -> None:
-        from specbus.bus.connection import connect
-        from specbus.bus.topology import declare
-        from specbus.producers.feeder import feed, prepare
+        from specbus.ops.produce import run_feeder
 
-        async def go():
-            async with await connect(self.cfg.bus, self.server.url) as bus:
-                topo = await declare(bus, self.cfg.bus, self.cfg.run)
-                return await feed(bus, topo.kv, self.cfg, prepare(self.cfg))
-
-        asyncio.run(go())
+        asyncio.run(run_feeder(self.cfg, bus_url=self.server.url))
 
     def phase(self, tag: str, procs: list[Proc], timeout_s: float) -> float:
         """Start `procs`, wait for every trainer rank, then the producers. Returns wall s."""
-        env0 = {**os.environ, "OMP_NUM_THREADS": "4", "TOKENIZERS_PARALLELISM": "false",
-                "NCCL_NVLS_ENABLE": "0"}  # fmt: skip
-        env0.pop("SPECBUS_THREADS", None)
+        env0 = {"OMP_NUM_THREADS": "4", "TOKENIZERS_PARALLELISM": "false", "NCCL_NVLS_ENABLE": "0"}
+        launcher = Launcher(self.work / f"{self.cfg.run}-logs", env=env0,
+                            module="specbus.ops.bench.random_target")  # fmt: skip
+        launcher.env.pop("SPECBUS_THREADS", None)
         trainers = [p for p in procs if p.role == "train"]
-        port = free_port()
-        running: dict[str, subprocess.Popen] = {}
+        producers = [p for p in procs if p.role != "train"]
+
+        def argv(key: str, p: Proc) -> list[str]:
+            return ["--stats", str(self.work / f"{self.cfg.run}-{key}.mem.json"),
+                    "--log-level", "WARNING", p.role, "--config", str(self.config_path),
+                    "--url", self.server.url, *p.extra]  # fmt: skip
+
         t0 = time.perf_counter()
         try:
-            rank = 0
-            # Trainers first; producers once a resuming trainer has cleared the run's
-            # train-complete marker (a producer that sees it leaves at once).
-            procs = trainers + [p for p in procs if p.role != "train"]
-            resuming = any("--resume" in p.extra for p in trainers)
-            for i, p in enumerate(procs):
-                if p.role != "train" and resuming:
-                    self.wait_marker_cleared(deadline_s=timeout_s)
-                    resuming = False
-                env = {**env0, "CUDA_VISIBLE_DEVICES": p.gpus, **p.env}
-                if p.role == "train":
-                    env.update(RANK=str(rank), WORLD_SIZE=str(len(trainers)), LOCAL_RANK="0",
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-                    key = f"{tag}-train{rank}"
-                    rank += 1
-                else:
-                    key = f"{tag}-produce{i}"
-                self.logs[key] = self.work / f"{self.cfg.run}-{key}.log"
-                argv = [sys.executable, "-m", "specbus.ops.bench.gpu_pipeline", "worker",
-                        "--stats", str(self.work / f"{self.cfg.run}-{key}.mem.json"),
-                        "--log-level", "WARNING", p.role, "--config", str(self.config_path),
-                        "--url", self.server.url, *p.extra]  # fmt: skip
-                with open(self.logs[key], "w") as log:
-                    running[key] = subprocess.Popen(argv, env=env, stdout=log,
-                                                    stderr=subprocess.STDOUT)  # fmt: skip
-            deadline = time.monotonic() + timeout_s
-            for key, proc in running.items():
-                if "train" not in key:
-                    continue
-                try:
-                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    code = None
+            # Trainers first (one visible GPU each: LOCAL_RANK 0); producers once a resuming
+            # trainer has cleared the run's train-complete marker (a producer that sees it
+            # leaves at once).
+            launcher.ranks(
+                len(trainers), lambda r: argv(f"{tag}-train{r}", trainers[r]),
+                name=f"{tag}-train{{rank}}",
+                env=lambda r: {"CUDA_VISIBLE_DEVICES": trainers[r].gpus, **trainers[r].env},
+                local_rank=lambda r: 0,
+            )  # fmt: skip
+            if producers and any("--resume" in p.extra for p in trainers):
+                self.wait_marker_cleared(deadline_s=timeout_s)
+            for i, p in enumerate(producers, start=len(trainers)):
+                launcher.start(f"{tag}-produce{i}", argv(f"{tag}-produce{i}", p),
+                               env={"CUDA_VISIBLE_DEVICES": p.gpus, **p.env})  # fmt: skip
+            names = [f"{tag}-train{r}" for r in range(len(trainers))]
+            for key, code in launcher.wait(*names, timeout=timeout_s).items():
                 if code != 0:
-                    tails = {k: p.read_text(errors="replace")[-2500:] for k, p in self.logs.items()
-                             if k.startswith(tag)}  # fmt: skip
+                    tails = {k: launcher.log(k)[-2500:] for k in launcher.procs}
                     raise RuntimeError(f"{self.name}/{tag}: {key} exited {code}\n"
                                        + json.dumps(tails, indent=1))  # fmt: skip
             wall = time.perf_counter() - t0
-            for key, proc in running.items():  # producers leave on the train-complete marker
-                if "produce" in key:
-                    proc.wait(timeout=60)
+            producer_names = [k for k in launcher.procs if "produce" in k]
+            if producer_names:  # producers leave on the train-complete marker
+                launcher.wait(*producer_names, timeout=60)
             return wall
         finally:
-            for proc in running.values():
-                stop_pid(proc)
+            launcher.stop()
 
     def wait_marker_cleared(self, deadline_s: float) -> None:
         from specbus.bus.connection import connect

@@ -7,11 +7,9 @@ disaggregated on one GPU, per sequence length.
 
 The target is Qwen3-8B's architecture with random weights (nothing is downloaded): the target
 directory holds its `config.json` and a safetensors file with only `embed_tokens` and `lm_head`
-(what a trainer reads), plus a fingerprint marker. Every engine process builds the full model
-on the GPU in bf16 from that config with a fixed seed and loads those two heads into it (the
-`hf` engine is re-registered in the worker processes, `python -m specbus.ops.bench.gpu_pipeline worker
-...`, which then run `specbus train/produce` unchanged). Same compute and feature sizes as the
-real model; 16 GB are never written to disk.
+(what a trainer reads), plus a fingerprint marker (ops/bench/random_target.py: its worker
+processes run `specbus train/produce` unchanged with the `hf` engine swapped for the random
+model). Same compute and feature sizes as the real model; 16 GB are never written to disk.
 
 Figures are the trainer's steady state: log intervals after `--warmup` optimizer steps
 (start-up, flex-attention compilation and the first captures are excluded). Capture fraction
@@ -27,13 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -41,131 +35,17 @@ from pathlib import Path
 
 import torch
 from specbus.core.config import build_config, dump_config
-from specbus.ops.services.common import stop_pid
+from specbus.ops.bench.random_target import (  # noqa: F401  (gpu_dflash, gpu_multi use them)
+    QWEN3_8B,
+    TINY,
+    build_random_target,
+    random_engine,
+    shm_uri,
+    write_data,
+    write_target,
+)
+from specbus.ops.launch import Launcher
 from specbus.ops.services.nats import NatsServer
-
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1_000_000.0,
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-}
-SEED = 0
-# --tiny: a 4-layer, 2k-vocab target of the same architecture (a CPU check of the code paths)
-TINY = {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
-_MARKER = "specbus_target.json"  # core.models.target reads the fingerprint from it
-
-
-# ---------------------------------------------------------------------------------------------
-# The random target
-
-
-def write_target(path: Path, overrides: dict | None = None, device: str = "cuda") -> Path:
-    """config.json + heads-only safetensors + fingerprint marker (weights = config + seed)."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config
-
-    path.mkdir(parents=True, exist_ok=True)
-    config = Qwen3Config(**{**QWEN3_8B, **(overrides or {})})
-    config.save_pretrained(path)
-    v, h = config.vocab_size, config.hidden_size
-    g = torch.Generator(device=device).manual_seed(SEED)
-    heads = {
-        name: (torch.randn(v, h, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
-        for name in ("model.embed_tokens.weight", "lm_head.weight")
-    }
-    save_file(heads, str(path / "model.safetensors"))
-    digest = hashlib.sha256((path / "config.json").read_bytes() + f"seed={SEED}".encode())
-    (path / _MARKER).write_text(
-        json.dumps({"source": "random-qwen3", "fingerprint": digest.hexdigest()[:32]})
-    )
-    return path
-
-
-def build_random_target(path: Path, device: torch.device | str) -> torch.nn.Module:
-    """The full causal LM of `path`'s config, random (seeded) on `device` in bf16, with the
-    directory's embed_tokens / lm_head loaded: frozen, eval mode."""
-    from specbus.core.models.target import load_target_heads
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path)
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    heads = load_target_heads(path, dtype=torch.bfloat16)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(heads.embed_tokens)
-        model.get_output_embeddings().weight.copy_(heads.lm_head)
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def random_engine(cfg, **kwargs):
-    """`hf` engine factory over `build_random_target` (registered in the worker processes)."""
-    from specbus.core.models.target import resolve_target_dir
-    from specbus.producers.engines.hf import HFEngine, resolve_device
-
-    device = resolve_device(cfg.device)
-    model = build_random_target(resolve_target_dir(cfg.model), device)
-    return HFEngine(cfg, model=model, **kwargs)
-
-
-def worker(argv: list[str]) -> int:
-    """`worker --stats FILE <specbus args>`: run `specbus ...` with the random-target engine,
-    then write this process's peak CUDA memory to FILE."""
-    from specbus.ops.cli import main as cli_main
-    from specbus.producers.engines.registry import register_engine
-
-    stats = Path(argv[argv.index("--stats") + 1])
-    rest = [a for i, a in enumerate(argv) if a != "--stats" and argv[i - 1] != "--stats"]
-    register_engine("hf", random_engine, replace=True)
-    code = cli_main(rest)
-    if torch.cuda.is_available():
-        stats.write_text(
-            json.dumps(
-                {
-                    "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-                }
-            )
-        )
-    return code
-
-
-# ---------------------------------------------------------------------------------------------
-# Data and config
-
-
-def write_data(path: Path, n: int, seq: int, vocab: int) -> Path:
-    """`n` pre-tokenised samples of exactly `seq` tokens; the last three quarters supervised."""
-    g = torch.Generator().manual_seed(1)
-    with open(path, "w") as f:
-        for _ in range(n):
-            ids = torch.randint(3, vocab, (seq,), generator=g).tolist()
-            mask = [0] * (seq // 4) + [1] * (seq - seq // 4)
-            f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
-    return path
-
-
-def shm_uri(run: str, work: Path, need_bytes: int) -> str:
-    """shm:// in /dev/shm when it has room, else a directory under the work dir (page cache)."""
-    if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > 2 * need_bytes:
-        return f"shm://{run}"
-    return f"shm://{work / ('shm-' + run)}?store_id={run}"
 
 
 def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: str, args):
@@ -186,7 +66,9 @@ def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: s
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
                      "checkpoint_every": 100_000, "prefetch": args.prefetch, "lr": 1e-4,
                      "max_steps": args.steps, "total_steps": args.steps},
-        "deployment": {"mode": mode},
+        "deployment": {"mode": mode} | (
+            {"colocated_prefetch": args.colocated_prefetch} if mode == "colocated" else {}
+        ),
     }  # fmt: skip
     return build_config(tree)
 
@@ -196,52 +78,35 @@ def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: s
 
 
 def run_mode(cfg, work: Path, mode: str, warmup: int, timeout_s: float) -> dict:
-    from specbus.bus.connection import connect
-    from specbus.bus.topology import declare
-    from specbus.producers.feeder import feed, prepare
+    from specbus.ops.produce import run_feeder
 
     server = NatsServer(work / f"nats-{cfg.run}").start()
     config_path = work / f"{cfg.run}.yaml"
     config_path.write_text(dump_config(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "4", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("SPECBUS_THREADS", None)
-    procs: dict[str, subprocess.Popen] = {}
-    logs = {}
+    # Threads: 4 per process (the GPU does the work), not the launcher's default of 1.
+    procs = Launcher(work / f"{cfg.run}-logs", module="specbus.ops.bench.random_target",
+                     env={"OMP_NUM_THREADS": "4", "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+    procs.env.pop("SPECBUS_THREADS", None)
     try:
-
-        async def do_feed():
-            async with await connect(cfg.bus, server.url) as bus:
-                topo = await declare(bus, cfg.bus, cfg.run)
-                return await feed(bus, topo.kv, cfg, prepare(cfg))
-
-        asyncio.run(do_feed())
+        asyncio.run(run_feeder(cfg, bus_url=server.url))
         common = ["--config", str(config_path), "--url", server.url]
         roles = (["produce"] if mode == "disaggregated" else []) + ["train"]
         for role in roles:
-            logs[role] = work / f"{cfg.run}-{role}.log"
-            argv = [sys.executable, "-m", "specbus.ops.bench.gpu_pipeline", "worker",
-                    "--stats", str(work / f"{cfg.run}-{role}.mem.json"),
-                    "--log-level", "WARNING", role, *common]  # fmt: skip
-            with open(logs[role], "w") as log:
-                procs[role] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        trainer = procs["train"]
-        try:
-            code = trainer.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
+            procs.start(role, ["--stats", str(work / f"{cfg.run}-{role}.mem.json"),
+                               "--log-level", "WARNING", role, *common])  # fmt: skip
+        code = procs.wait("train", timeout=timeout_s)["train"]
         if code != 0:
-            tails = {r: p.read_text(errors="replace")[-3000:] for r, p in logs.items()}
+            tails = {r: procs.log(r)[-3000:] for r in roles}
             raise RuntimeError(f"{mode} trainer exited {code}:\n" + json.dumps(tails, indent=1))
         t_end = time.perf_counter()
-        if "produce" in procs:  # released by the train-complete marker
-            procs["produce"].wait(timeout=60)
+        if "produce" in procs.procs:  # released by the train-complete marker
+            procs.wait("produce", timeout=60)
         print(
             f"{mode}: producer exited {time.perf_counter() - t_end:.1f}s after the trainer",
             flush=True,
         )
     finally:
-        for p in procs.values():
-            stop_pid(p)
+        procs.stop()
         server.stop()
     ckpt = cfg.resolved_run_dir / "checkpoints"
     state = torch.load(
@@ -427,8 +292,6 @@ def profiler_table(step) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        sys.exit(worker(sys.argv[2:]))
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -439,6 +302,11 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=4)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument(
+        "--colocated-prefetch", type=int, default=0,
+        help="deployment.colocated_prefetch (1: capture the next window on its own stream "
+        "while the step runs)",
+    )  # fmt: skip
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per mode run")

@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,20 +36,15 @@ from pathlib import Path
 
 import httpx
 from specbus.core.config import build_config, dump_config
+from specbus.ops.launch import QUIET_THREADS, Launcher
 from specbus.ops.services.common import free_port, stop_pid
 from specbus.ops.services.nats import NatsServer
 from specbus.ops.traffic import load_prompts, percentile, run_traffic
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "specbus.ops.cli", *argv], stdout=f,
-                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
-
-
-def wait_http(url: str, proc: subprocess.Popen, log: Path, key: str = "ok") -> None:
+def wait_http(url: str, proc, log: Path, key: str = "ok") -> None:
+    """Wait for `url`'s /healthz to report `key` (readiness, polled); raises `RuntimeError`
+    with the log's tail when `proc` exits first."""
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -76,13 +69,13 @@ class Drain:
 
     async def run(self) -> None:
         from specbus.bus.connection import connect
-        from specbus.bus.lease import Leases
-        from specbus.core.store import open_store
+        from specbus.bus.subjects import TRAINERS
+        from specbus.bus.topology import open_run
 
-        store = open_store(self.cfg.store)
+        store = self.cfg.store.build()
         try:
             async with await connect(self.cfg.bus, self.url, name="bench-drain") as bus:
-                group = await Leases.join(bus, self.cfg.run, "trainers")
+                group = await (await open_run(bus, self.cfg.run)).join(TRAINERS)
                 started = time.monotonic()
                 while not self._stop.is_set():
                     want = 64
@@ -248,15 +241,13 @@ class Poster:
 async def undrained_bytes(cfg, bus_url: str) -> int:
     """Tensor bytes of the refs the drains left (exact: every ref of the window is read)."""
     from specbus.bus.connection import connect
-    from specbus.bus.lag import lag
+    from specbus.bus.topology import open_run
 
     async with await connect(cfg.bus, bus_url, name="bench-lag") as bus:
-        return (await lag(bus, cfg.run, scan=True)).bytes
+        return (await (await open_run(bus, cfg.run)).lag(scan=True)).bytes
 
 
 async def intake_part(args, cfg, bus_url: str, intake_url: str, token: str) -> dict:
-    from specbus.core.store import open_store
-
     poster = Poster(intake_url, token, args.rows)
     out: dict = {"record_bytes": None}
     try:
@@ -275,7 +266,7 @@ async def intake_part(args, cfg, bus_url: str, intake_url: str, token: str) -> d
             print(f"  {mult}x capacity ({args.capacity * mult:g} records/s offered): "
                   f"{res['accepted']} accepted, {res['shed']} shed "
                   f"({res['shed_fraction']:.1%}), {res['other']} other", flush=True)  # fmt: skip
-        store = open_store(cfg.store)
+        store = cfg.store.build()
         try:
             out["store_resident_bytes_after"] = store.usage().resident_bytes
         finally:
@@ -329,32 +320,28 @@ def main(argv=None) -> int:
     config = work / "run.yaml"
     config.write_text(dump_config(cfg))
     broker = NatsServer(work / "nats").start()
-    procs = []
+    procs = Launcher(work, env=QUIET_THREADS)  # <work>/<name>.log
     results: dict = {"args": vars(args)}
     try:
         ip, sp = free_port(), free_port()
         common = ["--config", str(config), "--url", broker.url]
-        intake = start(["intake", *common, "--port", str(ip)], work / "intake.log")
-        procs.append(intake)
+        intake = procs.start("intake", ["intake", *common, "--port", str(ip)])
         wait_http(f"http://127.0.0.1:{ip}", intake, work / "intake.log")
         token = json.loads((cfg.resolved_run_dir / "live" / "intake.json").read_text())["token"]
         if not args.skip_latency:
-            serve = start(["serve", *common, "--port", str(sp)], work / "serve.log")
-            procs.append(serve)
+            serve = procs.start("serve", ["serve", *common, "--port", str(sp)])
             serve_url = f"http://127.0.0.1:{sp}"
             wait_http(serve_url, serve, work / "serve.log", key="handshake")
             print("latency, capture on vs off (same server, same traffic):", flush=True)
             results["latency"] = asyncio.run(latency_part(args, cfg, broker.url, serve_url))
             stop_pid(serve, 30)
-            procs.remove(serve)
         if not args.skip_intake:
             print("intake throughput and shedding:", flush=True)
             results["intake"] = asyncio.run(
                 intake_part(args, cfg, broker.url, f"http://127.0.0.1:{ip}", token)
             )
     finally:
-        for proc in procs:
-            stop_pid(proc, 30)
+        procs.stop(30)
         broker.stop()
     lat, itk = results.get("latency"), results.get("intake")
     if lat:

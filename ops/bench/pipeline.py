@@ -1,6 +1,6 @@
 """Pipeline throughput: disaggregated vs colocated vs a single-process loop, one run, same data.
 
-- loop: `core.training.train_local` in this process: capture -> collate -> step, no bus, no
+- loop: `ops.bench.local_loop.train_local` in this process: capture -> collate -> step, no bus, no
   store (the baseline);
 - colocated: one trainer rank process capturing its own tasks through the broker;
 - disaggregated: one producer process + one trainer process through the broker and shm.
@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -30,7 +27,7 @@ from pathlib import Path
 
 import torch
 from specbus.core.config import build_config, dump_config
-from specbus.ops.services.common import stop_pid
+from specbus.ops.launch import Launcher
 from specbus.ops.services.nats import NatsServer
 
 
@@ -76,7 +73,7 @@ def config_for(run: str, work: Path, target: Path, data: Path, mode: str, args) 
 
 
 def run_loop(cfg) -> dict:
-    from specbus.core.training import train_local
+    from specbus.ops.bench.local_loop import train_local
     from specbus.producers.engines.registry import build_engine
 
     engine = build_engine(cfg.target)
@@ -97,38 +94,26 @@ def run_loop(cfg) -> dict:
 
 
 def run_pipeline(cfg, work: Path, mode: str) -> dict:
-    from specbus.bus.connection import connect
-    from specbus.bus.topology import declare
-    from specbus.producers.feeder import feed, prepare
+    from specbus.ops.produce import run_feeder
 
     server = NatsServer(work / f"nats-{mode}").start()
     config_path = work / f"{cfg.run}.yaml"
     config_path.write_text(dump_config(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1"}
-    procs = []
+    procs = Launcher(work / f"{cfg.run}-logs", env={"OMP_NUM_THREADS": "1", "SPECBUS_THREADS": "1"})
     try:
-
-        async def do_feed():
-            async with await connect(cfg.bus, server.url) as bus:
-                topo = await declare(bus, cfg.bus, cfg.run)
-                return await feed(bus, topo.kv, cfg, prepare(cfg))
-
-        asyncio.run(do_feed())
-        base = [sys.executable, "-m", "specbus.ops.cli", "--log-level", "WARNING"]
-        common = ["--config", str(config_path), "--url", server.url]
+        asyncio.run(run_feeder(cfg, bus_url=server.url))
+        common = ["--log-level", "WARNING"]
+        args = ["--config", str(config_path), "--url", server.url]
         if mode == "disaggregated":
-            procs.append(
-                subprocess.Popen([*base, "produce", *common], env=env, stdout=subprocess.DEVNULL)
-            )
-        trainer = subprocess.Popen([*base, "train", *common], env=env, stdout=subprocess.DEVNULL)
-        procs.append(trainer)
-        if trainer.wait(timeout=1800) != 0:
-            raise RuntimeError(f"{mode} trainer failed ({trainer.returncode})")
-        for p in procs[:-1]:
-            p.wait(timeout=60)
+            procs.start("produce", [*common, "produce", *args])
+        procs.start("train", [*common, "train", *args])
+        code = procs.wait("train", timeout=1800)["train"]
+        if code != 0:
+            raise RuntimeError(f"{mode} trainer failed ({code}): {procs.log('train')[-2000:]}")
+        if "produce" in procs.procs:
+            procs.wait("produce", timeout=60)
     finally:
-        for p in procs:
-            stop_pid(p)
+        procs.stop()
         server.stop()
     ckpt = cfg.resolved_run_dir / "checkpoints"
     state = torch.load(

@@ -91,6 +91,8 @@ def wait_for_log(log: Path, needle: str, proc: subprocess.Popen, timeout_s: floa
 
 
 def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until `host:port` accepts connections; `ServiceError` if `proc` exits first or after
+    `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -228,6 +230,7 @@ class DirLock:
 
     @property
     def held(self) -> bool:
+        """True while this process holds the lock."""
         return self.fd is not None
 
     def acquire(self, owner: dict[str, Any], what: str, wait_s: float = 10.0) -> DirLock:
@@ -271,6 +274,7 @@ class DirLock:
         os.pwrite(self.fd, data, 0)
 
     def release(self) -> None:
+        """Let go of the lock (children that inherited its descriptor keep it until they exit)."""
         if self.fd is not None:
             os.close(self.fd)  # children that inherited it keep it until they exit
             self.fd = None
@@ -300,6 +304,7 @@ def lock_holder(path: str | Path) -> dict[str, Any] | None:
 
 
 def describe_owner(owner: dict[str, Any]) -> str:
+    """A lock holder's record for people (its pids and URL)."""
     parts = [f"{k.replace('_', ' ')} {owner[k]}" for k in ("pid", "server_pid") if owner.get(k)]
     for key in ("url", "uri"):
         if owner.get(key):

@@ -43,6 +43,9 @@ from specbus.ops.services.mooncake_node import READY
 
 
 class MooncakeServices:
+    """mooncake_master (and, with metadata="http", a metadata server) plus one store node, by PID on
+    loopback, for one run's `mooncake://` store."""
+
     def __init__(
         self,
         work_dir: str | Path,
@@ -80,17 +83,21 @@ class MooncakeServices:
 
     @property
     def master_address(self) -> str:
+        """host:port of the master's RPC."""
         return f"{self.host}:{self.master_port}"
 
     @property
     def admin_address(self) -> str:
+        """host:port of the master's HTTP admin/metrics endpoint."""
         return f"{self.host}:{self.admin_port}"
 
     @property
     def metadata(self) -> str:
+        """The metadata address clients use (P2P, or the metadata server's URL)."""
         return f"http://{self.host}:{self.metadata_port}/metadata" if self.http_metadata else "P2P"
 
     def config(self, **overrides) -> MooncakeConfig:
+        """The `MooncakeConfig` that reaches these services (`overrides` replace fields)."""
         return MooncakeConfig(
             master=self.master_address,
             metadata=self.metadata,
@@ -101,15 +108,19 @@ class MooncakeServices:
         )
 
     def uri(self, store_id: str) -> str:
+        """The `mooncake://` URI of store `store_id` on these services."""
         return mooncake_uri(store_id, self.config())
 
     def store_config(self, store_id: str, **fields) -> StoreConfig:
+        """A `StoreConfig` for store `store_id` on these services."""
         mc = fields.pop("mooncake", None) or self.config()
         return StoreConfig(uri=f"mooncake://{store_id}", mooncake=mc, **fields)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 30.0) -> MooncakeServices:
+        """Start the master (and metadata server), then the store node; wait until its segment is
+        mounted."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         try:
             if self.http_metadata:
@@ -133,6 +144,7 @@ class MooncakeServices:
         wait_for_port(self.host, self.metadata_port, self.metadata_server, timeout_s)
 
     def start_master(self, timeout_s: float = 30.0) -> None:
+        """Start mooncake_master and wait for its ports."""
         args = [
             find_binary("mooncake_master"),
             f"--rpc_address={self.host}",
@@ -160,6 +172,7 @@ class MooncakeServices:
         )
 
     def start_node(self, timeout_s: float = 30.0) -> None:
+        """Start the store node; wait for its ready line and for the master to mount its segment."""
         args = [
             sys.executable,
             "-m",
@@ -174,16 +187,19 @@ class MooncakeServices:
         self._wait(self.segment_mounted, timeout_s, "store node segment mounted")
 
     def segment_mounted(self) -> bool:
+        """True once the master counts the node's segment."""
         try:
             return bool(self._admin("/get_all_segments").strip())
         except OSError:
             return False
 
     def kill_node(self) -> None:
+        """kill -9 the store node (fault injection)."""
         if self.node:
             kill_pid(self.node)
 
     def kill_master(self) -> None:
+        """kill -9 the master (fault injection)."""
         if self.master:
             kill_pid(self.master)
 

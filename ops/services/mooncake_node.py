@@ -20,6 +20,7 @@ READY = "specbus mooncake node ready"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a store node contributing its segment until SIGTERM (the services start it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--master", required=True, help="mooncake_master RPC address host:port")
     ap.add_argument(

@@ -72,6 +72,7 @@ class NatsServerConfig(BaseModel):
         return v
 
     def build(self, lock: DirLock | None = None) -> NatsServer:
+        """The `NatsServer` this config describes (not started)."""
         return NatsServer(
             self.store_dir,
             host=self.host,
@@ -83,6 +84,9 @@ class NatsServerConfig(BaseModel):
 
 
 class NatsServer:
+    """An embedded nats-server (JetStream) on a store dir, started and stopped by PID; readiness read
+    from its log."""
+
     def __init__(
         self,
         store_dir: str | Path,
@@ -110,10 +114,12 @@ class NatsServer:
 
     @property
     def url(self) -> str:
+        """The client URL."""
         return f"nats://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
+        """The server's PID (None when not started)."""
         return self.proc.pid if self.proc else None
 
     def start(self, timeout_s: float = 30.0) -> NatsServer:
@@ -179,6 +185,7 @@ class NatsServer:
             self.lock.release()
 
     def stop(self) -> None:
+        """SIGTERM the server, SIGKILL if it lingers, and reap it."""
         self._end(stop_pid)
 
     def kill(self) -> None:
@@ -186,6 +193,7 @@ class NatsServer:
         self._end(kill_pid)
 
     def restart(self, timeout_s: float = 30.0) -> NatsServer:
+        """Stop, then start again on the same port and store dir."""
         self.stop()
         return self.start(timeout_s)
 

@@ -20,6 +20,9 @@ from specbus.core.strategies.base import FeatureContract
 
 @runtime_checkable
 class TargetEngine(Protocol):
+    """A frozen target behind `core.registry.ENGINES` (see the module doc for the guarantees every
+    engine keeps)."""
+
     name: str
     info: TargetInfo
     tokenizer: object
@@ -33,6 +36,9 @@ class TargetEngine(Protocol):
         contract: FeatureContract,
         *,
         device: torch.device | str | None = None,
-    ) -> list[dict[str, torch.Tensor]]: ...
+    ) -> list[dict[str, torch.Tensor]]:
+        """One feature dict per sequence, in input order, verified against `contract`
+        (`CaptureError` otherwise); on `device` when given, else CPU."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Free the target (GPU memory, its shards' process groups); idempotent."""

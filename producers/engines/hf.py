@@ -37,12 +37,14 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 def resolve_device(device: str) -> torch.device:
+    """`target.device` as a torch device: auto is the first GPU, else the CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`target.dtype` as a torch dtype: auto is bf16 on GPU, fp32 on CPU."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
@@ -103,6 +105,7 @@ class HFEngine:
 
     @property
     def default_aux_layers(self) -> list[int]:
+        """The EAGLE3 default capture layers for this target's depth."""
         return self.info.default_aux_layers
 
     @torch.no_grad()
@@ -193,6 +196,7 @@ class HFEngine:
         return samples
 
     def close(self) -> None:
+        """Drop the model (and its GPU memory); idempotent."""
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -41,10 +41,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
-from specbus.bus.connection import Bus
-from specbus.bus.lag import lag
-from specbus.bus.publisher import Publisher
-from specbus.bus.subjects import Names
+from specbus.bus.run import RunBus
 from specbus.core.config import RunConfig
 from specbus.core.contracts import Provenance, SampleRef
 from specbus.core.errors import (
@@ -113,14 +110,16 @@ class IntakeMetrics:
 
 
 class Intake:
-    """Validates capture records and publishes their SampleRefs (see module doc)."""
+    """Validates capture records and publishes their SampleRefs (see module doc).
 
-    def __init__(self, cfg: RunConfig, bus: Bus, store, capture: CaptureConfig, token: str,
+    `run`: the run's `RunBus` (its publisher, the trainers' lag); `store`: the run's store,
+    held open by the intake; `capture`: the handshake it serves; `token`: the bearer token;
+    `poll_s`: how often the shed inputs are read."""
+
+    def __init__(self, cfg: RunConfig, run: RunBus, store, capture: CaptureConfig, token: str,
                  *, poll_s: float = 0.25):  # fmt: skip
-        self.cfg, self.bus, self.store, self.capture = cfg, bus, store, capture
+        self.cfg, self.run, self.store, self.capture = cfg, run, store, capture
         self.token = token
-        self.names = Names(cfg.run)
-        self.publisher = Publisher(bus)
         self.poll_s = poll_s
         self.metrics = IntakeMetrics()
         self.shed = ShedInputs(budget_bytes=cfg.store.budget_bytes)
@@ -155,7 +154,7 @@ class Intake:
             budget = self.cfg.store.budget_bytes
             if usage.capacity_bytes:
                 budget = min(budget, usage.capacity_bytes)
-            current = await asyncio.wait_for(lag(self.bus, self.cfg.run), timeout=5.0)
+            current = await asyncio.wait_for(self.run.lag(), timeout=5.0)
         except Exception as e:  # noqa: BLE001 - an outage: keep the last view, say so once
             if not self.shed.error:
                 log.warning("cannot read the shed inputs (keeping the last ones): %s", e)
@@ -320,7 +319,7 @@ class Intake:
                                   created_at=rec.created_at),
         )  # fmt: skip
         try:
-            ack = await self.publisher.publish(self.names.samples, ref)
+            ack = await self.run.publisher.publish(self.run.names.samples, ref)
         except RecordError as e:
             raise _bad("oversize", str(e), 413) from None
         except BusError as e:

@@ -15,12 +15,16 @@ vocab source (or strategy, or target) under the same run name is refused.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specbus.core.config import RunConfig
+from specbus.core.contracts import Manifest, ManifestTarget, VocabTable
 from specbus.core.errors import ConfigError
 from specbus.core.strategies.base import FeatureContract
 from specbus.producers.live.wire import CAPTURE_SCHEMA_VERSION, CaptureConfig, FeatureDecl
+
+if TYPE_CHECKING:
+    from specbus.bus.topology import RunKV
 
 _INT_DTYPES = {"int64": "int64", "int64|bool": "int64", "bool": "bool"}
 
@@ -57,31 +61,33 @@ def live_plan(cfg: RunConfig, prepared) -> dict[str, Any]:
     }
 
 
-def live_manifest(cfg: RunConfig, prepared, capture: CaptureConfig) -> dict[str, Any]:
+def live_manifest(cfg: RunConfig, prepared, capture: CaptureConfig) -> Manifest:
+    """The live run's `Manifest`: the feeder's fields (target, vocab table) with
+    `mode="live"`, no task count (the schedule is `training.total_steps`/`max_steps`) and the
+    capture handshake as its `live` entry."""
     from specbus.producers.feeder import plan_hash
 
     plan = live_plan(cfg, prepared)
-    return {
-        "run": cfg.run,
-        "mode": "live",
-        "plan": plan,
-        "plan_hash": plan_hash(plan),
-        "planned_tasks": None,  # live traffic has no count: the schedule is training.total_steps
-        "target": {
-            "model": cfg.target.model,
-            "fingerprint": prepared.target_fingerprint,
-            "tokenizer_fingerprint": prepared.tokenizer_fingerprint,
-            "num_layers": prepared.info.num_layers,
-            "hidden_size": prepared.info.hidden_size,
-            "vocab_size": prepared.info.vocab_size,
-        },
-        "strategy": cfg.strategy.name,
-        "vocab": {
-            "d2t": prepared.vocab.d2t.tolist(),
-            "target_vocab_size": prepared.info.vocab_size,
-        },
-        "live": capture.model_dump(mode="json"),
-    }
+    return Manifest(
+        run=cfg.run,
+        plan=plan,
+        plan_hash=plan_hash(plan),
+        planned_tasks=None,
+        target=ManifestTarget(
+            model=cfg.target.model,
+            fingerprint=prepared.target_fingerprint,
+            tokenizer_fingerprint=prepared.tokenizer_fingerprint,
+            num_layers=prepared.info.num_layers,
+            hidden_size=prepared.info.hidden_size,
+            vocab_size=prepared.info.vocab_size,
+        ),
+        strategy=cfg.strategy.name,
+        vocab=VocabTable(
+            d2t=tuple(prepared.vocab.d2t.tolist()), target_vocab_size=prepared.info.vocab_size
+        ),
+        mode="live",
+        live=capture.model_dump(mode="json"),
+    )
 
 
 def capture_config(
@@ -121,17 +127,17 @@ def capture_config(
     )
 
 
-async def ensure_manifest(kv, manifest: dict[str, Any]) -> dict[str, Any]:
+async def ensure_manifest(kv: RunKV, manifest: Manifest) -> Manifest:
     """Write the live manifest, or refresh its `live` entry when one of the same plan exists
-    (a restarted intake: sample rate or limits may have changed). Refuses another plan."""
+    (a restarted intake: sample rate or limits may have changed). Raises `ConfigError` for a
+    manifest of another plan under the run's name."""
     existing = await kv.get_manifest()
     if existing is not None:
-        if existing.get("plan_hash") != manifest["plan_hash"]:
+        if existing.plan_hash != manifest.plan_hash:
             raise ConfigError(
-                f"run {manifest['run']!r} already has a manifest of another plan "
-                f"({existing.get('plan_hash')} != {manifest['plan_hash']}; mode "
-                f"{existing.get('mode', 'driven')}): use another run name, or the original "
-                "strategy/target/vocab source"
+                f"run {manifest.run!r} already has a manifest of another plan "
+                f"({existing.plan_hash} != {manifest.plan_hash}; mode {existing.mode}): use "
+                "another run name, or the original strategy/target/vocab source"
             )
         if existing == manifest:
             return existing

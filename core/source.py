@@ -1,18 +1,19 @@
-"""What the loader needs from upstream, as a protocol: leased items and their lifecycle.
+"""The boundary between where training data comes from and the loader: the `Source` protocol.
 
-The disaggregated source (`consumers/bus_source.py`) leases SampleRefs from the trainers'
-consumer group and reads tensors from the feature store named by each ref; the colocated
-source leases PromptTasks and captures them in-process. The loader, the lockstep window
-and the trainer are the same for both.
+A source leases items and owns their lifecycle (keepalive, ack, nak, release). The
+disaggregated source (consumers/bus_source.py) leases SampleRefs and reads the store; the
+colocated one (producers/colocated.py) leases PromptTasks and captures them. The loader,
+lockstep windows and trainer are the same for both. It lives in core so that a producer can
+implement it without importing the consumers.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Item:
 
     @property
     def key(self) -> tuple[int, str]:
+        """(stream sequence, sample id): what the ledger records and filters on."""
         return self.seq, self.sample_id
 
 
@@ -50,10 +52,15 @@ class Upstream:
 class Trained(Protocol):
     """The trainer's record of what is in the model (`consumers.ledger.Ledger`)."""
 
-    def contains(self, seq: int, sample_id: str) -> bool: ...
+    def contains(self, seq: int, sample_id: str) -> bool:
+        """True when the item with this sequence or sample id is already in the model."""
 
 
 class Source(Protocol):
+    """Where a trainer rank's items come from (see the module doc); the loader's only view of upstream.
+    `take`, `upstream`, `keepalive`, `ack`, `nak`, `give_back` run on the bus loop; `release`,
+    `unsettled`, `drain_retired`, `usage` are safe from the training thread."""
+
     stats: dict[str, float]
 
     async def take(self, n: int, timeout_s: float) -> list[Item]:
@@ -89,30 +96,3 @@ class Source(Protocol):
 
     def usage(self) -> Any:
         """The store's residency as this rank sees it (None when unknown)."""
-
-
-class GroupSettlement:
-    """Settlement for sources whose items hold bus leases of `self.group` (a `Leases`)."""
-
-    group: Any
-    bus: Any
-
-    async def keepalive(self, items: list[Item]) -> None:
-        for item in items:
-            await item.lease.in_progress()
-
-    async def ack(self, items: list[Item], *, confirm: bool = True) -> None:
-        await self.group.ack_all([i.lease for i in items], confirm=confirm)
-
-    async def nak(self, items: list[Item], delay_s: float = 0.0) -> None:
-        await self.group.nak_all([i.lease for i in items], delay_s)
-
-    def unsettled(self) -> int:
-        return self.group.outstanding
-
-    async def give_back(self) -> None:
-        # A pull request of the last fetch may still be open at the broker and deliver after
-        # the loader stopped: let it expire, then nak what landed and what is still held.
-        await asyncio.sleep(self.group.cfg.fetch_timeout_s)
-        await self.group.close(nak_held=True)
-        await self.bus.flush()  # a settlement still buffered when the bus closes is lost

@@ -1,0 +1,222 @@
+"""EAGLE3 attention for training and decoding: the TTT and decode caches and the TTT kernels.
+
+Shape legend (llama_eagle3.py's): B batch, L sequence, N attention heads, D head dim, K TTT step,
+Qt/Kt query/key tiles of `TILE`. Training (TTT, `TTTCache`): at step 0 every query attends
+causally (+ key padding) to the step-0 keys; at step K > 0 to the same step-0 keys plus, from
+each step 1..K, only the key at its own position. `_ttt_eager` reproduces SpecForge's
+sdpa-backend arithmetic exactly; `_ttt_flex` (the CUDA default) uses flex attention with every
+step's BlockMask built once per forward at the tile level (`ttt_block_masks`;
+`block_mask_from_tiles` is shared with the DFlash family). Decoding (`DecodeCache`) is plain
+causal attention over a growing KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TTTCache:
+    """Keys/values of every TTT step so far (step 0 first) and the step-0 mask.
+
+    `key_padding_BL` is the batch attention mask (1 = real token). `mask_BNLL` (eager) is the
+    additive causal+padding mask of step 0, built lazily once per forward; `block_masks`
+    (flex) the BlockMask of every step, built once per forward (`ttt_block_masks`).
+    """
+
+    key_padding_BL: torch.Tensor
+    attention: str = "eager"
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    mask_B1LL: torch.Tensor | None = None
+    block_masks: list[Any] | None = None
+
+    @property
+    def step(self) -> int:
+        """The TTT step the next forward computes (0 first)."""
+        return len(self.keys)
+
+
+@dataclass
+class DecodeCache:
+    """Causal KV cache for inference: `k/v [B, N, T, D]` (kv heads already repeated)."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far."""
+        return 0 if self.k is None else int(self.k.shape[2])
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (the verified prefix after a rejection)."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+def step0_mask(key_padding_BL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive `[B, 1, L, L]` mask: 0 where query i may see key j (j <= i, j real), else min."""
+    seq = key_padding_BL.shape[1]
+    device = key_padding_BL.device
+    causal_LL = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    allowed_B1LL = causal_LL[None, None] & key_padding_BL.bool()[:, None, None, :]
+    mask = torch.zeros(allowed_B1LL.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed_B1LL, torch.finfo(dtype).min)
+
+
+def _ttt_eager(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+    """SpecForge's sdpa-backend arithmetic: scores vs step-0 keys + one diagonal per earlier step."""
+    scale = math.sqrt(q_BNLD.shape[-1])
+    k0, v0 = cache.keys[0], cache.values[0]
+    seq = q_BNLD.shape[2]
+    if cache.mask_B1LL is None:
+        cache.mask_B1LL = step0_mask(cache.key_padding_BL, q_BNLD.dtype)
+    scores = torch.matmul(q_BNLD, k0.transpose(2, 3)) / scale + cache.mask_B1LL
+    diag = [((q_BNLD * k).sum(-1) / scale)[..., None] for k in cache.keys[1:]]
+    scores = torch.cat([scores, *diag], dim=-1) if diag else scores
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_BNLD.dtype)
+    out = torch.matmul(probs[..., :seq], v0)
+    for i, v in enumerate(cache.values[1:], start=1):
+        out = out + probs[..., seq + i - 1, None] * v
+    return out
+
+
+TILE = 128  # flex attention's BLOCK_SIZE (query and key tiles)
+
+
+@dataclass
+class TTTMask:
+    """One TTT step's flex BlockMask and the tiles it was built from (`[B, Qt, Kt]` partial /
+    full: a full tile skips the mask_mod in the kernel)."""
+
+    block_mask: Any
+    mask_mod: Any
+    partial_BQtKt: torch.Tensor
+    full_BQtKt: torch.Tensor
+    kv_len: int
+
+
+def _ordered(m_BQtKt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, indices) of the set tiles per row, ascending (`_dense_to_ordered`'s order)."""
+    num = m_BQtKt.sum(-1, dtype=torch.int32)
+    idx = torch.sort((~m_BQtKt).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+    return num[:, None].contiguous(), idx[:, None].contiguous()
+
+
+def block_mask_from_tiles(partial_BQtKt, full_BQtKt, seq_lengths, mask_mod):
+    """A flex BlockMask from dense `[B, Qt, Kt]` tile sets (partial: mask_mod applies; full:
+    every key). The query-side (backward) indices come from the same tiles transposed, not
+    from `from_kv_blocks`' dense round trip (a vmapped index_put per mask)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    num, idx = _ordered(partial_BQtKt)
+    full_num, full_idx = _ordered(full_BQtKt)
+    q_num, q_idx = _ordered(partial_BQtKt.transpose(-2, -1))
+    full_q_num, full_q_idx = _ordered(full_BQtKt.transpose(-2, -1))
+    try:
+        return BlockMask(
+            seq_lengths=tuple(seq_lengths), kv_num_blocks=num, kv_indices=idx,
+            full_kv_num_blocks=full_num, full_kv_indices=full_idx, q_num_blocks=q_num,
+            q_indices=q_idx, full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+            BLOCK_SIZE=(TILE, TILE), mask_mod=mask_mod,
+        )  # fmt: skip
+    except TypeError:  # another constructor: let flex derive the query side itself
+        return BlockMask.from_kv_blocks(
+            num, idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mask_mod,
+            seq_lengths=tuple(seq_lengths),
+        )  # fmt: skip
+
+
+def ttt_mask_mod(key_padding_BL: torch.Tensor):
+    """The TTT mask over [K0 | K1 | ... | Kk]: step 0 causal + key padding, step s > 0 only
+    the key at the query's own position. Every length is a tensor (nothing baked into a
+    compiled graph)."""
+    pad_BL = key_padding_BL.bool()
+    seq_t = torch.full((), key_padding_BL.shape[1], dtype=torch.long, device=pad_BL.device)
+
+    def mask_mod(bi, hi, qi, kvi):
+        step = torch.div(kvi, seq_t, rounding_mode="floor")
+        j = kvi - step * seq_t
+        return ((step == 0) & (j <= qi) & pad_BL[bi, j]) | ((step > 0) & (j == qi))
+
+    return mask_mod
+
+
+def ttt_block_masks(key_padding_BL: torch.Tensor, steps: int) -> list[TTTMask]:
+    """The BlockMask of every TTT step (keys of steps 0..k), built once per forward at the tile
+    level from [B, tiles] tensors on the device: no dense L x kL mask evaluation, no sort of
+    a dense mask, no host sync (`create_block_mask` did all three per step). Step 0 region:
+    a key tile is needed by a query tile when its first key is <= the tile's last query and
+    it holds a real key; it is full when its last key is <= the tile's first query, every key
+    is real and both tiles are whole (inside L). Step s > 0: the tiles holding keys s*L + q
+    of the tile's queries (partial). The tiles equal `create_block_mask`'s for the same
+    mask_mod (tested)."""
+    device = key_padding_BL.device
+    b, seq = key_padding_BL.shape
+    qt = -(-seq // TILE)
+    kt0 = qt
+    pad = key_padding_BL.bool()
+    pad_tiles = F.pad(pad, (0, kt0 * TILE - seq)).view(b, kt0, TILE)
+    has_key, all_keys = pad_tiles.any(-1), pad_tiles.all(-1)  # [B, Kt0]
+    q0 = torch.arange(qt, device=device) * TILE  # first query of each tile
+    q1 = (q0 + TILE - 1).clamp(max=seq - 1)  # last
+    k0 = torch.arange(kt0, device=device) * TILE
+    causal_any = k0[None] <= q1[:, None]  # [Qt, Kt0]
+    # full tiles only inside whole tiles of queries and keys (as create_block_mask marks them)
+    causal_full = ((k0 + TILE - 1)[None] <= q0[:, None]) & (q0 + TILE <= seq)[:, None]
+    inside = (k0 + TILE <= seq)[None]
+    any0 = causal_any[None] & has_key[:, None]
+    full0 = causal_full[None] & all_keys[:, None] & inside[:, None]
+    mask_mod = ttt_mask_mod(key_padding_BL)
+    masks = []
+    for k in range(steps):
+        kv_len = (k + 1) * seq
+        kt = -(-kv_len // TILE)
+        tiles = torch.arange(kt, device=device)
+        step_any = F.pad(any0, (0, kt - kt0))
+        full = F.pad(full0, (0, kt - kt0))
+        if k:
+            starts = torch.arange(1, k + 1, device=device)[:, None] * seq  # [k, 1]
+            lo, hi = (starts + q0) // TILE, (starts + q1) // TILE  # [k, Qt]
+            diag = (tiles >= lo[..., None]) & (tiles <= hi[..., None])  # [k, Qt, Kt]
+            step_any = step_any | diag.any(0)[None]
+        partial = step_any & ~full
+        bm = block_mask_from_tiles(partial, full, (seq, kv_len), mask_mod)
+        masks.append(TTTMask(bm, mask_mod, partial, full, kv_len))
+    return masks
+
+
+def _ttt_flex(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+    """Same attention with a flex-attention block mask over [K0 | K1 | ... | Kk] (no L x L
+    tensor); the masks of all steps are built at the first step of the forward."""
+    if cache.block_masks is None or len(cache.block_masks) < cache.step:
+        cache.block_masks = ttt_block_masks(cache.key_padding_BL, cache.step)
+    block = cache.block_masks[cache.step - 1].block_mask
+    k = torch.cat(cache.keys, dim=2)
+    v = torch.cat(cache.values, dim=2)
+    gqa = k.shape[1] != q_BNLD.shape[1]  # flex repeats the kv heads itself
+    if q_BNLD.is_cuda:
+        return _compiled_flex()(q_BNLD, k, v, block_mask=block, enable_gqa=gqa)
+    from torch.nn.attention.flex_attention import flex_attention  # CPU: forward only (tests)
+
+    return flex_attention(q_BNLD, k, v, block_mask=block, enable_gqa=gqa)
+
+
+_FLEX = None
+
+
+def _compiled_flex():
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # dynamic=None: the key length grows with the TTT step and L varies by batch; a static
+        # compile per shape would hit the recompile limit and fall back to the unfused kernel.
+        _FLEX = torch.compile(flex_attention, dynamic=None)
+    return _FLEX

@@ -1,0 +1,94 @@
+"""Small pure functions of the drafts' steps, compiled on CUDA.
+
+Each is the eager function itself on the CPU (the reference arithmetic every CPU test and
+parity check runs), and on CUDA the same function under `torch.compile(dynamic=True)`: one or
+two fused kernels instead of the 6-20 elementwise launches (casts, reductions, rotations)
+eager PyTorch issues for it, which made the TTT step host-bound. Lengths vary by batch, so
+shapes are dynamic from the first call (one compile per function and dtype). Any failure to
+compile or run compiled falls back to the eager function for good, with one warning.
+`SPECBUS_COMPILE=0` (or `kernels.ENABLED = False`) turns compilation off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("specbus.kernels")
+
+ENABLED = os.environ.get("SPECBUS_COMPILE", "1") != "0"
+
+
+class _Compiled:
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = None
+        self.failed = False
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any) -> Any:
+        first = args[0]
+        if not (ENABLED and not self.failed and isinstance(first, torch.Tensor) and first.is_cuda):
+            return self.fn(*args)
+        if self.compiled is None:
+            import torch._inductor.config as inductor
+
+            # round where the eager code rounds (x.to(bf16) then back up), as the reference
+            if hasattr(inductor, "emulate_precision_casts"):
+                inductor.emulate_precision_casts = True
+            self.compiled = torch.compile(self.fn, dynamic=True)
+        try:
+            return self.compiled(*args)
+        except Exception as e:  # a compiler gap must not stop training: eager from now on
+            self.failed = True
+            log.warning("torch.compile of %s failed, running it eagerly: %r", self.fn.__name__, e)
+            return self.fn(*args)
+
+
+def compiled(fn):
+    """`fn` compiled on CUDA (see the module docstring)."""
+    return _Compiled(fn)
+
+
+@compiled
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 (fp64 kept, for exact tests), scaled by `weight`; the result
+    is `weight * x.to(x.dtype)` as the reference writes it (fp32 for fp32 weights)."""
+    dtype = x.dtype
+    h = x if dtype == torch.float64 else x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@compiled
+def rope(
+    q_BNLD: torch.Tensor,
+    k_BNLD: torch.Tensor,
+    inv_freq: torch.Tensor,
+    position_ids_BL: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k at `position_ids` (frequencies in fp32, tables cast to q's
+    dtype, as the reference)."""
+    freqs_BLD2 = position_ids_BL.to(torch.float32)[..., None] * inv_freq.to(
+        position_ids_BL.device, torch.float32
+    )
+    emb_BLD = torch.cat((freqs_BLD2, freqs_BLD2), dim=-1)
+    cos = emb_BLD.cos().to(q_BNLD.dtype)[:, None]
+    sin = emb_BLD.sin().to(q_BNLD.dtype)[:, None]
+    return q_BNLD * cos + _rotate_half(q_BNLD) * sin, k_BNLD * cos + _rotate_half(k_BNLD) * sin
+
+
+@compiled
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (compiled on CUDA)."""
+    return F.silu(gate) * up
