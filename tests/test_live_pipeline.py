@@ -32,10 +32,10 @@ WINDOW = 4  # 2 ranks x micro-batch 2
 def make_live(tmp_path, chat_target, nats_server, run_id):
     runs = []
 
-    def make(overrides=()):
+    def make(overrides=(), strategy: str = "eagle3"):
         chats = write_chats(tmp_path / "chats.jsonl", n=60)
-        cfg = live_config(run_id, tmp_path / "run", chat_target, chats,
-                          store_uri=f"shm://{run_id}", overrides=overrides)  # fmt: skip
+        cfg = live_config(run_id, tmp_path / "run", chat_target, chats, store_uri=f"shm://{run_id}",
+                          overrides=overrides, strategy=strategy)  # fmt: skip
         run = LiveRun(cfg, tmp_path / "procs", nats_server.url)
         run.chats = chats
         runs.append(run)
@@ -268,3 +268,31 @@ def test_intake_killed_mid_traffic_then_restarted(make_live):
         assert len(refs) - len(present) <= 1
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("name", ["dflash", "domino", "dspark"])
+def test_every_dflash_family_strategy_trains_from_live_traffic(make_live, name):
+    """Issue 15: every mode trains every strategy. The live wiring has no strategy of its own
+    (the handshake declares the strategy's features, the server captures the aux layers and
+    the final norm's output as declared); eagle3 is the test above."""
+    run = make_live(["training.max_steps=2", "training.total_steps=4", "training.log_every=1",
+                     "training.checkpoint_every=1", "live.max_new_tokens=16"], strategy=name)  # fmt: skip
+    run.start_intake(wait=False)
+    run.start_serve(wait=False)
+    run.trainers(1)
+    run.wait_intake()
+    url = run.wait_serve()
+    ids = [f"{name}-{i}" for i in range(8)]
+    usage, errors = asyncio.run(send(url, prompts_of(run), ids, lambda i: 16, concurrency=2))
+    assert not errors
+    run.assert_ok(run.wait("trainer-0", timeout=300))  # max_steps ends a live run
+    refs = refs_of(run.url, run.cfg.run)
+    assert refs and {r.strategy for r in refs} == {name}
+    assert set(refs[0].features) == set(run.endpoint_features())
+    state = run.checkpoint_state()
+    assert state["step"] == 2 and len(state["lineage"]) == 4  # 1 rank x micro-batch 2 x 2 steps
+    assert set(state["lineage"]) <= {r.sample_id for r in refs}
+    rows = state["history"]
+    assert len(rows) == 2 and all(row["loss"] > 0 for row in rows)
+    if name == "domino":  # the step context reached the loss: lambda decays from 1
+        assert rows[0]["lambda_base"] == 1.0 and rows[-1]["lambda_base"] < 1.0

@@ -56,8 +56,12 @@ def run_jobs(generator: Generator, jobs: list[Job], start: bool = False) -> None
     asyncio.run(go())
 
 
-def test_wave_captures_equal_the_driven_engines_features(engine, chat_target, tmp_path):
-    cfg = live_config("serve", tmp_path, chat_target, tmp_path / "none.jsonl", store_uri="mem://x")
+@pytest.mark.parametrize("strategy", ["eagle3", "dflash", "dspark"])
+def test_wave_captures_equal_the_driven_engines_features(engine, chat_target, tmp_path, strategy):
+    """Every strategy's features (aux layers; the final norm's output for eagle3's target and
+    dspark) as the driven engine captures them (domino's contract is dflash's)."""
+    cfg = live_config("serve", tmp_path, chat_target, tmp_path / "none.jsonl", store_uri="mem://x",
+                      strategy=strategy)  # fmt: skip
     info = load_target_info(chat_target)
     contract = build_strategy(cfg.strategy, info).feature_contract(info)
     cap = capture_config(cfg, contract, store_uri="mem://x", store_id="x", float_dtype="float32",
@@ -96,7 +100,9 @@ def test_wave_captures_equal_the_driven_engines_features(engine, chat_target, tm
         n_prompt = len(c.prompt_ids)
         assert tensors["loss_mask"].tolist() == [0] * n_prompt + [1] * (len(seq) - n_prompt)
         (ref,) = engine.capture([torch.tensor(seq)], None, contract)
-        for name in ("hidden_states", "target"):
+        floats = [n for n in contract.names if n not in ("input_ids", "loss_mask")]
+        assert floats and set(tensors) == set(contract.names)
+        for name in floats:
             assert tensors[name].shape == ref[name].shape, name
             torch.testing.assert_close(tensors[name], ref[name], atol=2e-4, rtol=1e-3)
         compared += 1
