@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import threading
@@ -76,6 +77,7 @@ def _run(args: argparse.Namespace) -> int:
     from specbus.ops.traffic import load_prompts, run_traffic
 
     torch.set_num_threads(1)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness probe
     started = time.time()
     cfg = live_demo_config(args)
     run_dir = cfg.resolved_run_dir
