@@ -3,13 +3,16 @@
 `await connect(cfg, url, name=)` returns a `Bus`: a broker that does not answer yet is waited
 for up to `cfg.connect_give_up_s` (`BusError` after; refused credentials fail at once), then a
 lost broker is reconnected to forever; client errors are one line each; auth (user/password,
-token, creds file, TLS, mutual TLS) comes from the config (`ConfigError` for unusable
-settings). docs/bus.md, "Connection".
+token, creds file, NKey seed file, TLS, mutual TLS) comes from the config (`ConfigError` for
+unusable settings); `url` may list several servers, comma-separated (a cluster: the client
+fails over; `Bus.server` says which one now); a permission the broker refuses is
+`bus.denied.PermissionDenied`, not a wait. docs/bus.md, "Connection"; docs/cluster.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -19,6 +22,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.errors import AuthorizationError, NoServersError
 from nats.js import JetStreamContext
+from specbus.bus.denied import Denials
 from specbus.bus.outage import Outage, ride
 from specbus.core.config import BusConfig
 from specbus.core.errors import BusError, ConfigError
@@ -45,6 +49,17 @@ class Bus:
     def connected(self) -> bool:
         """True while the connection to the broker is up."""
         return self.nc.is_connected
+
+    @property
+    def server(self) -> str | None:
+        """The server this connection talks to now (one of a cluster's URLs)."""
+        url = self.nc.connected_url
+        return f"{url.scheme}://{url.hostname}:{url.port}" if url else None
+
+    def raise_if_denied(self) -> None:
+        """Raise `PermissionDenied` for a refusal of the broker not reported yet."""
+        if self._quiet is not None and self._quiet.denials:
+            raise self._quiet.denials.take()
 
     @property
     def reconnects(self) -> int:
@@ -86,6 +101,8 @@ class _QuietErrors:
         self.last = ""
         self.reconnects = 0
         self.auth_failed = False  # the server refused the credentials
+        self.denials = Denials(f"connection {name!r}")
+        self.tls_error: ssl.SSLError | None = None  # the first connection's handshake failed
         self.bus: Bus | None = None
 
     def _away(self, e: Exception) -> bool:
@@ -102,7 +119,12 @@ class _QuietErrors:
         # nats-py reports a refused login as a plain Error('Authorization Violation')
         refused = isinstance(e, AuthorizationError) or "authoriz" in str(e).lower()
         self.auth_failed = self.auth_failed or refused
+        if isinstance(e, ssl.SSLError) and self.bus is None:
+            self.tls_error = e
         line = f"{type(e).__name__}: {e}".strip()
+        if self.denials.add(str(e)):
+            log.error("nats[%s] %s", self.name, line)
+            return
         if line == self.last:
             level = logging.DEBUG
         else:
@@ -125,6 +147,21 @@ class _QuietErrors:
         log.info("nats[%s] reconnected", self.name)
 
 
+async def _connect_once(options: dict, quiet: _QuietErrors) -> NATS:
+    """`nats.connect`, but a failed TLS handshake (a certificate the other side refuses) is
+    a `BusError` at once: nats-py reports it to the error callback and then waits forever."""
+    task = asyncio.ensure_future(nats.connect(**options))
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.05)
+        if not task.done() and quiet.tls_error is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            e = quiet.tls_error
+            raise BusError(f"TLS handshake with the broker failed: {type(e).__name__}: {e}") from e
+    return task.result()
+
+
 async def _first_connection(url: str, options: dict, quiet: _QuietErrors, give_up_s: float) -> NATS:
     """Connect, retrying a broker that does not answer yet for up to `give_up_s` (one WARNING
     line at the first failure, one when connected). Refused credentials and bad options fail
@@ -133,13 +170,15 @@ async def _first_connection(url: str, options: dict, quiet: _QuietErrors, give_u
     waiting_since = None
     while True:
         try:
-            nc = await nats.connect(**options)
+            nc = await _connect_once(options, quiet)
         except Exception as e:
             retryable = isinstance(e, (NoServersError, OSError, asyncio.TimeoutError))
             if not retryable or quiet.auth_failed or time.monotonic() >= deadline:
                 waited = f" after {time.monotonic() - waiting_since:.0f}s" if waiting_since else ""
+                why = " (Authorization Violation: the broker refused these credentials)"
                 raise BusError(
                     f"cannot connect to the broker at {url}{waited}: {type(e).__name__}: {e}"
+                    + (why if quiet.auth_failed else "")
                 ) from e
             if waiting_since is None:
                 waiting_since = time.monotonic()
@@ -177,7 +216,7 @@ async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus")
     # The first connection is bounded (a typo in the URL must fail, not hang); reconnects are not.
     initial_attempts = max(1, int(cfg.connect_timeout_s / cfg.reconnect_wait_s))
     options = dict(
-        servers=[url],
+        servers=[u.strip() for u in url.split(",") if u.strip()],
         name=name,
         connect_timeout=cfg.connect_timeout_s,
         reconnect_time_wait=cfg.reconnect_wait_s,
@@ -195,6 +234,12 @@ async def connect(cfg: BusConfig, url: str | None = None, name: str = "specbus")
         if not cfg.creds_file.exists():
             raise ConfigError(f"bus.creds_file {str(cfg.creds_file)!r} does not exist")
         options["user_credentials"] = str(cfg.creds_file)
+    if cfg.nkey_file is not None:
+        if not cfg.nkey_file.exists():
+            raise BusError(f"bus.nkey_file {str(cfg.nkey_file)!r} does not exist")
+        options["nkeys_seed"] = str(cfg.nkey_file)
+    if cfg.inbox_prefix:
+        options["inbox_prefix"] = cfg.inbox_prefix
     nc = await _first_connection(url, options, quiet, cfg.connect_give_up_s)
     # From now on a lost broker is retried per config (forever by default).
     nc.options["max_reconnect_attempts"] = cfg.max_reconnect_attempts

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import orjson
 from nats.aio.msg import Msg
+from opentelemetry import trace
 from specbus.bus import headers as H
 from specbus.bus.connection import Bus
 from specbus.bus.outage import send
 from specbus.bus.replay import Stored, get, replay
 from specbus.bus.subjects import ADVISORY_MAX_DELIVERIES, ADVISORY_TERMINATED, Names
+from specbus.core.telemetry import span
 
 if TYPE_CHECKING:
     from specbus.bus.publisher import Ack, Publisher
@@ -47,31 +49,38 @@ async def dead_letter(
     if mark is not None and not mark("term"):
         return None
     reason = H.one_line(reason) or "unspecified"
-    kind = names.kind_of_stream(item.stream)
-    hdrs = {k: v for k, v in (item.msg.headers or {}).items() if k != H.MSG_ID}
-    original_id = (item.msg.headers or {}).get(H.MSG_ID)
-    if original_id:
-        hdrs["Specbus-Source-Msg-Id"] = original_id
-    hdrs.update(
-        {
-            H.MSG_ID: f"dead:{item.stream}:{item.seq}",
-            H.DEAD_REASON: reason,
-            H.SOURCE_STREAM: item.stream,
-            H.SOURCE_SEQ: str(item.seq),
-            H.SOURCE_SUBJECT: item.msg.subject,
-            H.DELIVERIES: str(item.deliveries),
-            H.CONSUMER: item.consumer,
-        }
-    )
-    if detail:
-        hdrs[H.DEAD_DETAIL] = H.one_line(detail)
-    ack = (await publisher.publish_payloads([(names.dead(kind), item.msg.data, hdrs)]))[0]
-    await send(
-        publisher.bus,
-        item.msg.reply,
-        b"+TERM " + reason.encode(),
-        what=f"terminating {item.stream} seq {item.seq}",
-    )
+    # A `dead_letter` span under the current one (a trainer's lease), else under the span that
+    # published the message; the copy in DEAD carries the dead_letter span's context.
+    current = trace.get_current_span().get_span_context().is_valid
+    with span("dead_letter", parent=None if current else (item.msg.headers or {}),
+              attributes={"reason": reason, "stream": item.stream, "seq": item.seq,
+                          "deliveries": item.deliveries}, component="specbus.bus"):  # fmt: skip
+        kind = names.kind_of_stream(item.stream)
+        hdrs = {k: v for k, v in (item.msg.headers or {}).items() if k != H.MSG_ID}
+        original_id = (item.msg.headers or {}).get(H.MSG_ID)
+        if original_id:
+            hdrs["Specbus-Source-Msg-Id"] = original_id
+        hdrs.update(
+            {
+                H.MSG_ID: f"dead:{item.stream}:{item.seq}",
+                H.DEAD_REASON: reason,
+                H.SOURCE_STREAM: item.stream,
+                H.SOURCE_SEQ: str(item.seq),
+                H.SOURCE_SUBJECT: item.msg.subject,
+                H.DELIVERIES: str(item.deliveries),
+                H.CONSUMER: item.consumer,
+            }
+        )
+        if detail:
+            hdrs[H.DEAD_DETAIL] = H.one_line(detail)
+        H.inject_trace(hdrs)
+        ack = (await publisher.publish_payloads([(names.dead(kind), item.msg.data, hdrs)]))[0]
+        await send(
+            publisher.bus,
+            item.msg.reply,
+            b"+TERM " + reason.encode(),
+            what=f"terminating {item.stream} seq {item.seq}",
+        )
     return ack
 
 

@@ -200,6 +200,7 @@ async def ride(bus: Bus, what: str, op: Callable[[], Awaitable[T]], *, buffered:
                     if wrapped is e:
                         raise
                     raise wrapped from e
+                bus.raise_if_denied()  # no answer because the broker refused it
                 error = e
             else:
                 if not buffered:

@@ -22,6 +22,7 @@ from specbus.bus.connection import Bus
 from specbus.bus.outage import NoAnswer, ride
 from specbus.core.contracts import MAX_RECORD_BYTES, Record
 from specbus.core.errors import BusRejected, RecordError
+from specbus.core.telemetry import span
 
 log = logging.getLogger("specbus.bus")
 
@@ -64,6 +65,18 @@ def common_headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     hdrs = dict(extra) if extra else {}
     H.inject_trace(hdrs)
     return hdrs
+
+
+def _publish_span(subject: str, count: int):
+    return span(
+        "publish",
+        attributes={
+            "messaging.system": "nats",
+            "messaging.destination.name": subject,
+            "messaging.batch.message_count": count,
+        },
+        component="specbus.bus",
+    )
 
 
 def msg_id_of(record: Record, msg_id: str | None = None) -> str:
@@ -199,10 +212,13 @@ class Publisher:
     async def publish_many(
         self, subject: str, records: Iterable[Record], *, headers: Mapping[str, str] | None = None
     ) -> list[Ack]:
-        """Publish records to `subject` (ids from `record.msg_id`); one `Ack` per record, in order."""
-        common = common_headers(headers)
-        items = [(subject, encode(r), {**common, H.MSG_ID: msg_id_of(r)}) for r in records]
-        acks = await self.publish_payloads(items)
+        """Publish records to `subject` (ids from `record.msg_id`); one `Ack` per record, in
+        order. One `publish` span; every message carries its trace context."""
+        records = list(records)
+        with _publish_span(subject, len(records)):
+            common = common_headers(headers)
+            items = [(subject, encode(r), {**common, H.MSG_ID: msg_id_of(r)}) for r in records]
+            acks = await self.publish_payloads(items)
         dups = sum(a.duplicate for a in acks)
         if dups:
             log.debug("%d of %d publishes to %s were duplicates", dups, len(acks), subject)
@@ -215,13 +231,15 @@ class Publisher:
         msg_id: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> Ack:
-        """Publish one record and await its PubAck (`duplicate=True` if the broker had it)."""
-        item = (
-            subject,
-            encode(record),
-            {**common_headers(headers), H.MSG_ID: msg_id_of(record, msg_id)},
-        )
-        return (await self.publish_payloads([item]))[0]
+        """Publish one record and await its PubAck (`duplicate=True` if the broker had it),
+        in a `publish` span whose trace context the message carries."""
+        with _publish_span(subject, 1):
+            item = (
+                subject,
+                encode(record),
+                {**common_headers(headers), H.MSG_ID: msg_id_of(record, msg_id)},
+            )
+            return (await self.publish_payloads([item]))[0]
 
     async def close(self) -> None:
         """Unsubscribe from the PubAck inbox; PubAcks still in flight are dropped."""

@@ -160,4 +160,6 @@ class Puller:
             (status, description), self._error = self._error, None
             raise status_error(f"pull from {self.stream}/{self.consumer} failed", status,
                                description, stream=self.stream)  # fmt: skip
+        if not out and not self.answered:
+            self.bus.raise_if_denied()  # the broker refused the pull request
         return out

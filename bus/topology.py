@@ -46,6 +46,7 @@ KEY_FEED_COMPLETE = "feed_complete"
 KEY_CHECKPOINT = "checkpoint"
 KEY_TRAIN_COMPLETE = "train_complete"
 KEY_RECORDING = "recording"
+KEY_PROGRESS = "progress"  # rank 0's last log row (`specbus top`)
 
 
 def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
@@ -184,8 +185,8 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
 
 class RunKV:
     """The run's KV bucket: manifest (a `Manifest` record), feed-complete marker (task count),
-    train-complete marker, latest checkpoint pointer, recording marker (`specbus capture`)
-    (JSON values).
+    train-complete marker, latest checkpoint pointer, recording marker (`specbus capture`),
+    the trainers' last log row (`progress`) (JSON values).
 
     `get_*` return None when the key was never written. Every put overwrites (history 5), so
     a put retried after a lost answer writes the same value again. Reads and writes ride
@@ -266,6 +267,14 @@ class RunKV:
     async def get_checkpoint(self) -> dict[str, Any] | None:
         """The latest checkpoint pointer, None when none was written."""
         return await self._get(KEY_CHECKPOINT)
+
+    async def put_progress(self, row: dict[str, Any]) -> int:
+        """The trainers' last log row (rank 0, each log interval), with its wall time."""
+        return await self._put(KEY_PROGRESS, row)
+
+    async def get_progress(self) -> dict[str, Any] | None:
+        """The trainers' last log row, None before the first."""
+        return await self._get(KEY_PROGRESS)
 
 
 async def open_kv(

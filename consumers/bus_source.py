@@ -25,7 +25,7 @@ from specbus.core.errors import FeatureMissing, IntegrityError, RecordError, Sto
 from specbus.core.source import Item, Trained, Upstream
 from specbus.core.store import open_store
 from specbus.core.store.retry import while_unavailable
-from specbus.core.telemetry import extract_link
+from specbus.core.telemetry import link_to_current, span
 
 log = logging.getLogger("specbus.loader")
 
@@ -102,6 +102,11 @@ class BusSource(LeaseSettlement):
 
     async def _recapture(self, lease: Lease, why: Exception) -> None:
         ref: SampleRef = lease.record
+        attrs = {"sample_id": ref.sample_id, "generation": ref.generation + 1, "why": str(why)}
+        with span("recapture", attributes=attrs):  # the republished task carries it on
+            await self._request_recapture(lease, ref, why)
+
+    async def _request_recapture(self, lease: Lease, ref: SampleRef, why: Exception) -> None:
         stored = await self.runbus.task(ref.task_seq)
         if stored is None:
             await self._dead(
@@ -136,51 +141,60 @@ class BusSource(LeaseSettlement):
         dead-lettered or recaptured); [] after `timeout_s` when nothing came."""
         items: list[Item] = []
         for lease in await self.group.fetch(n, timeout_s):
-            ref: SampleRef = lease.record
-            if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
-                await lease.ack()
-                self.stats["skipped"] += 1
-                if self._problem(ref) is None:  # its keys (maybe another generation's)
-                    with contextlib.suppress(StoreError):
-                        (await self._store(ref.store_uri)).release(ref)
-                continue
-            problem = self._problem(ref)
-            if problem:
-                await self._dead(lease, "invalid", problem)
-                continue
-            try:
-                store = await self._store(ref.store_uri)
-                # a restarting store node: wait for it, the lease kept alive (no delivery spent)
-                tensors = await while_unavailable(
-                    lambda store=store, ref=ref: store.get(ref, self.features),
-                    what=f"reading {ref.sample_id}",
-                    give_up_s=self.store_cfg.unavailable_give_up_s,
-                    keepalive=lease.in_progress,
-                )
-            except (FeatureMissing, IntegrityError) as e:
-                if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
-                    await lease.ack()  # trained (and released) by another rank meanwhile
-                    self.stats["skipped"] += 1
-                else:
-                    await self._recapture(lease, e)
-                continue
-            except StoreError as e:  # store still unreachable: give it back, try later
-                log.warning("store error on %s, nak: %s", ref.sample_id, e)
-                await lease.nak(5.0)
-                continue
-            items.append(
-                Item(
-                    seq=lease.seq,
-                    sample_id=ref.sample_id,
-                    num_tokens=ref.num_tokens,
-                    lease=lease,
-                    tensors=tensors,
-                    links=[extract_link(lease.headers)],
-                    redelivered=lease.deliveries > 1,
-                    stored=ref,
-                )
-            )
+            # one `lease` span per ref, under the span that published it: the store read, and
+            # a recapture or dead letter when it comes to that; the step follows from it
+            with span("lease", parent=lease.headers,
+                      attributes={"seq": lease.seq, "sample_id": lease.record.sample_id,
+                                  "deliveries": lease.deliveries}):  # fmt: skip
+                item = await self._take_one(lease)
+            if item is not None:
+                items.append(item)
         return items
+
+    async def _take_one(self, lease: Lease) -> Item | None:
+        """The item of one leased ref, or None when it was settled here instead."""
+        ref: SampleRef = lease.record
+        if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
+            await lease.ack()
+            self.stats["skipped"] += 1
+            if self._problem(ref) is None:  # its keys (maybe another generation's)
+                with contextlib.suppress(StoreError):
+                    (await self._store(ref.store_uri)).release(ref)
+            return None
+        problem = self._problem(ref)
+        if problem:
+            await self._dead(lease, "invalid", problem)
+            return None
+        try:
+            store = await self._store(ref.store_uri)
+            # a restarting store node: wait for it, the lease kept alive (no delivery spent)
+            tensors = await while_unavailable(
+                lambda store=store, ref=ref: store.get(ref, self.features),
+                what=f"reading {ref.sample_id}",
+                give_up_s=self.store_cfg.unavailable_give_up_s,
+                keepalive=lease.in_progress,
+            )
+        except (FeatureMissing, IntegrityError) as e:
+            if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
+                await lease.ack()  # trained (and released) by another rank meanwhile
+                self.stats["skipped"] += 1
+            else:
+                await self._recapture(lease, e)
+            return None
+        except StoreError as e:  # store still unreachable: give it back, try later
+            log.warning("store error on %s, nak: %s", ref.sample_id, e)
+            await lease.nak(5.0)
+            return None
+        return Item(
+            seq=lease.seq,
+            sample_id=ref.sample_id,
+            num_tokens=ref.num_tokens,
+            lease=lease,
+            tensors=tensors,
+            links=[link_to_current()],
+            redelivered=lease.deliveries > 1,
+            stored=ref,
+        )
 
     async def upstream(self) -> Upstream:
         """The trainers' group drained (`RunBus.drained`) and no delivery buffered here.

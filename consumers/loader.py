@@ -24,6 +24,7 @@ from specbus.consumers.lockstep import Decision, Status, agree, gather_objects, 
 from specbus.consumers.loop_thread import LoopThread
 from specbus.core.errors import BrokerUnavailable, BusError
 from specbus.core.source import Item, Source, Upstream
+from specbus.core.telemetry import span
 
 log = logging.getLogger("specbus.loader")
 
@@ -293,14 +294,16 @@ class Loader:
         item comes back and is filtered), then free their tensors. Parked duplicates are
         settled by the next round, now that their originals are in."""
         self.ledger.record(window.keys)
-        try:
-            self.loop.call(self.source.ack(window.items))
-        except BusError as e:
-            # The ledger already holds them: an unconfirmed ack (the broker restarted and lost
-            # its place, and answers no ack beyond it) only means a redelivery, filtered.
-            log.warning("rank %d: %s; they will be redelivered and filtered", rank(), e)
+        with span("ack", attributes={"messages": len(window.items)}):
+            try:
+                self.loop.call(self.source.ack(window.items))
+            except BusError as e:
+                # The ledger already holds them: an unconfirmed ack (the broker restarted and
+                # lost its place, and answers no ack beyond it) only means a redelivery, filtered.
+                log.warning("rank %d: %s; they will be redelivered and filtered", rank(), e)
         self._forget(window.items)
-        self.source.release(window.items)
+        with span("release", attributes={"samples": len(window.items)}):
+            self.source.release(window.items)
         for item in window.items:
             item.tensors = {}
         if self._parked:

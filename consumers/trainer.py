@@ -27,7 +27,7 @@ from specbus.consumers.parallel import average_gradients, full_state, is_sharded
 from specbus.consumers.profiling import profiled_step
 from specbus.core.config import TrainingConfig
 from specbus.core.strategies.base import StepContext, Strategy
-from specbus.core.telemetry import tracer
+from specbus.core.telemetry import span
 from specbus.core.training import train_step
 
 log = logging.getLogger("specbus.trainer")
@@ -104,7 +104,6 @@ class Trainer:
         self.hooks = hooks if hooks is not None else TrainerHooks()
         self.rank = rank()
         self.sharded = is_sharded(self.model)
-        self._tracer = tracer("specbus.trainer")
         self._window_metrics: dict[str, list[float]] = defaultdict(list)
         self._interval = self._new_interval()
         self._last_checkpoint: str | None = None
@@ -207,9 +206,9 @@ class Trainer:
     def _step(self, window: Window) -> None:
         links = [link for item in window.items for link in item.links if link is not None]
         ctx = StepContext(global_step=self.state.step, total_steps=self.total_steps)
-        with self._tracer.start_as_current_span("train_step", links=links) as span:
-            span.set_attribute("specbus.step", self.state.step)
-            span.set_attribute("specbus.samples", len(window.items))
+        # the step continues the trace of its window's first item and links every item's
+        with span("train_step", parent=links[0].context if links else None, links=links,
+                  attributes={"step": self.state.step, "samples": len(window.items)}):  # fmt: skip
             device = self.parts.device
             batches = [batch.to(device, non_blocking=True) for batch in window.micro_batches]
             result = train_step(
@@ -241,6 +240,7 @@ class Trainer:
         row["lr"] = float(self.optimizer.param_groups[0]["lr"])
         row["samples_per_s"] = iv["samples"] / elapsed
         row["tokens_per_s"] = iv["tokens"] / elapsed
+        row["steps_per_s"] = iv["steps"] / elapsed
         row["data_wait_frac"] = iv["wait"] / elapsed
         row["bus_s_per_step"] = iv["bus"] / max(iv["steps"], 1)
         row["redeliveries"] = float(self.loader.stats["redeliveries"])

@@ -38,11 +38,17 @@ class Section(BaseModel):
 class BusConfig(Section):
     """Where the broker is and how the streams/consumers are declared."""
 
-    url: str | None = None  # None: start the embedded nats-server (specbus up / demo)
+    # None: start the embedded nats-server (specbus up / demo). A cluster: every node's URL,
+    # comma-separated (`nats://a:4222,nats://b:4222,nats://c:4222`); clients fail over.
+    url: str | None = None
     user: str | None = None
     password: str | None = None
     token: str | None = None
     creds_file: Path | None = None
+    nkey_file: Path | None = None  # an NKey seed file (`specbus auth`: one per role)
+    # Replies come to `<inbox_prefix>.<id>`; `specbus auth` gives each role its own prefix,
+    # and permissions let a role subscribe to its prefix only.
+    inbox_prefix: str | None = None
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -341,9 +347,11 @@ class TelemetryConfig(Section):
     """Logs and traces: OpenTelemetry exporters come from the standard OTEL_* variables."""
 
     service_name: str = "specbus"
-    # Not read yet: the progress bar and TensorBoard output come with their own issue.
+    # Not read yet: the progress bar comes with its own issue.
     console_progress: bool = True
-    tensorboard_dir: Path | None = None
+    # TensorBoard scalars of rank 0's log rows, when `tensorboard` is installed (core/tensorboard.py)
+    tensorboard: bool = True
+    tensorboard_dir: Path | None = None  # None: <run_dir>/tb
     otel: bool = True  # exporters come from the standard OTEL_* environment variables
 
 
@@ -400,6 +408,11 @@ class RunConfig(Section):
     def resolved_run_dir(self) -> Path:
         """`run_dir`, else `./runs/<run>`."""
         return self.run_dir if self.run_dir is not None else Path("runs") / self.run
+
+    @property
+    def resolved_tensorboard_dir(self) -> Path:
+        """`telemetry.tensorboard_dir`, else `<run_dir>/tb`."""
+        return self.telemetry.tensorboard_dir or (self.resolved_run_dir / "tb")
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

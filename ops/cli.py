@@ -3,6 +3,7 @@
     specbus up                     embedded nats-server in the foreground (Ctrl-C stops it)
     specbus store                  Mooncake master + store node in the foreground
     specbus status [run=NAME]      streams, consumers, lag, KV markers, dead-letter count
+    specbus top    [run=NAME]      live view: lag, in-flight leases, steps/s, store, dead letters
     specbus dead   [run=NAME]      dead letters with reasons
     specbus feed|produce|train|export|demo ...   the pipeline (ops/commands.py)
     specbus intake|serve|traffic ...             live mode (ops/live.py)
@@ -37,6 +38,7 @@ REGISTRARS = [
     "specbus.ops.cli:add_bus_commands",
     "specbus.ops.commands:add_pipeline_commands",
     "specbus.ops.live:add_live_commands",  # intake, serve, traffic (live mode)
+    "specbus.ops.auth:add_auth_commands",
 ]
 URL_FILE = "url"  # <store_dir>/url: where the broker of a store dir listens (or last did)
 
@@ -202,6 +204,19 @@ def format_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- specbus top
+def cmd_top(args: argparse.Namespace) -> int:
+    """`specbus top`: a live view of the run (ops/top.py); Ctrl-C ends it."""
+    from specbus.ops.top import watch
+
+    cfg = config_of(args)
+    work = lambda bus: watch(bus, cfg.run, interval_s=args.interval, once=args.once)  # noqa: E731
+    try:
+        return asyncio.run(_with_bus(cfg, resolve_url(args, cfg), work))
+    except KeyboardInterrupt:
+        return 0
+
+
 # ---------------------------------------------------------------- specbus dead
 def cmd_dead(args: argparse.Namespace) -> int:
     """`specbus dead`: the run's dead letters with their reasons (and payloads, `--payload`)."""
@@ -242,7 +257,7 @@ def cmd_dead(args: argparse.Namespace) -> int:
 
 
 def add_bus_commands(sub: argparse._SubParsersAction) -> None:
-    """Register `up`, `store`, `status` and `dead`."""
+    """Register `up`, `store`, `status`, `top` and `dead`."""
     p = sub.add_parser(
         "up",
         help="run the embedded nats-server in the foreground (loopback, store under the run dir)",
@@ -279,6 +294,20 @@ def add_bus_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-declare", action="store_true", help="do not declare the run's streams/consumers/KV"
     )
+    p.add_argument(
+        "--cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N nats-servers in one JetStream cluster (3: R3 streams survive a node loss)",
+    )
+    p.add_argument(
+        "--auth", default=None, metavar="DIR", help="role users of `specbus auth --out DIR`"
+    )
+    p.add_argument(
+        "--tls", default=None, metavar="DIR", help="serve TLS (DIR/ca.pem, server.pem, server.key)"
+    )
+    p.add_argument("--mtls", action="store_true", help="with --tls: require client certificates")  # fmt: skip
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser(
@@ -293,6 +322,14 @@ def add_bus_commands(sub: argparse._SubParsersAction) -> None:
     add_common(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "top", help="live view of a run: lag per group, in-flight leases, steps/s, store, dead"
+    )
+    add_common(p)
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one refresh and exit")
+    p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("dead", help="dead letters of a run, with reasons")
     add_common(p)

@@ -26,6 +26,7 @@ import torch
 import yaml
 from specbus.core.config import RunConfig, build_config, dump_config
 from specbus.ops.launch import QUIET_THREADS, Launcher
+from specbus.ops.observe import tensorboard_hint
 from specbus.ops.services.common import Interrupted, interruptible, shielded
 from specbus.ops.services.nats import NatsServer
 
@@ -121,6 +122,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         procs.ranks(args.trainers, ["train", *common], show_rank0=True)
         pids = ", ".join(f"{name} {p.pid}" for name, p in procs.procs.items())
         print(f"started {pids}", flush=True)
+        if hint := tensorboard_hint(cfg):
+            print(hint, flush=True)
         trainers = [procs.procs[f"trainer-{r}"] for r in range(args.trainers)]
         while any(p.poll() is None for p in trainers):
             bad = procs.failed()

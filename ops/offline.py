@@ -31,6 +31,7 @@ from specbus.consumers.trainer import Trainer, TrainerHooks, TrainResult
 from specbus.core.config import RunConfig
 from specbus.core.errors import CaptureError, ConfigError
 from specbus.core.strategies.base import FeatureContract
+from specbus.ops.observe import reporter
 from specbus.ops.train import (
     build_parts,
     checkpoint_dir,
@@ -101,7 +102,9 @@ def run_recording_trainer(
                 stop_after_s=cfg.training.max_minutes * 60 if cfg.training.max_minutes else None,
                 stop=stop,
             )  # fmt: skip
-            hooks = TrainerHooks(on_log, None, cfg.resolved_run_dir / "profile")
+            hooks = TrainerHooks(
+                reporter(cfg, on_log, rank), None, cfg.resolved_run_dir / "profile"
+            )
             result = Trainer(parts, loader, cfg.training, total_steps=total_steps,
                              checkpoints=checkpoints, state=state, hooks=hooks).fit()  # fmt: skip
             if result.stopped:

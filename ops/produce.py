@@ -35,6 +35,8 @@ def _not_live(cfg: RunConfig, what: str) -> None:
 async def run_feeder(cfg: RunConfig, *, bus_url: str | None) -> int:
     """Prepare the data and publish the run's tasks; returns the task count."""
     _not_live(cfg, "feeder")
+    if cfg.telemetry.otel:
+        setup_tracing(f"{cfg.telemetry.service_name}-feeder")
     prepared = await asyncio.to_thread(prepare, cfg)
     async with await connect(cfg.bus, bus_url, name="specbus-feeder") as bus:
         run = await declare(bus, cfg.bus, cfg.run)

@@ -44,6 +44,7 @@ from specbus.core.registry import MODES
 from specbus.core.telemetry import setup_tracing
 from specbus.core.training import build_optimizer, build_scheduler
 from specbus.ops.modes import Mode, RankContext
+from specbus.ops.observe import reporter
 
 log = logging.getLogger("specbus.train")
 
@@ -99,8 +100,8 @@ def run_trainer(
                 stop_after_s=cfg.training.max_minutes * 60 if cfg.training.max_minutes else None,
                 stop=stop,
             )  # fmt: skip
-            hooks = TrainerHooks(on_log, lambda: best_effort_lag(loop, run),
-                                 cfg.resolved_run_dir / "profile")  # fmt: skip
+            hooks = TrainerHooks(reporter(cfg, on_log, rank, loop=loop, run=run),
+                                 lambda: best_effort_lag(loop, run), cfg.resolved_run_dir / "profile")  # fmt: skip
             result = Trainer(parts, loader, cfg.training, total_steps=total_steps,
                              checkpoints=checkpoints, state=state, hooks=hooks).fit()  # fmt: skip
             finish(loop, run, mode, ledger, result, cfg, rank)

@@ -246,8 +246,13 @@ class Up:
 
 
 def run_up(args: argparse.Namespace, cfg: RunConfig) -> int:
-    """`specbus up` (see `Up`); its exit code."""
-    up = Up(args, cfg)
+    """`specbus up` (see `Up`, or `ClusterUp` for a cluster, auth or TLS); its exit code."""
+    if args.cluster > 1 or args.auth or args.tls:  # ops/cluster_up.py
+        from specbus.ops.cluster_up import ClusterUp
+
+        up = ClusterUp(args, cfg)
+    else:
+        up = Up(args, cfg)
     with interruptible():
         try:
             return up.run()

@@ -24,7 +24,7 @@ from specbus.core.contracts import PromptTask, Provenance, SampleRef
 from specbus.core.errors import CaptureError, StoreFull, StoreUnavailable
 from specbus.core.store.retry import while_unavailable
 from specbus.core.strategies.base import FeatureContract
-from specbus.core.telemetry import inject, tracer
+from specbus.core.telemetry import extract_link, span
 
 log = logging.getLogger("specbus.producer")
 
@@ -129,7 +129,6 @@ class CaptureWorker:
         self.exit_when_idle = exit_when_idle
         self.unavailable_give_up_s = unavailable_give_up_s
         self.stats = CaptureStats()
-        self._tracer = tracer("specbus.producer")
         self._stop = asyncio.Event()
         self._polled_at = float("-inf")
         self._train_complete = False
@@ -186,28 +185,31 @@ class CaptureWorker:
     async def _capture(self, leases: list[Lease]) -> None:
         tasks: list[PromptTask] = [lease.record for lease in leases]
         t0 = time.perf_counter()
+        # The batch's span continues its first task's trace and links every task's; the
+        # SampleRefs' publish spans and the tasks' ack are its children.
         async with self.group.heartbeat(leases):
-            with self._tracer.start_as_current_span("capture") as span:
-                span.set_attribute("specbus.tasks", len(tasks))
+            with span("capture", parent=leases[0].headers,
+                      links=[extract_link(lease.headers) for lease in leases],
+                      attributes={"tasks": len(tasks), "producer": self.producer_id,
+                                  "first_seq": leases[0].seq}) as current:  # fmt: skip
                 results = await asyncio.to_thread(
                     capture_isolated, self.engine, self.contract, tasks
                 )
-                headers = inject()
-            self.stats.capture_s += time.perf_counter() - t0
-            self.stats.tokens += sum(len(t.input_ids or ()) for t in tasks)
-            done: list[Lease] = []
-            for lease, result in zip(leases, results, strict=True):
-                if isinstance(result, Exception):
-                    await self._failed(lease, result)
-                elif await self._publish(lease, result, headers):
-                    done.append(lease)
-            if done:
-                await self.group.ack_all(done)
-                self.stats.tasks += len(done)
+                current.set_attribute("specbus.capture_s", time.perf_counter() - t0)
+                self.stats.capture_s += time.perf_counter() - t0
+                self.stats.tokens += sum(len(t.input_ids or ()) for t in tasks)
+                done: list[Lease] = []
+                for lease, result in zip(leases, results, strict=True):
+                    if isinstance(result, Exception):
+                        await self._failed(lease, result)
+                    elif await self._publish(lease, result):
+                        done.append(lease)
+                if done:
+                    with span("ack", attributes={"messages": len(done)}):
+                        await self.group.ack_all(done)
+                    self.stats.tasks += len(done)
 
-    async def _publish(
-        self, lease: Lease, tensors: dict[str, torch.Tensor], headers: dict[str, str]
-    ) -> bool:
+    async def _publish(self, lease: Lease, tensors: dict[str, torch.Tensor]) -> bool:
         task: PromptTask = lease.record
         sample_id = sample_id_of(task)
         try:
@@ -241,7 +243,7 @@ class CaptureWorker:
             tokenizer_fingerprint=self.engine.tokenizer_fingerprint,
             provenance=Provenance(producer_id=self.producer_id, engine=self.engine.name),
         )
-        await self.run_bus.publisher.publish(self.run_bus.names.samples, ref, headers=headers)
+        await self.run_bus.publisher.publish(self.run_bus.names.samples, ref)
         self.stats.samples += 1
         return True
 

@@ -25,7 +25,7 @@ from specbus.bus.subjects import PRODUCERS
 from specbus.core.contracts import PromptTask
 from specbus.core.source import Item, Trained, Upstream
 from specbus.core.strategies.base import FeatureContract
-from specbus.core.telemetry import tracer
+from specbus.core.telemetry import extract_link, link_to_current, span
 from specbus.producers.capture import capture_isolated, sample_id_of, settle_failure
 from specbus.producers.island import Island, IslandWorker
 
@@ -58,7 +58,6 @@ class ColocatedSource(LeaseSettlement):
         self.bus_cfg = run.bus.cfg
         self.trained = trained
         self._retired: list[int] = []
-        self._tracer = tracer("specbus.colocated")
         self.stats = {"capture_s": 0.0, "captured": 0, "dead_letters": 0, "skipped": 0}
         self.island = island if island is not None and island.tp > 1 else None
         self._worker: IslandWorker | None = None
@@ -116,9 +115,11 @@ class ColocatedSource(LeaseSettlement):
         tasks: list[PromptTask] = [lease.record for lease in leases]
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        with self._tracer.start_as_current_span("capture") as span:
-            span.set_attribute("specbus.tasks", len(tasks))
+        with span("capture", parent=leases[0].headers,
+                  links=[extract_link(lease.headers) for lease in leases],
+                  attributes={"tasks": len(tasks), "first_seq": leases[0].seq}):  # fmt: skip
             results = await asyncio.to_thread(self._capture_on_stream, tasks)
+            link = link_to_current()  # the step that trains them follows from this capture
         self.stats["capture_s"] += loop.time() - t0
         items = []
         for lease, result in zip(leases, results, strict=True):
@@ -127,6 +128,7 @@ class ColocatedSource(LeaseSettlement):
                 continue
             with self._on_capture_stream():
                 items.append(self._stored_item(lease, result))
+            items[-1].links.append(link)
             self.stats["captured"] += 1
         return items
 
@@ -159,8 +161,7 @@ class ColocatedSource(LeaseSettlement):
 
     # -- target-TP islands (see the module doc) -------------------------------------------
     def _capture(self, tasks: list[PromptTask]) -> list:
-        with self._tracer.start_as_current_span("capture") as span:
-            span.set_attribute("specbus.tasks", len(tasks))
+        with span("capture", attributes={"tasks": len(tasks)}):
             return capture_isolated(self.engine, self.contract, tasks, self.capture_device)
 
     async def _take_island(self, n: int, timeout_s: float) -> list[Item]:

@@ -35,6 +35,7 @@ from specbus.core.models.target import (
     target_fingerprint,
     tokenizer_fingerprint,
 )
+from specbus.core.telemetry import span
 
 log = logging.getLogger("specbus.feeder")
 
@@ -212,7 +213,9 @@ async def feed(
                         loss_mask=tuple(s.loss_mask.tolist()),
                     )
                 )
-            await run.publisher.publish_many(run.names.tasks, tasks)
+            # one trace per published batch: its tasks' headers carry it to their captures
+            with span("feed", attributes={"run": run.run, "epoch": epoch, "tasks": len(tasks)}):
+                await run.publisher.publish_many(run.names.tasks, tasks)
             total += len(tasks)
     await kv.mark_feed_complete(total)
     log.info("fed %d tasks to run %s", total, run.run)

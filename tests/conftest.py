@@ -16,4 +16,5 @@ pytest_plugins = [
     "tests.fixtures.mooncake",
     "tests.fixtures.pipeline",
     "tests.fixtures.live",
+    "tests.fixtures.otlp",
 ]

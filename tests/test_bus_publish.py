@@ -6,11 +6,12 @@ import asyncio
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from specbus.bus.lease import Leases
 from specbus.bus.publisher import Publisher
 from specbus.core.contracts import PromptTask
 from specbus.core.errors import BusError, RecordError
+from specbus.core.telemetry import setup_tracing
 
 from tests.fixtures.nats import make_ref, open_run
 
@@ -37,7 +38,10 @@ def test_retried_publish_is_dropped_by_dedup(nats_server, run_id, bus_cfg):
 
 
 def test_trace_context_rides_in_headers(nats_server, run_id, bus_cfg):
-    tracer = TracerProvider().get_tracer("test")
+    """The message carries its `publish` span, a child of the span current at the publish."""
+    exporter = InMemorySpanExporter()
+    provider = setup_tracing("specbus-test", exporter=exporter)
+    tracer = provider.get_tracer("test")
 
     async def body():
         bus, topo = await open_run(nats_server.url, bus_cfg, run_id)
@@ -48,7 +52,12 @@ def test_trace_context_rides_in_headers(nats_server, run_id, bus_cfg):
         assert "traceparent" in lease.headers
         remote = trace.get_current_span(lease.trace_context()).get_span_context()
         assert remote.trace_id == span.get_span_context().trace_id
-        assert remote.span_id == span.get_span_context().span_id
+        provider.force_flush()
+        (publish,) = [
+            s for s in exporter.get_finished_spans() if s.context.span_id == remote.span_id
+        ]
+        assert publish.name == "publish"
+        assert publish.parent.span_id == span.get_span_context().span_id
         await lease.ack()
         await bus.close()
 

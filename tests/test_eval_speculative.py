@@ -151,7 +151,7 @@ def test_a_broken_verifier_is_caught_by_the_lossless_check(target, monkeypatch):
 
 
 def test_batched_generation_equals_batch1_greedy_and_keeps_the_eos(target):
-    from specbus.core.data.regenerate import generate_batched, token_records
+    from specbus.ops.bench.regenerate import generate_batched, token_records
 
     prompts = [
         torch.tensor([3, 17, 5, 9]),

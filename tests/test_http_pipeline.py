@@ -4,7 +4,9 @@ them; a producer killed while it holds features the trainers still need."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -50,12 +52,15 @@ def served_url(cluster: Cluster, name: str, timeout: float = 60) -> str:
     raise AssertionError(f"{name} never served")
 
 
-def refs_of(url: str, run: str) -> list[tuple[int, SampleRef]]:
+def refs_of(url: str, run: str) -> tuple[list[tuple[int, SampleRef]], int]:
+    """Every (seq, ref) of the run's SAMPLES, and the last sequence delivered to a trainer."""
+
     async def go():
         async with await connect(BusConfig(), url) as bus:
             out = [(m.seq, SampleRef.from_bytes(m.data))
                    async for m in replay(bus, Names(run).samples_stream)]  # fmt: skip
-            return out, (await lag(bus, run)).first_unacked_seq
+            trainers = await lag(bus, run)
+            return out, trainers.last_seq - trainers.pending
 
     return asyncio.run(go())
 
@@ -92,26 +97,38 @@ def test_two_producers_two_trainers_over_http(make_cluster, nats_server):
 
 def test_producer_killed_holding_features_is_recaptured_exactly_once(make_cluster, nats_server):
     n = 120
-    # a 200 KB budget: each producer holds a few samples at a time, so both capture
-    cluster = make_cluster(n, "training.checkpoint_every=2", "store.budget_bytes=200000")
+    # a 400 KB budget: each producer holds ~19 samples at a time, so both capture
+    cluster = make_cluster(n, "training.checkpoint_every=2", "store.budget_bytes=400000")
     cluster.start("feeder", "feed")
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.start("producer-1", "produce", "--id", "p1")
     victim = served_url(cluster, "producer-0")
     cluster.trainers(2)
     ckpt = cluster.cfg.resolved_run_dir / "checkpoints" / "latest"
+    trainers = [cluster.procs[f"trainer-{r}"].pid for r in range(2)]
     held = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # training runs, and p0 serves refs not yet trained
         assert cluster.procs["trainer-0"].poll() is None, "training ended before the fault"
-        if ckpt.exists():
-            refs, first_unacked = refs_of(nats_server.url, cluster.cfg.run)
-            held = [r for seq, r in refs if seq >= first_unacked + 8 and r.store_uri == victim]
+        if not ckpt.exists():
+            time.sleep(0.05)
+            continue
+        # Frozen trainers fetch nothing: a ref not delivered to them (with a margin for pull
+        # requests the server may still answer) is one whose features they have not read.
+        for pid in trainers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            refs, delivered = refs_of(nats_server.url, cluster.cfg.run)
+            held = [r for seq, r in refs if seq > delivered + 4 * WINDOW and r.store_uri == victim]
             if held:
-                break
+                cluster.kill("producer-0")
+        finally:
+            for pid in trainers:
+                os.kill(pid, signal.SIGCONT)
+        if held:
+            break
         time.sleep(0.05)
-    assert held, "producer-0 held no untrained features while training ran"
-    cluster.kill("producer-0")
+    assert held, "producer-0 held no undelivered features while training ran"
     assert cluster.procs["trainer-0"].poll() is None  # the fault landed mid-run
     cluster.assert_ok(cluster.wait("feeder", "producer-1", "trainer-0", "trainer-1"))
     logs = cluster.log("trainer-0") + cluster.log("trainer-1")

