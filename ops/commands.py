@@ -212,8 +212,10 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="eagle3 (default), dflash, domino or dspark (strategy.name)",
     )
-    p.add_argument("--eval-prompts", type=int, default=20)
-    p.add_argument("--eval-tokens", type=int, default=64)
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="held-back prompts decoded for the acceptance comparison (20; --live: 6)")  # fmt: skip
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="tokens decoded per prompt (64; --live: 40)")  # fmt: skip
     live = p.add_argument_group("live mode (--live)")
     live.add_argument("--live", action="store_true",
                       help="train from served traffic: intake + `specbus serve` + traffic, no feeder")  # fmt: skip

@@ -157,8 +157,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     )  # the trainers are gone: use the cores
     report = compare_drafts(
         cfg,
-        num_prompts=args.eval_prompts,
-        max_new_tokens=args.eval_tokens,
+        num_prompts=args.eval_prompts or 20,
+        max_new_tokens=args.eval_tokens or 64,
         progress=lambda message: print(message, flush=True),
     )
     print(report.table(), flush=True)

@@ -182,7 +182,9 @@ def _run(args: argparse.Namespace) -> int:
     from specbus.ops.export import export_checkpoint
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    report = compare_drafts(cfg, num_prompts=args.eval_prompts, max_new_tokens=args.eval_tokens,
+    # a CPU box decodes slowly: fewer, shorter held-back prompts than `specbus demo`
+    report = compare_drafts(cfg, num_prompts=args.eval_prompts or 6,
+                            max_new_tokens=args.eval_tokens or 40,
                             progress=lambda message: print(message, flush=True))  # fmt: skip
     print(report.table(), flush=True)
     out = export_checkpoint(cfg, "latest", run_dir / "export")
