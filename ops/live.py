@@ -38,10 +38,12 @@ TOKEN_ENV = "SPECBUS_INTAKE_TOKEN"
 
 
 def endpoint_file(cfg: RunConfig) -> Path:
+    """Where the intake writes its URL and token: `<run_dir>/live/intake.json`."""
     return cfg.resolved_run_dir / "live" / "intake.json"
 
 
 def read_endpoint(cfg: RunConfig) -> dict[str, Any] | None:
+    """The intake's `{"url", "token"}` of this run on this host, or None (not written yet)."""
     try:
         return json.loads(endpoint_file(cfg).read_text())
     except (OSError, ValueError):
@@ -61,6 +63,7 @@ def intake_token(cfg: RunConfig) -> str:
 
 
 def write_endpoint(cfg: RunConfig, url: str, token: str) -> Path:
+    """Write the intake's URL and token (atomically, mode 0600); returns the file."""
     path = endpoint_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -230,12 +233,14 @@ def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | Non
 
 # ---------------------------------------------------------------- commands
 def cmd_intake(args: argparse.Namespace) -> int:
+    """`specbus intake`."""
     cfg = config_of(args)
     return asyncio.run(run_intake(cfg, bus_url=resolve_url(args, cfg), host=args.host,
                                   port=args.port))  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """`specbus serve`."""
     cfg = config_of(args)
     return run_serve(cfg, intake_url=args.intake_url, token=args.token, host=args.host,
                      port=args.port, capture=not args.no_capture,
@@ -243,6 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_traffic(args: argparse.Namespace) -> int:
+    """`specbus traffic`."""
     from specbus.ops.traffic import load_prompts, run_traffic
 
     prompts = load_prompts(args.data, limit=args.limit, holdout=args.holdout)
@@ -257,6 +263,7 @@ def cmd_traffic(args: argparse.Namespace) -> int:
 
 
 def add_live_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `intake`, `serve` and `traffic` (a registrar of `ops/cli.py`)."""
     p = sub.add_parser(
         "intake", help="live mode: the intake (capture handshake + records -> SAMPLES)"
     )

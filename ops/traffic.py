@@ -45,6 +45,9 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class TrafficReport:
+    """What users saw: requests sent and answered, errors by kind, tokens, TTFT and total
+    latencies (seconds, per request)."""
+
     sent: int = 0
     ok: int = 0
     errors: Counter = field(default_factory=Counter)
@@ -54,6 +57,7 @@ class TrafficReport:
     wall_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """Counts and p50/p90/p99 of TTFT and latency, JSON-ready."""
         out: dict[str, Any] = {"sent": self.sent, "ok": self.ok, "errors": dict(self.errors),
                                "completion_tokens": self.completion_tokens,
                                "wall_s": round(self.wall_s, 3),
@@ -64,6 +68,7 @@ class TrafficReport:
         return out
 
     def summary(self) -> str:
+        """Three lines for a terminal."""
         d = self.as_dict()
         errors = ", ".join(f"{k} {v}" for k, v in sorted(self.errors.items())) or "none"
         return (

@@ -29,6 +29,10 @@ log = logging.getLogger("specbus.serve")
 
 @dataclass
 class Job:
+    """One request to decode: its prompt and sampling settings; the worker fills
+    `output_ids` and `finish_reason` and sends ("token", id) / ("done", None) events to
+    `events` on `loop` (set by `Generator.submit`)."""
+
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
@@ -118,9 +122,11 @@ class Generator:
             self._thread.start()
 
     def start(self) -> None:
+        """Start the worker thread (when built with `start=False`)."""
         self._thread.start()
 
     def close(self) -> None:
+        """Stop the worker after the jobs queued before this."""
         self.jobs.put(None)
         self._thread.join(10)
 
@@ -258,6 +264,8 @@ class Generator:
 
     # -- the server's side -------------------------------------------------------------
     def submit(self, job: Job) -> bool:
+        """Queue `job` from the event loop that reads its `events`; False when the queue is
+        full (the server answers 503)."""
         job.loop = asyncio.get_running_loop()
         job.events = asyncio.Queue()
         try:

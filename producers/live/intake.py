@@ -77,6 +77,7 @@ class Rejection(Exception):
         self.code, self.status, self.reason, self.detail = code, status, reason, detail
 
     def answer(self) -> RecordAnswer:
+        """The body the client gets."""
         return RecordAnswer(status=self.status, reason=self.reason, detail=self.detail[:500])
 
 
@@ -86,6 +87,9 @@ def _bad(reason: str, detail: str, code: int = 422) -> Rejection:
 
 @dataclass
 class ShedInputs:
+    """What the shed decision reads: the trainers' lag, the store's residency and budget (as
+    of `polled_at`), and what was accepted since that poll."""
+
     lag_bytes: int = 0
     lag_refs: int = 0
     resident_bytes: int = 0
@@ -98,13 +102,17 @@ class ShedInputs:
 
 @dataclass
 class IntakeMetrics:
+    """Every answer counted by (HTTP status, reason)."""
+
     answers: Counter = field(default_factory=Counter)  # (http code, reason) -> count
     started: float = field(default_factory=time.monotonic)
 
     def count(self, code: int, reason: str) -> None:
+        """Count one answer."""
         self.answers[(code, reason)] += 1
 
     def total(self, code: int | None = None, reason: str | None = None) -> int:
+        """Answers of `code` and/or `reason` (None: any)."""
         return sum(n for (c, r), n in self.answers.items()
                    if (code is None or c == code) and (reason is None or r == reason))  # fmt: skip
 
@@ -130,10 +138,12 @@ class Intake:
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
+        """Read the shed inputs once, then keep polling them in the background."""
         await self._poll()
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def stop(self) -> None:
+        """Stop polling (the run's store and bus are the caller's to close)."""
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -171,11 +181,14 @@ class Intake:
 
     # -- the record path ---------------------------------------------------------------
     def authorized(self, header: str | None) -> bool:
+        """Whether an `Authorization` header carries the bearer token (constant time)."""
         if not header or not header.startswith("Bearer "):
             return False
         return hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
 
     def parse(self, body: bytes) -> CaptureRecord:
+        """A POSTed body as a `CaptureRecord`; raises `Rejection` (413 oversize, 400 garbage
+        or schema, 422 invalid)."""
         if len(body) > self.capture.max_record_bytes:
             raise _bad("oversize", f"{len(body)} bytes > {self.capture.max_record_bytes}", 413)
         try:
@@ -340,6 +353,7 @@ class Intake:
 
     # -- metrics -----------------------------------------------------------------------
     def prometheus(self) -> str:
+        """`GET /metrics`: the answers, the shed inputs and records/s in Prometheus text."""
         m, s = self.metrics, self.shed
         lines = [
             "# HELP specbus_intake_records_total Capture records answered, by HTTP status and reason.",

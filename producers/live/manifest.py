@@ -100,6 +100,8 @@ def capture_config(
     target_fingerprint: str,
     tokenizer_fingerprint: str,
 ) -> CaptureConfig:
+    """The handshake the intake serves for `contract` (the strategy's features) and the run's
+    store. Raises `ConfigError` when `live.min_num_tokens` leaves no room in a capture."""
     max_tokens = cfg.live.max_num_tokens or cfg.data.max_length
     if cfg.live.min_num_tokens >= max_tokens:
         raise ConfigError(

@@ -38,6 +38,8 @@ log = logging.getLogger("specbus.serve")
 
 # ---------------------------------------------------------------- OpenAI-compatible HTTP
 class BadRequest(Exception):
+    """A request the server answers with a 400 and this message."""
+
     pass
 
 
@@ -74,6 +76,8 @@ class Server:
             self.template = detect_template(self.tokenizer)
 
     def chat_prompt(self, body: dict) -> list[int]:
+        """A chat request's prompt: `messages` through the chat template, generation prompt
+        added. Raises `BadRequest`."""
         from specbus.core.data.tokenize import prompt_ids
 
         messages = body.get("messages")
@@ -94,6 +98,8 @@ class Server:
         return prompt_ids({"messages": turns}, self.tokenizer, self.template).tolist()
 
     def text_prompt(self, body: dict) -> list[int]:
+        """A completion request's prompt: a string, a list of one string, or token ids.
+        Raises `BadRequest`."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -113,6 +119,8 @@ class Server:
         raise BadRequest("prompt must be a string, a list of one string, or token ids")
 
     def job(self, body: dict, prompt: list[int], request_id: str) -> Job:
+        """The generation job of a request: sampling settings checked, `max_tokens` capped by
+        `live.max_new_tokens` and the context. Raises `BadRequest`."""
         if body.get("n", 1) != 1:
             raise BadRequest("only n=1 is supported")
         if not prompt:
@@ -136,12 +144,14 @@ class Server:
         )  # fmt: skip
 
     def text_of(self, ids: list[int]) -> str:
+        """Generated ids as text (EOS and special tokens dropped)."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode([t for t in ids if t not in self.gen.eos],
                                      skip_special_tokens=True)  # fmt: skip
 
     def prometheus(self) -> str:
+        """`GET /metrics`: requests by route and status, tokens, queue, capture outcomes."""
         lines = ["# TYPE specbus_serve_requests_total counter"]
         for (route, status), n in sorted(self.requests.items()):
             lines.append(f'specbus_serve_requests_total{{route="{route}",status="{status}"}} {n}')
@@ -158,6 +168,7 @@ class Server:
 
 
 def build_app(server: Server):
+    """The FastAPI app of `specbus serve` (routes in the module doc)."""
     app = FastAPI(title="specbus serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     def error(route: str, code: int, message: str, kind: str = "invalid_request_error") -> Response:

@@ -66,6 +66,13 @@ class Capture:
 
 
 class CaptureSink:
+    """The capture sink of one serving server (module doc): `intake_url` and `token` (or
+    callables asked again at every handshake attempt); `server_id` and `engine` go into every
+    record; `queue_size` captures wait for the writer thread at most (full: dropped);
+    the handshake is retried every `handshake_retry_s` and refreshed every `refresh_s`;
+    `open_store_fn(uri)` replaces `open_store` (tests). Nothing on the server's side raises
+    or blocks; every outcome is counted in `counts`."""
+
     def __init__(
         self,
         intake_url: str | Callable[[], str | None],
@@ -100,10 +107,13 @@ class CaptureSink:
 
     # -- the server's side (never raises, never blocks) --------------------------------
     def start(self) -> CaptureSink:
+        """Start the writer thread (it does the handshake); returns self."""
         self._thread.start()
         return self
 
     def wants(self, request_id: str) -> str | None:
+        """The sample id when the request is to be captured (capture on, a handshake, sampled
+        by its id: `wire.capture_decision`), else None. Never raises."""
         if not self.enabled:
             return None
         cfg = self.config
@@ -116,6 +126,8 @@ class CaptureSink:
         return sample_id_of(request_id)
 
     def submit(self, capture: Capture) -> bool:
+        """Queue a finished request's rows for the writer (non-blocking); False when it is
+        not taken (no handshake, too few generated rows, queue full). Never raises."""
         try:
             cfg = self.config
             if cfg is None:

@@ -33,6 +33,8 @@ _ID = re.compile(r"^[A-Za-z0-9._:=+-]{1,128}$")
 
 
 class Wire(BaseModel):
+    """Base of the wire models: frozen, strict, unknown fields refused."""
+
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
 
@@ -47,6 +49,7 @@ class FeatureDecl(Wire):
     source: Literal["input_ids", "loss_mask", "aux", "final"]
 
     def resolve(self, rows: int) -> tuple[int, ...]:
+        """The concrete shape of a capture of `rows` rows."""
         return tuple(rows if d == "L" else int(d) for d in self.shape)
 
 
