@@ -99,12 +99,15 @@ class Drain:
 
 
 async def set_capture(serve_url: str, enabled: bool) -> None:
+    """Turn the server's capture on or off (its operator switch)."""
     async with httpx.AsyncClient() as c:
         r = await c.post(serve_url + "/v1/spec-capture/sink", json={"enabled": enabled})
         r.raise_for_status()
 
 
 async def latency_part(args, cfg, bus_url: str, serve_url: str) -> dict:
+    """Part 1 (module doc): TTFT and latency per arm, ratios, and the paired per-round p50
+    ratios of ABBA-ordered rounds."""
     prompts = load_prompts("gsm8k", holdout=50, limit=args.rounds * args.requests)
     drain = Drain(cfg, bus_url)
     drain_task = asyncio.create_task(drain.run())
@@ -213,6 +216,7 @@ class Poster:
         return (self.counts["accepted"] - before) / (time.monotonic() - t0)
 
     async def open_loop(self, rate: float, seconds: float, clients: int) -> dict:
+        """Poisson arrivals at `rate` records/s for `seconds`: accepted, shed, other."""
         rng = random.Random(0)
         before = dict(self.counts)
         slots = asyncio.Semaphore(clients)
@@ -248,6 +252,8 @@ async def undrained_bytes(cfg, bus_url: str) -> int:
 
 
 async def intake_part(args, cfg, bus_url: str, intake_url: str, token: str) -> dict:
+    """Part 2 (module doc): records/s accepted, shed fractions at 1x and 5x the drain's
+    capacity, and the store's residency after."""
     poster = Poster(intake_url, token, args.rows)
     out: dict = {"record_bytes": None}
     try:
@@ -278,6 +284,7 @@ async def intake_part(args, cfg, bus_url: str, intake_url: str, token: str) -> d
 
 
 def main(argv=None) -> int:
+    """Run the benchmark (module doc); prints the figures, `--out` writes them as JSON."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
