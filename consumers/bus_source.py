@@ -4,7 +4,8 @@
 and skipped, one of another strategy/target/tokenizer is dead-lettered, one whose tensors are
 gone triggers a recapture (its task republished with the next generation, the stale ref acked
 as superseded). Retired sequences are reported by `drain_retired()`. docs/architecture.md,
-"Tensors are a cache".
+"Tensors are a cache". `LiveSource` is the same for a live run's refs (docs/live.md): the
+data never ends and a ref whose tensors are gone is dead-lettered (the capture was the data).
 """
 
 from __future__ import annotations
@@ -221,3 +222,19 @@ class BusSource(LeaseSettlement):
         """Close every store opened; the leases are the loader's to give back first."""
         for store in self._stores.values():
             store.close()
+
+
+class LiveSource(BusSource):
+    """The source of a live run (`deployment.mode: live`): SampleRefs the intake published
+    from serving traffic. As `BusSource`, except that the data never ends (a stop signal,
+    `training.max_steps` or `training.max_minutes` ends training) and a ref whose tensors are
+    gone is dead-lettered `lost`: a live capture has no task to capture again."""
+
+    async def _recapture(self, lease: Lease, why: Exception) -> None:
+        await self._dead(lease, "lost", f"live capture's tensors unavailable: {why}")
+
+    async def upstream(self) -> Upstream:
+        """Never drained: more traffic can always come."""
+        if self.group.buffered:
+            return Upstream(False, waiting_for="deliveries buffered here")
+        return Upstream(False, waiting_for="live traffic (captures from serving servers)")

@@ -298,6 +298,51 @@ class DeploymentConfig(Section):
         return MODES.check(name)
 
 
+# ---- live mode (deployment.mode: live): intake, capture sink, serving server --------------
+class LiveConfig(Section):
+    """Live mode: serving servers capture user requests and push them to the intake.
+
+    The intake (`specbus intake`) serves the capture handshake and turns records into
+    SampleRefs; the capture sink in every serving server learns everything else from the
+    handshake. Watermarks are fractions of `min(store.budget_bytes, what the store can hold)`.
+    """
+
+    host: str = "127.0.0.1"  # the intake binds here (loopback by default)
+    # 0: a free port (written to <run_dir>/live/intake.json)
+    port: int = Field(8470, ge=0, le=65535)
+    # where serving servers reach the intake; None: <run_dir>/live/intake.json
+    url: str | None = None
+    # Bearer token; None: $SPECBUS_INTAKE_TOKEN, else one generated once and kept (0600) in
+    # <run_dir>/live/intake.json, which `specbus serve` on the same host reads.
+    token: str | None = None
+    sample_rate: float = Field(1.0, ge=0, le=1)  # fraction of requests captured
+    min_num_tokens: int = Field(2, ge=1)  # generated (supervised) rows a capture needs at least
+    # rows per capture at most (longer ones keep their first rows); None: data.max_length
+    max_num_tokens: int | None = Field(None, ge=2)
+    shed_watermark: float = Field(0.9, gt=0, le=1)  # 429 above this fraction (lag bytes, residency)
+    max_lag_refs: int | None = Field(None, ge=1)  # 429 when the trainers lag by this many refs
+    max_inflight: int = Field(64, ge=1)  # records being validated/published at once; 429 beyond
+    publish_timeout_s: float = Field(2.0, gt=0)  # intake: a publish the broker does not ack -> 503
+    record_timeout_s: float = Field(10.0, gt=0)  # sink: POST timeout (> publish_timeout_s)
+    max_record_bytes: int = Field(256 << 10, ge=1024)  # a POSTed record body at most
+    queue: int = Field(32, ge=1)  # sink: captures waiting for the writer thread; full: dropped
+    vocab_source: str | None = None  # the draft vocab's prior (a data source); None: data.source
+    serve_host: str = "127.0.0.1"  # `specbus serve`
+    serve_port: int = Field(8000, ge=0, le=65535)
+    max_new_tokens: int = Field(256, ge=1)  # `specbus serve`: a request's max_tokens cap
+    serve_batch: int = Field(4, ge=1)  # `specbus serve`: requests decoded together (a wave)
+
+    @model_validator(mode="after")
+    def _timeouts_ordered(self) -> LiveConfig:
+        if self.record_timeout_s <= self.publish_timeout_s:
+            raise ValueError(
+                f"live.record_timeout_s ({self.record_timeout_s}) must exceed "
+                f"live.publish_timeout_s ({self.publish_timeout_s}): a sink must not give "
+                "up (and remove the keys) on a record the intake may still publish"
+            )
+        return self
+
+
 class TelemetryConfig(Section):
     """Logs and traces: OpenTelemetry exporters come from the standard OTEL_* variables."""
 
@@ -324,6 +369,7 @@ class RunConfig(Section):
     training: TrainingConfig = TrainingConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    live: LiveConfig = LiveConfig()
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -202,12 +202,16 @@ class VocabTable(Record):
 
 
 class Manifest(Record):
-    """A run's identity, written once to the run KV by the feeder, read by every process.
+    """A run's identity, written once to the run KV by the feeder (a live run: the intake),
+    read by every process.
 
     `plan` is what every process must agree on (strategy and data settings, target, sample
     count, vocab fingerprint) and `plan_hash` its digest: a feeder of another plan under the
     same run name, or a checkpoint of another plan, is refused by it. `planned_tasks` sizes
-    the schedule. Larger than a stream record (the vocab table): bounded by the KV's 1 MiB.
+    the schedule (None in a live run: traffic has no count). `mode` is "driven" (a feeder's
+    tasks) or "live" (serving traffic, `docs/live.md`); `live` is a live run's capture
+    handshake (the intake's `CaptureConfig` as JSON). Larger than a stream record (the vocab
+    table): bounded by the KV's 1 MiB.
     """
 
     max_bytes: ClassVar[int] = 1000 * 1024
@@ -215,10 +219,12 @@ class Manifest(Record):
     run: str
     plan: dict[str, Any]
     plan_hash: str
-    planned_tasks: int = Field(ge=0)
+    planned_tasks: int | None = Field(ge=0)
     target: ManifestTarget
     strategy: str
     vocab: VocabTable
+    mode: Literal["driven", "live"] = "driven"
+    live: dict[str, Any] | None = None
 
 
 def decode(cls: type[Record], data: bytes) -> Record:

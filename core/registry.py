@@ -6,7 +6,7 @@ import). `RunConfig` refuses a name no registry holds, naming the key, the value
 exists, so an unbuilt mode, engine, strategy or store fails at load, not mid-run.
 
 A new component registers into its kind: a line in the table below for a built-in
-(`MODES.register("live", "specbus.ops.modes:LIVE")`), or `register` at import for a plugin
+(`("live", "specbus.ops.modes:LIVE")` in `MODES`), or `register` at import for a plugin
 (before its config loads). Factories' signatures are each kind's own (see its `get` caller).
 """
 
@@ -76,6 +76,7 @@ MODES = Registry(
     [
         ("disaggregated", "specbus.ops.modes:DISAGGREGATED"),
         ("colocated", "specbus.ops.modes:COLOCATED"),
+        ("live", "specbus.ops.modes:LIVE"),
     ],
 )
 # target.engine -> `(TargetConfig, **kw) -> TargetEngine` (producers/engines)

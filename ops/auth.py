@@ -9,7 +9,7 @@ config holds only public keys, each process signs the server's nonce with its se
 | producer | consume TASKS (group "producers": pull, ack), publish SAMPLES and TASKS dead letters |
 | trainer | consume SAMPLES (group "trainers": pull, ack, reposition, replay), dead-letter SAMPLES, republish a task for a recapture, write the checkpoint pointer and train-complete keys |
 | colocated | a trainer that captures its own tasks: the trainer's rights plus consuming TASKS |
-| intake | publish SAMPLES |
+| intake | publish SAMPLES, write the run KV's manifest (live mode: the intake writes it, there is no feeder) |
 | observer | read-only: stream/consumer info, single messages, the KV, replay of DEAD (`specbus status`, `specbus dead`) |
 | admin | everything (`specbus up` declares the run's streams, consumers and KV with it) |
 
@@ -105,7 +105,7 @@ def permissions(run: str, role: str) -> dict:
             f"{API}.CONSUMER.DURABLE.CREATE.{s}.{TRAINERS}",
         ]  # fmt: skip (reposition)
     elif role == "intake":
-        pub += [n.samples]
+        pub += [n.samples, *_kv_write(n, ("manifest",))]  # a live run's manifest
     elif role == "observer":
         pub += [*_get(n.tasks_stream), *_get(n.samples_stream), *_get(n.dead_stream)]
         pub += _replay(n.dead_stream)

@@ -6,6 +6,7 @@
     specbus top    [run=NAME]      live view: lag, in-flight leases, steps/s, store, dead letters
     specbus dead   [run=NAME]      dead letters with reasons
     specbus feed|produce|train|export|demo ...   the pipeline (ops/commands.py)
+    specbus intake|serve|traffic ...             live mode (ops/live.py)
 
 Every subcommand takes the run config: `--config run.yaml`, dotted overrides as positional
 `key=value` words or `-o key=value` (`specbus status run=demo bus.ack_wait_s=30`), and
@@ -36,6 +37,7 @@ log = logging.getLogger("specbus")
 REGISTRARS = [
     "specbus.ops.cli:add_bus_commands",
     "specbus.ops.commands:add_pipeline_commands",
+    "specbus.ops.live:add_live_commands",  # intake, serve, traffic (live mode)
     "specbus.ops.auth:add_auth_commands",
 ]
 URL_FILE = "url"  # <store_dir>/url: where the broker of a store dir listens (or last did)

@@ -193,7 +193,12 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """`specbus demo`: the whole pipeline on this machine (ops/demo.py)."""
+    """`specbus demo`: the whole pipeline on this machine (ops/demo.py); `--live`: trained
+    from served traffic instead (ops/live_demo.py)."""
+    if args.live:  # intake + capture-enabled server + traffic instead of feeder/producers
+        from specbus.ops.live_demo import run_live_demo
+
+        return run_live_demo(args)
     from specbus.ops.demo import run_demo
 
     return run_demo(args)
@@ -268,12 +273,20 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="eagle3 (default), dflash, domino or dspark (strategy.name)",
     )
-    p.add_argument("--eval-prompts", type=int, default=20, help="held-back prompts measured")
-    p.add_argument("--eval-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="held-back prompts measured (20; --live: 6)")  # fmt: skip
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="tokens generated per prompt (64; --live: 40)")  # fmt: skip
     p.add_argument(
         "--eval-live",
         type=int,
         default=1,
         help="prompts also decoded live with the trained draft (a cross-check of the replay)",
     )
+    live = p.add_argument_group("live mode (--live)")
+    live.add_argument("--live", action="store_true",
+                      help="train from served traffic: intake + `specbus serve` + traffic, no feeder")  # fmt: skip
+    live.add_argument("--qps", type=float, default=1.0, help="traffic: Poisson arrival rate")
+    live.add_argument("--concurrency", type=int, default=4, help="traffic: requests in flight")
+    live.add_argument("--max-tokens", type=int, default=64, help="traffic: tokens per answer")
     p.set_defaults(func=cmd_demo)

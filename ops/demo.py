@@ -236,8 +236,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     report = compare_drafts(
         cfg,
-        num_prompts=args.eval_prompts,
-        max_new_tokens=args.eval_tokens,
+        num_prompts=args.eval_prompts or 20,
+        max_new_tokens=args.eval_tokens or 64,
         live_check=args.eval_live,
         phase=phase,
     )

@@ -3,8 +3,8 @@
 A `Mode` names the consumer group trainer ranks lease from, whether trained samples sit in the
 run's shared store (swept at resume and at the end), the refusals that need the target and
 the world size (those known from the config alone are `RunConfig` validators), and how a rank
-builds its `Source`. Modes are registered in `core.registry.MODES`; a new mode (live) is a
-`Mode` and a line there. docs/architecture.md describes each.
+builds its `Source`. Modes are registered in `core.registry.MODES`; a new mode is a `Mode`
+and a line there. docs/architecture.md describes each (live mode: docs/live.md).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from specbus.bus.run import RunBus
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Group
-from specbus.consumers.bus_source import BusSource
+from specbus.consumers.bus_source import BusSource, LiveSource
 from specbus.consumers.loop_thread import LoopThread
 from specbus.core.config import RunConfig
 from specbus.core.contracts import Manifest
@@ -65,13 +65,15 @@ class Mode:
     # Refuse, by name, what cannot run with this target and world (ConfigError); returns the
     # mode's rank plan, if it has one.
     check: Callable[[RunConfig, TargetInfo, int], IslandPlan | None] = _no_check
+    # who writes the run's manifest (what the trainers wait for, named in their messages)
+    manifest_writer: str = "the feeder (`specbus feed`)"
 
 
-def disaggregated_source(ctx: RankContext) -> tuple[Source, int]:
+def disaggregated_source(ctx: RankContext, cls: type[BusSource] = BusSource) -> tuple[Source, int]:
     """SampleRefs from the "trainers" group, tensors from the store each ref names."""
     group = ctx.loop.call(ctx.run.join(TRAINERS))
     target = ctx.manifest.target
-    source = BusSource(
+    source = cls(
         ctx.run, group,
         strategy=ctx.strategy.name,
         features=ctx.strategy.feature_contract(ctx.info).names,
@@ -81,6 +83,23 @@ def disaggregated_source(ctx: RankContext) -> tuple[Source, int]:
         store=ctx.cfg.store,
     )  # fmt: skip
     return source, ctx.cfg.training.prefetch
+
+
+def live_source(ctx: RankContext) -> tuple[Source, int]:
+    """The refs the live intake published from serving traffic: the disaggregated source
+    without an end of data or recapture (`LiveSource`)."""
+    return disaggregated_source(ctx, LiveSource)
+
+
+def check_live(cfg: RunConfig, info: TargetInfo, world: int) -> None:
+    """Live traffic has no count: the schedule needs a length (`training.total_steps` or
+    `training.max_steps`). Raises `ConfigError`. (Refused at the trainers, not at load: the
+    intake and `specbus serve` read the same config and need no schedule.)"""
+    if not (cfg.training.total_steps or cfg.training.max_steps):
+        raise ConfigError(
+            "deployment.mode=live trains on traffic of no known size: set training.total_steps "
+            "(the schedule's length) or training.max_steps"
+        )
 
 
 def colocated_source(ctx: RankContext) -> tuple[Source, int]:
@@ -142,3 +161,7 @@ DISAGGREGATED = Mode("disaggregated", TRAINERS, sweeps_store=True, source=disagg
 COLOCATED = Mode(
     "colocated", PRODUCERS, sweeps_store=False, source=colocated_source, check=check_colocated
 )
+LIVE = Mode(
+    "live", TRAINERS, sweeps_store=True, source=live_source, check=check_live,
+    manifest_writer="the intake (`specbus intake`)",
+)  # fmt: skip

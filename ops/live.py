@@ -1,0 +1,322 @@
+"""Live mode's composition roots and commands: `specbus intake`, `specbus serve`, `specbus traffic`.
+
+- `run_intake(cfg, bus_url)`: connect and declare the run, write the live manifest (vocab
+  prior from `live.vocab_source`, the capture handshake), hold the run's store open, serve the
+  intake on `live.host:live.port` until SIGINT/SIGTERM.
+- `run_serve(cfg, ...)`: the hf engine behind the OpenAI-compatible server, capturing through a
+  `CaptureSink` pointed at the intake (`--no-capture`: none).
+- `specbus traffic`: `ops/traffic.py`.
+
+Where serving servers find the intake, on one host with no configuration: the intake writes
+`<run_dir>/live/intake.json` (its URL and bearer token, mode 0600) when it starts; `specbus
+serve` with the same run config reads it (again at every handshake attempt, so the two start in
+any order). Across hosts: `live.url` and `live.token` (or `$SPECBUS_INTAKE_TOKEN`) on both
+sides. The token: `live.token`, else `$SPECBUS_INTAKE_TOKEN`, else the one in intake.json from
+an earlier start (a restarted intake keeps it: running servers go on), else a new random one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from specbus.core.config import RunConfig
+from specbus.core.errors import ConfigError
+from specbus.ops.cli import add_common, config_of, resolve_url
+
+log = logging.getLogger("specbus.live")
+
+TOKEN_ENV = "SPECBUS_INTAKE_TOKEN"
+
+
+def endpoint_file(cfg: RunConfig) -> Path:
+    """Where the intake writes its URL and token: `<run_dir>/live/intake.json`."""
+    return cfg.resolved_run_dir / "live" / "intake.json"
+
+
+def read_endpoint(cfg: RunConfig) -> dict[str, Any] | None:
+    """The intake's `{"url", "token"}` of this run on this host, or None (not written yet)."""
+    try:
+        return json.loads(endpoint_file(cfg).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def intake_token(cfg: RunConfig) -> str:
+    """The intake's bearer token (see module doc)."""
+    if cfg.live.token:
+        return cfg.live.token
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    known = read_endpoint(cfg)
+    if known and known.get("token"):
+        return known["token"]
+    return secrets.token_urlsafe(32)
+
+
+def write_endpoint(cfg: RunConfig, url: str, token: str) -> Path:
+    """Write the intake's URL and token (atomically, mode 0600); returns the file."""
+    path = endpoint_file(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": url, "token": token, "pid": os.getpid(), "run": cfg.run}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket (SO_REUSEADDR: a restart right after a kill -9 rebinds)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e}") from e
+    return sock
+
+
+async def _serve_http(app, sock: socket.socket) -> None:
+    """uvicorn on `sock` until SIGINT/SIGTERM: a graceful stop (a second signal: at once),
+    then the caller's cleanup runs (uvicorn's own handlers would re-raise the signal after
+    its shutdown, killing the process before it)."""
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    server = uvicorn.Server(config)
+    server.capture_signals = contextlib.nullcontext  # ours, below
+
+    def stop() -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def float_dtype(cfg: RunConfig) -> str:
+    """The float dtype of captured features: the engine's (auto: bf16 on GPU, fp32 on CPU)."""
+    from specbus.producers.engines.hf import resolve_device, resolve_dtype
+
+    dtype = resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))
+    return str(dtype).removeprefix("torch.")
+
+
+async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = None,
+                     port: int | None = None) -> int:  # fmt: skip
+    """`specbus intake` (module doc). Returns the exit code."""
+    from specbus.bus.connection import connect
+    from specbus.bus.topology import declare
+    from specbus.core.models.target import load_target_info, resolve_target_dir
+    from specbus.producers.feeder import prepare
+    from specbus.producers.live.intake import Intake, build_app
+    from specbus.producers.live.manifest import capture_config, ensure_manifest, live_manifest
+
+    if cfg.deployment.mode != "live":
+        raise ConfigError(
+            f"specbus intake serves live runs: set deployment.mode=live (run {cfg.run!r} is "
+            f"{cfg.deployment.mode})"
+        )
+    host = host or cfg.live.host
+    port = cfg.live.port if port is None else port
+    sock = bind(host, port)
+    vocab_cfg = cfg.model_copy(deep=True)
+    vocab_cfg.data.source = cfg.live.vocab_source or cfg.data.source
+    prepared = await asyncio.to_thread(prepare, vocab_cfg)
+    info = load_target_info(resolve_target_dir(cfg.target.model), name=cfg.target.model)
+    strategy = cfg.strategy.build(info, aux_layers=cfg.target.aux_layers)
+    store = cfg.store.build()  # held open for the run: samples outlive their writers
+    try:
+        capture = capture_config(
+            cfg, strategy.feature_contract(info), store_uri=store.uri, store_id=store.store_id,
+            float_dtype=float_dtype(cfg), target_fingerprint=prepared.target_fingerprint,
+            tokenizer_fingerprint=prepared.tokenizer_fingerprint,
+        )  # fmt: skip
+        async with await connect(cfg.bus, bus_url, name="specbus-intake") as bus:
+            run = await declare(bus, cfg.bus, cfg.run)
+            await ensure_manifest(run.kv, live_manifest(cfg, prepared, capture))
+            token = intake_token(cfg)
+            intake = Intake(cfg, run, store, capture, token)
+            await intake.start()
+            bound = sock.getsockname()
+            url = f"http://{bound[0]}:{bound[1]}"
+            path = write_endpoint(cfg, url, token)
+            print(f"specbus intake: run {cfg.run} on {url} (token in {path}; store {store.uri}; "
+                  f"{capture.strategy} layers {list(capture.aux_layers)}, rate "
+                  f"{capture.sample_rate:g})", flush=True)  # fmt: skip
+            try:
+                await _serve_http(build_app(intake), sock)
+            finally:
+                await intake.stop()
+        m = intake.metrics
+        print(f"specbus intake stopped: {m.total(200, 'accepted')} accepted, "
+              f"{m.total(200, 'duplicate')} duplicates, {m.total(429)} shed, "
+              f"{sum(n for (c, _), n in m.answers.items() if 400 <= c < 500 and c != 429)} "
+              "rejected", flush=True)  # fmt: skip
+        return 0
+    finally:
+        store.close(timeout_s=0)
+        sock.close()
+
+
+def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | None = None,
+              host: str | None = None, port: int | None = None, capture: bool = True,
+              model_name: str | None = None) -> int:  # fmt: skip
+    """`specbus serve` (module doc). Returns the exit code."""
+    import torch
+    from specbus.producers.engines.registry import build_engine
+    from specbus.producers.live.generate import Generator
+    from specbus.producers.live.serve import Server, build_app
+    from specbus.producers.live.sink import CaptureSink
+
+    if cfg.target.engine != "hf":
+        raise ConfigError(
+            f"specbus serve runs the hf engine, not target.engine={cfg.target.engine!r}"
+        )
+    if os.environ.get("SPECBUS_THREADS"):
+        torch.set_num_threads(int(os.environ["SPECBUS_THREADS"]))
+    host = host or cfg.live.serve_host
+    port = cfg.live.serve_port if port is None else port
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per capture record
+    sock = bind(host, port)
+    engine = build_engine(cfg.target)
+    sink = None
+    if capture:
+
+        def url_of() -> str | None:  # noqa: E306 - asked at every handshake attempt
+            return intake_url or cfg.live.url or (read_endpoint(cfg) or {}).get("url")
+
+        def token_of() -> str | None:
+            return (token or cfg.live.token or os.environ.get(TOKEN_ENV)
+                    or (read_endpoint(cfg) or {}).get("token"))  # fmt: skip
+
+        sink = CaptureSink(url_of, token_of, server_id=f"{socket.gethostname()}-{os.getpid()}",
+                           engine=engine.name, queue_size=cfg.live.queue).start()  # fmt: skip
+    generator = Generator(engine, sink, max_new_tokens=cfg.live.max_new_tokens,
+                          max_batch=cfg.live.serve_batch)  # fmt: skip
+    server = Server(generator, model_name or cfg.target.model)
+    bound = sock.getsockname()
+    print(f"specbus serve: {cfg.target.model} on http://{bound[0]}:{bound[1]}/v1 (capture "
+          f"{'on' if capture else 'off'})", flush=True)  # fmt: skip
+    try:
+        asyncio.run(_serve_http(build_app(server), sock))
+    finally:
+        generator.close()
+        if sink is not None:
+            sink.close(timeout_s=10)
+            print(f"capture: {dict(sorted(sink.counts.items()))}", flush=True)
+        engine.close()
+        sock.close()
+    return 0
+
+
+# ---------------------------------------------------------------- commands
+def cmd_intake(args: argparse.Namespace) -> int:
+    """`specbus intake`."""
+    cfg = config_of(args)
+    return asyncio.run(run_intake(cfg, bus_url=resolve_url(args, cfg), host=args.host,
+                                  port=args.port))  # fmt: skip
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`specbus serve`."""
+    cfg = config_of(args)
+    return run_serve(cfg, intake_url=args.intake_url, token=args.token, host=args.host,
+                     port=args.port, capture=not args.no_capture,
+                     model_name=args.model_name)  # fmt: skip
+
+
+def cmd_traffic(args: argparse.Namespace) -> int:
+    """`specbus traffic`."""
+    from specbus.ops.traffic import load_prompts, run_traffic
+
+    prompts = load_prompts(args.data, limit=args.limit, holdout=args.holdout)
+    report = asyncio.run(run_traffic(
+        args.server, prompts, qps=args.qps, concurrency=args.concurrency,
+        duration_s=args.duration, requests=args.requests, loop=args.loop,
+        stream=not args.no_stream, max_tokens=args.max_tokens, temperature=args.temperature,
+        seed=args.seed, api_key=args.api_key, model=args.model,
+    ))  # fmt: skip
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.summary(), flush=True)
+    return 0 if not report.errors or args.allow_errors else 1
+
+
+def add_live_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `intake`, `serve` and `traffic` (a registrar of `ops/cli.py`)."""
+    p = sub.add_parser(
+        "intake", help="live mode: the intake (capture handshake + records -> SAMPLES)"
+    )
+    add_common(p)
+    p.add_argument("--host", default=None, help="listen address (default live.host, loopback)")
+    p.add_argument("--port", type=int, default=None, help="port (default live.port; 0: a free one)")
+    p.set_defaults(func=cmd_intake)
+
+    p = sub.add_parser(
+        "serve", help="live mode: an OpenAI-compatible server on the hf engine, capturing"
+    )
+    add_common(p)
+    p.add_argument("--host", default=None, help="listen address (default live.serve_host)")
+    p.add_argument("--port", type=int, default=None, help="port (default live.serve_port)")
+    p.add_argument(
+        "--intake-url",
+        default=None,
+        help="the intake (default live.url, else <run_dir>/live/intake.json)",
+    )
+    p.add_argument(
+        "--token", default=None, help=f"the intake's bearer token (default ${TOKEN_ENV})"
+    )
+    p.add_argument("--no-capture", action="store_true", help="serve without capturing")
+    p.add_argument("--model-name", default=None, help="the model id clients send")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("traffic", help="replay prompts against an OpenAI-compatible server")
+    p.add_argument("--server", default="http://127.0.0.1:8000/v1", help="base URL (with /v1)")
+    p.add_argument("--data", default="gsm8k", help="gsm8k, sharegpt, or a JSONL path")
+    p.add_argument("--qps", type=float, default=1.0, help="Poisson arrival rate")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
+    p.add_argument("--requests", type=int, default=None, help="requests to send")
+    p.add_argument("--loop", action="store_true", help="cycle through the prompts")
+    p.add_argument("--no-stream", action="store_true", help="non-streaming requests")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--limit", type=int, default=None, help="prompts to load at most")
+    p.add_argument(
+        "--holdout",
+        type=int,
+        default=50,
+        help="prompts kept out at the end of the source (the demo evaluates on them)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default="specbus")
+    p.add_argument("--model", default=None, help="model id (default: the server's first)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--allow-errors", action="store_true", help="exit 0 even when users saw errors")
+    p.set_defaults(func=cmd_traffic)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from specbus.ops.cli import main
+
+    sys.exit(main())

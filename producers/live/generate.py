@@ -1,0 +1,275 @@
+"""The generation side of `specbus serve`: KV-cache decoding on one worker thread, capturing.
+
+`Generator` decodes `Job`s in waves of up to `live.serve_batch` requests (those waiting when a
+wave starts are prefilled and decoded together, left-padded, per-row positions; a CPU
+reference server, not a continuous-batching engine). Greedy at `temperature: 0`, else
+temperature / top-p sampling (seeded by `seed`, else by the request id). Stops at an EOS
+token, a `stop` string or `max_tokens`. A captured request's forwards keep their aux-layer
+outputs (and the final norm's output when the handshake asks for it), one row per fed token;
+after the response is complete the rows go to `sink.submit` (bounded, non-blocking). The HTTP
+side is `producers/live/serve.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import queue
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from specbus.core.models.target import decoder_layers
+from specbus.producers.live.sink import Capture, CaptureSink
+
+log = logging.getLogger("specbus.serve")
+
+
+@dataclass
+class Job:
+    """One request to decode: its prompt and sampling settings; the worker fills
+    `output_ids` and `finish_reason` and sends ("token", id) / ("done", None) events to
+    `events` on `loop` (set by `Generator.submit`)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancelled: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    text: str = ""
+
+
+def _seed_of(request_id: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "big")
+
+
+class _Rows:
+    """Forward hooks keeping the aux layers' outputs (and the final norm's) while recording."""
+
+    def __init__(self, model, aux_layers: tuple[int, ...], final: bool):
+        self.aux_layers, self.final = tuple(aux_layers), final
+        self.recording = False
+        self.outs: list[torch.Tensor | None] = [None] * len(self.aux_layers)
+        self.norm_out: torch.Tensor | None = None
+        layers = decoder_layers(model)
+        self.handles = [layers[i].register_forward_hook(self._keep(k))
+                        for k, i in enumerate(self.aux_layers)]  # fmt: skip
+        if final:
+            norm = getattr(getattr(model, "model", model), "norm", None)
+            if norm is None:
+                raise ValueError("the target has no final norm (model.model.norm) to capture")
+            self.handles.append(norm.register_forward_hook(self._keep_norm))
+
+    def _keep(self, slot: int):
+        def hook(_m, _i, output):
+            if self.recording:
+                self.outs[slot] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _keep_norm(self, _m, _i, output):
+        if self.recording:
+            self.norm_out = output[0] if isinstance(output, tuple) else output
+
+    def take_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This forward's rows: `[B, T, A]` aux and `[B, T, H]` final."""
+        aux = torch.cat(self.outs, dim=-1)
+        final = self.norm_out if self.final else None
+        self.outs = [None] * len(self.aux_layers)
+        self.norm_out = None
+        return aux, final
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class Generator:
+    """The hf engine's model generating on a worker thread, in waves of up to `max_batch`
+    requests: the requests waiting when a wave starts are prefilled together (left-padded,
+    masked, position ids per row) and decoded together until every one of them is done; the
+    next wave takes what arrived meanwhile. Row `i` of every forward belongs to request `i`
+    (pad positions and rows of finished requests are never captured)."""
+
+    def __init__(self, engine, sink: CaptureSink | None, *, max_new_tokens: int = 256,
+                 max_queue: int = 1024, max_batch: int = 4, start: bool = True):  # fmt: skip
+        self.engine, self.sink = engine, sink
+        self.model, self.tokenizer = engine.model, engine.tokenizer
+        self.max_new_tokens, self.max_batch = max_new_tokens, max_batch
+        self.context = engine.context_length
+        self.eos = set(engine.info.eos_token_ids)
+        self.pad_id = engine.pad_id
+        self.device = engine.device
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.stats: Counter = Counter()
+        self._rows: _Rows | None = None
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._closing = False
+        self._thread = threading.Thread(target=self._work, name="specbus-generate", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        """Start the worker thread (when built with `start=False`)."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the worker after the jobs queued before this."""
+        self.jobs.put(None)
+        self._thread.join(10)
+
+    # -- the worker --------------------------------------------------------------------
+    def _work(self) -> None:
+        while not self._closing:
+            first = self.jobs.get()
+            if first is None:
+                return
+            wave = [first]
+            while len(wave) < self.max_batch:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._closing = True
+                    break
+                wave.append(job)
+            try:
+                self._generate(wave)
+                for job in wave:
+                    self._emit(job, ("done", job.finish_reason))
+            except Exception as e:  # noqa: BLE001 - answered to the users as a 500
+                log.exception("generation of %s failed", [j.request_id for j in wave])
+                for job in wave:
+                    self._emit(job, ("error", f"{type(e).__name__}: {e}"))
+
+    def _emit(self, job: Job, event) -> None:
+        if job.loop is not None and not job.loop.is_closed():
+            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+
+    def _hooks(self) -> _Rows | None:
+        cfg = self.sink.config if self.sink is not None else None
+        if cfg is None:
+            return None
+        final = any(d.source == "final" for d in cfg.features)
+        if self._rows is None or (self._rows.aux_layers, self._rows.final) != (
+            tuple(cfg.aux_layers), final,
+        ):  # fmt: skip
+            if self._rows is not None:
+                self._rows.remove()
+            self._rows = _Rows(self.model, tuple(cfg.aux_layers), final)
+        return self._rows
+
+    def _choose(self, logits: torch.Tensor, job: Job, gen: torch.Generator | None) -> int:
+        if job.temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / job.temperature, dim=-1)
+        if job.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < job.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    @torch.no_grad()
+    def _generate(self, wave: list[Job]) -> None:
+        from transformers import DynamicCache
+
+        n = len(wave)
+        wanted = [self.sink.wants(j.request_id) if self.sink is not None else None for j in wave]
+        rows = self._hooks() if any(w is not None for w in wanted) else None
+        aux: list[list[torch.Tensor]] = [[] for _ in wave]
+        final: list[list[torch.Tensor]] = [[] for _ in wave]
+        gens = [
+            torch.Generator().manual_seed(j.seed if j.seed is not None else _seed_of(j.request_id))
+            if j.temperature > 0 else None
+            for j in wave
+        ]  # fmt: skip
+        longest = max(len(j.prompt_ids) for j in wave)
+        pads = [longest - len(j.prompt_ids) for j in wave]
+        ids = torch.full((n, longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, longest), dtype=torch.long)
+        for i, j in enumerate(wave):
+            ids[i, pads[i] :] = torch.tensor(j.prompt_ids, dtype=torch.long)
+            mask[i, pads[i] :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        active = [True] * n
+        cache = DynamicCache()
+        if rows is not None:
+            rows.recording = True
+        try:
+            step = 0
+            while any(active):
+                kw = {} if n == 1 else {"attention_mask": mask.to(self.device),
+                                        "position_ids": positions.to(self.device)}  # fmt: skip
+                logits = self.model(input_ids=ids.to(self.device), use_cache=True,
+                                    **{self._cache_kw: cache}, **kw).logits  # fmt: skip
+                if rows is not None:
+                    a, f = rows.take_batch()
+                    for i in range(n):
+                        if wanted[i] is not None and active[i]:
+                            skip = pads[i] if step == 0 else 0
+                            aux[i].append(a[i, skip:])
+                            if f is not None:
+                                final[i].append(f[i, skip:])
+                nxt = []
+                for i, j in enumerate(wave):
+                    if not active[i]:
+                        nxt.append(self.pad_id)
+                        continue
+                    token = self._choose(logits[i, -1], j, gens[i])
+                    j.output_ids.append(token)
+                    self._emit(j, ("token", token))
+                    nxt.append(token)
+                    if token in self.eos or (j.stop and self._stopped(j)):
+                        j.finish_reason = "stop"
+                        active[i] = False
+                    elif len(j.output_ids) >= j.max_tokens:
+                        active[i] = False
+                    elif j.cancelled:
+                        j.finish_reason = "cancelled"
+                        active[i] = False
+                ids = torch.tensor(nxt, dtype=torch.long)[:, None]
+                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+                positions = positions[:, -1:] + 1
+                step += 1
+        finally:
+            if rows is not None:
+                rows.recording = False
+        self.stats["waves"] += 1
+        for i, j in enumerate(wave):
+            self.stats["requests"] += 1
+            self.stats["tokens"] += len(j.output_ids)
+            if wanted[i] is not None:
+                self.sink.submit(Capture(
+                    request_id=j.request_id, prompt_ids=list(j.prompt_ids),
+                    output_ids=list(j.output_ids), aux=aux[i], final=final[i],
+                    sample_id=wanted[i],
+                ))  # fmt: skip
+
+    def _stopped(self, job: Job) -> bool:
+        text = self.tokenizer.decode(job.output_ids, skip_special_tokens=True)
+        return any(s and s in text for s in job.stop)
+
+    # -- the server's side -------------------------------------------------------------
+    def submit(self, job: Job) -> bool:
+        """Queue `job` from the event loop that reads its `events`; False when the queue is
+        full (the server answers 503)."""
+        job.loop = asyncio.get_running_loop()
+        job.events = asyncio.Queue()
+        try:
+            self.jobs.put_nowait(job)
+            return True
+        except queue.Full:
+            return False
