@@ -331,6 +331,18 @@ class LiveConfig(Section):
     serve_port: int = Field(8000, ge=0, le=65535)
     max_new_tokens: int = Field(256, ge=1)  # `specbus serve`: a request's max_tokens cap
     serve_batch: int = Field(4, ge=1)  # `specbus serve`: requests decoded together (a wave)
+    # The intake serves HTTPS with this certificate and key (both or neither; `specbus auth
+    # --tls` or ops/tls.py make them); plain HTTP is then refused. `tls_ca`: the CA a sink
+    # (`specbus serve`) trusts for the intake; None: the system's.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> LiveConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("live.tls_cert and live.tls_key go together (the intake's HTTPS)")
+        return self
 
     @model_validator(mode="after")
     def _timeouts_ordered(self) -> LiveConfig:

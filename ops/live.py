@@ -74,6 +74,13 @@ def write_endpoint(cfg: RunConfig, url: str, token: str) -> Path:
     return path
 
 
+def trusting(ca: Path | None):
+    """httpx's `verify` for an https intake: a context trusting `ca`, or the system's CAs."""
+    import ssl
+
+    return ssl.create_default_context(cafile=str(ca)) if ca else True
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening-ready socket (SO_REUSEADDR: a restart right after a kill -9 rebinds)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -86,17 +93,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve_http(app, sock: socket.socket) -> None:
+async def _serve_http(app, sock: socket.socket, tls: tuple[Path, Path] | None = None) -> None:
     """uvicorn on `sock` until SIGINT/SIGTERM: a graceful stop (a second signal: at once),
     then the caller's cleanup runs (uvicorn's own handlers would re-raise the signal after
-    its shutdown, killing the process before it)."""
+    its shutdown, killing the process before it). `tls`: (certificate, key) to serve HTTPS."""
     import contextlib
     import signal
 
     import uvicorn
 
+    cert, key = tls if tls else (None, None)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=5)  # fmt: skip
+                            timeout_graceful_shutdown=5, ssl_certfile=cert,
+                            ssl_keyfile=key)  # fmt: skip
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext  # ours, below
 
@@ -160,13 +169,14 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
             intake = Intake(cfg, run, store, capture, token)
             await intake.start()
             bound = sock.getsockname()
-            url = f"http://{bound[0]}:{bound[1]}"
+            tls = (cfg.live.tls_cert, cfg.live.tls_key) if cfg.live.tls_cert else None
+            url = f"{'https' if tls else 'http'}://{bound[0]}:{bound[1]}"
             path = write_endpoint(cfg, url, token)
             print(f"specbus intake: run {cfg.run} on {url} (token in {path}; store {store.uri}; "
                   f"{capture.strategy} layers {list(capture.aux_layers)}, rate "
                   f"{capture.sample_rate:g})", flush=True)  # fmt: skip
             try:
-                await _serve_http(build_app(intake), sock)
+                await _serve_http(build_app(intake), sock, tls)
             finally:
                 await intake.stop()
         m = intake.metrics
@@ -212,7 +222,8 @@ def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | Non
                     or (read_endpoint(cfg) or {}).get("token"))  # fmt: skip
 
         sink = CaptureSink(url_of, token_of, server_id=f"{socket.gethostname()}-{os.getpid()}",
-                           engine=engine.name, queue_size=cfg.live.queue).start()  # fmt: skip
+                           engine=engine.name, queue_size=cfg.live.queue,
+                           verify=trusting(cfg.live.tls_ca)).start()  # fmt: skip
     generator = Generator(engine, sink, max_new_tokens=cfg.live.max_new_tokens,
                           max_batch=cfg.live.serve_batch)  # fmt: skip
     server = Server(generator, model_name or cfg.target.model)

@@ -248,7 +248,7 @@ def test_sigterm_to_demo_stops_every_child_and_removes_its_shm(tmp_path, tiny_ta
         f"store: {{uri: 'shm://{run_id}', budget_bytes: 67108864}}\n"
         f"target: {{model: '{tiny_target}', capture_batch: 4}}\n"
         "strategy: {ttt_length: 2, draft: {draft_vocab_size: 64}}\n"
-        f"data: {{source: '{data}', max_length: 64, holdout: 0}}\n"
+        f"data: {{source: '{data}', max_length: 64, holdout: 8}}\n"
         "training: {micro_batch: 2, accumulation: 1, total_steps: 100000, checkpoint_every: 100000}\n"
         "bus: {ack_wait_s: 4.0, heartbeat_s: 1.0, fetch_timeout_s: 0.2}\n"
     )

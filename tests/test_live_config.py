@@ -23,6 +23,11 @@ def test_a_sink_cannot_give_up_before_the_intake_does():
         build_config({}, ["live.record_timeout_s=1", "live.publish_timeout_s=2"])
 
 
+def test_the_intake_certificate_and_key_go_together():
+    with pytest.raises(ConfigError, match="tls_cert and live.tls_key"):
+        build_config({}, ["live.tls_cert=/etc/intake.pem"])
+
+
 def _manifest(mode: str) -> Manifest:
     target = ManifestTarget(model="m", fingerprint="f", tokenizer_fingerprint="t", num_layers=2,
                             hidden_size=8, vocab_size=16)  # fmt: skip

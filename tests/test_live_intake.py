@@ -351,3 +351,50 @@ def _refused(url: str) -> bool:
         return False
     except httpx.HTTPError:
         return True
+
+
+def test_an_intake_over_tls_refuses_plain_http_and_serves_the_sink(
+    tmp_path, chat_target, nats_server, run_id
+):
+    """`specbus intake` with live.tls_cert/tls_key: HTTPS only (plain HTTP and a client that
+    does not trust the CA get no answer), the token still required, and a sink given the CA
+    (what `specbus serve` builds from live.tls_ca) handshakes."""
+    import httpx
+    from specbus.ops.live import trusting
+    from specbus.ops.services.common import free_port
+    from specbus.ops.tls import issue, make_ca
+
+    from tests.fixtures.live import LiveRun
+
+    ca = make_ca(tmp_path / "tls")
+    cert = issue(ca, tmp_path / "tls", "intake")
+    tls = [f"live.tls_cert={cert.cert}", f"live.tls_key={cert.key}", f"live.tls_ca={ca.cert}"]
+    cfg = live_config(run_id, tmp_path / "run", chat_target, write_chats(tmp_path / "c.jsonl"),
+                      store_uri=f"shm://{run_id}", overrides=tls)  # fmt: skip
+    run = LiveRun(cfg, tmp_path / "procs", nats_server.url)
+    sink = None
+    try:
+        port = free_port()
+        proc = run.start("intake", "intake", "--port", str(port))
+        url, trust = f"https://127.0.0.1:{port}", trusting(ca.cert)
+
+        def ready():
+            try:
+                return httpx.get(url + "/healthz", verify=trust, timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, 120, "the intake over https", proc, run.log_path("intake"))
+        ep = run.endpoint()
+        assert ep["url"] == url
+        with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port: no HTTP answer
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5.0)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(url + "/healthz", timeout=5.0)  # the system's CAs do not know ours
+        assert httpx.get(url + CONFIG_PATH, verify=trust, timeout=5.0).status_code == 401
+        sink = CaptureSink(url, ep["token"], server_id="tls-test", engine="hf", verify=trust)
+        assert sink.handshake() and sink.config.run_id == cfg.run
+    finally:
+        if sink is not None:
+            sink.close()
+        run.stop()

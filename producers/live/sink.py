@@ -70,7 +70,8 @@ class CaptureSink:
     callables asked again at every handshake attempt); `server_id` and `engine` go into every
     record; `queue_size` captures wait for the writer thread at most (full: dropped);
     the handshake is retried every `handshake_retry_s` and refreshed every `refresh_s`;
-    `open_store_fn(uri)` replaces `open_store` (tests). Nothing on the server's side raises
+    `open_store_fn(uri)` replaces `open_store` (tests); `verify`: TLS verification of an https
+    intake (an `ssl.SSLContext`, or True for the system's CAs). Nothing on the server's side raises
     or blocks; every outcome is counted in `counts`."""
 
     def __init__(
@@ -84,6 +85,7 @@ class CaptureSink:
         handshake_retry_s: float = 1.0,
         refresh_s: float = 30.0,
         open_store_fn=None,
+        verify: Any = True,
     ):
         # a callable is asked again at every handshake attempt (an intake started later,
         # on the same host, writes both into its run dir)
@@ -101,6 +103,7 @@ class CaptureSink:
         self._open_store_fn = open_store_fn
         self._stop = threading.Event()
         self._client = None
+        self._verify = verify  # TLS verification of an https intake (httpx's `verify`)
         self._fetched_at = 0.0
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="specbus-capture-sink", daemon=True)
@@ -182,8 +185,9 @@ class CaptureSink:
             import httpx
 
             self._client = httpx.Client(
-                timeout=httpx.Timeout(5.0), limits=httpx.Limits(max_connections=2)
-            )
+                timeout=httpx.Timeout(5.0), limits=httpx.Limits(max_connections=2),
+                verify=self._verify,  # an https intake: its CA file, or the system's
+            )  # fmt: skip
         self._client.headers["Authorization"] = f"Bearer {self.token}"
         return self._client
 
