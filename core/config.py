@@ -46,9 +46,7 @@ class BusConfig(Section):
     token: str | None = None
     creds_file: Path | None = None
     nkey_file: Path | None = None  # an NKey seed file (`specbus auth`: one per role)
-    # Replies come to `<inbox_prefix>.<id>`; `specbus auth` gives each role its own prefix,
-    # and permissions let a role subscribe to its prefix only.
-    inbox_prefix: str | None = None
+    inbox_prefix: str | None = None  # replies' subject prefix (`specbus auth`: one per role)
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -65,12 +63,10 @@ class BusConfig(Section):
     heartbeat_s: float = Field(10.0, gt=0)
     fetch_timeout_s: float = Field(1.0, gt=0)
     publish_window: int = Field(1024, ge=1)  # async publishes awaiting their PubAck at once
-    # A broker outage is ridden through (retries with backoff); this long after it began,
-    # every bus operation raises BrokerUnavailable instead (bus/outage.py).
+    # An outage is ridden through; this long after it began, BrokerUnavailable (bus/outage.py)
     outage_give_up_s: float = Field(900.0, gt=0)
-    # A process started while the broker is down (a restart during an outage, a broker that
-    # comes up after its clients) waits this long for the first connection; a wrong URL
-    # fails after it, saying so from the first failed attempt. Auth errors fail at once.
+    # A process started while the broker is down waits this long for the first connection
+    # (a wrong URL fails after it, said from the first attempt; auth errors fail at once).
     connect_give_up_s: float = Field(120.0, gt=0)
 
 
@@ -331,21 +327,16 @@ class LiveConfig(Section):
     serve_port: int = Field(8000, ge=0, le=65535)
     max_new_tokens: int = Field(256, ge=1)  # `specbus serve`: a request's max_tokens cap
     serve_batch: int = Field(4, ge=1)  # `specbus serve`: requests decoded together (a wave)
-    # The intake serves HTTPS with this certificate and key (both or neither; `specbus auth
-    # --tls` or ops/tls.py make them); plain HTTP is then refused. `tls_ca`: the CA a sink
-    # (`specbus serve`) trusts for the intake; None: the system's.
+    # HTTPS for the intake (both or neither; plain HTTP is then refused); tls_ca: what the
+    # sink of `specbus serve` trusts (None: the system's CAs). docs/live.md, "Security".
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
 
     @model_validator(mode="after")
-    def _tls_pair(self) -> LiveConfig:
+    def _consistent(self) -> LiveConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("live.tls_cert and live.tls_key go together (the intake's HTTPS)")
-        return self
-
-    @model_validator(mode="after")
-    def _timeouts_ordered(self) -> LiveConfig:
         if self.record_timeout_s <= self.publish_timeout_s:
             raise ValueError(
                 f"live.record_timeout_s ({self.record_timeout_s}) must exceed "
@@ -359,8 +350,6 @@ class TelemetryConfig(Section):
     """Logs and traces: OpenTelemetry exporters come from the standard OTEL_* variables."""
 
     service_name: str = "specbus"
-    # Not read yet: the progress bar comes with its own issue.
-    console_progress: bool = True
     # TensorBoard scalars of rank 0's log rows, when `tensorboard` is installed (core/tensorboard.py)
     tensorboard: bool = True
     tensorboard_dir: Path | None = None  # None: <run_dir>/tb
