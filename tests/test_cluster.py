@@ -40,14 +40,18 @@ def wait_caught_up(url: str, streams: list[str], timeout_s: float = 60.0) -> Non
     """Until every replica of every stream is current with its leader (lag 0)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        infos = [asyncio.run(stream_cluster(url, s)) for s in streams]
-        behind = [
-            (s, r.name, r.lag, r.current)
-            for s, c in zip(streams, infos, strict=True)
-            for r in (c.replicas or [])
-            if not r.current or r.lag
-        ]
-        complete = all(c.leader and len(c.replicas or []) == 2 for c in infos)
+        try:  # a probe landing on the restarted node may find its JetStream not back yet
+            infos = [asyncio.run(stream_cluster(url, s)) for s in streams]
+        except Exception as e:  # noqa: BLE001 - not caught up yet; the deadline decides
+            infos, behind, complete = [], [repr(e)], False
+        else:
+            behind = [
+                (s, r.name, r.lag, r.current)
+                for s, c in zip(streams, infos, strict=True)
+                for r in (c.replicas or [])
+                if not r.current or r.lag
+            ]
+            complete = all(c.leader and len(c.replicas or []) == 2 for c in infos)
         if complete and not behind:
             return
         assert time.monotonic() < deadline, f"replicas not caught up: {behind} {infos}"
