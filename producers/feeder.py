@@ -124,24 +124,32 @@ def plan_hash(plan: dict[str, Any]) -> str:
 
 def manifest_of(cfg: RunConfig, prepared: Prepared) -> Manifest:
     """The run's manifest: its plan (see `plan_of`), task count, target and vocab table."""
-    plan = plan_of(cfg, prepared)
+    return build_manifest(cfg, prepared, plan_of(cfg, prepared),
+                          planned_tasks=len(prepared.samples) * cfg.data.epochs)  # fmt: skip
+
+
+def build_manifest(
+    cfg: RunConfig, prepared: Prepared, plan: dict, *, planned_tasks: int | None, **extra: Any
+) -> Manifest:
+    """A manifest of `plan` for the prepared target and vocab; `extra`: further Manifest
+    fields (a live run's `mode` and `live`)."""
+    info = prepared.info
     return Manifest(
         run=cfg.run,
         plan=plan,
         plan_hash=plan_hash(plan),
-        planned_tasks=len(prepared.samples) * cfg.data.epochs,
+        planned_tasks=planned_tasks,
         target=ManifestTarget(
             model=cfg.target.model,
             fingerprint=prepared.target_fingerprint,
             tokenizer_fingerprint=prepared.tokenizer_fingerprint,
-            num_layers=prepared.info.num_layers,
-            hidden_size=prepared.info.hidden_size,
-            vocab_size=prepared.info.vocab_size,
+            num_layers=info.num_layers,
+            hidden_size=info.hidden_size,
+            vocab_size=info.vocab_size,
         ),
         strategy=cfg.strategy.name,
-        vocab=VocabTable(
-            d2t=tuple(prepared.vocab.d2t.tolist()), target_vocab_size=prepared.info.vocab_size
-        ),
+        vocab=VocabTable(d2t=tuple(prepared.vocab.d2t.tolist()), target_vocab_size=info.vocab_size),
+        **extra,
     )
 
 

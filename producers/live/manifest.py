@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from specbus.core.config import RunConfig
-from specbus.core.contracts import Manifest, ManifestTarget, VocabTable
+from specbus.core.contracts import Manifest
 from specbus.core.errors import ConfigError
 from specbus.core.strategies.base import FeatureContract
 from specbus.producers.live.wire import CAPTURE_SCHEMA_VERSION, CaptureConfig, FeatureDecl
@@ -65,29 +65,10 @@ def live_manifest(cfg: RunConfig, prepared, capture: CaptureConfig) -> Manifest:
     """The live run's `Manifest`: the feeder's fields (target, vocab table) with
     `mode="live"`, no task count (the schedule is `training.total_steps`/`max_steps`) and the
     capture handshake as its `live` entry."""
-    from specbus.producers.feeder import plan_hash
+    from specbus.producers.feeder import build_manifest
 
-    plan = live_plan(cfg, prepared)
-    return Manifest(
-        run=cfg.run,
-        plan=plan,
-        plan_hash=plan_hash(plan),
-        planned_tasks=None,
-        target=ManifestTarget(
-            model=cfg.target.model,
-            fingerprint=prepared.target_fingerprint,
-            tokenizer_fingerprint=prepared.tokenizer_fingerprint,
-            num_layers=prepared.info.num_layers,
-            hidden_size=prepared.info.hidden_size,
-            vocab_size=prepared.info.vocab_size,
-        ),
-        strategy=cfg.strategy.name,
-        vocab=VocabTable(
-            d2t=tuple(prepared.vocab.d2t.tolist()), target_vocab_size=prepared.info.vocab_size
-        ),
-        mode="live",
-        live=capture.model_dump(mode="json"),
-    )
+    return build_manifest(cfg, prepared, live_plan(cfg, prepared), planned_tasks=None,
+                          mode="live", live=capture.model_dump(mode="json"))  # fmt: skip
 
 
 def capture_config(
