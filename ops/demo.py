@@ -28,7 +28,7 @@ from specbus.core.errors import ConfigError
 from specbus.ops.launch import QUIET_THREADS, Launcher
 from specbus.ops.observe import tensorboard_hint
 from specbus.ops.progress import phase
-from specbus.ops.services.common import Interrupted, interruptible, shielded
+from specbus.ops.services.common import exit_code_interruptible, shielded
 from specbus.ops.services.nats import NatsServer
 
 STOP_TIMEOUT_S = 30.0  # a trainer stopping on SIGTERM saves a checkpoint first
@@ -107,12 +107,7 @@ def check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """`specbus demo` (see the module doc); its exit code (128 + the signal when interrupted)."""
-    with interruptible():
-        try:
-            return _run_demo(args)
-        except Interrupted as e:
-            print(f"specbus demo: stopped by signal {e.signum}", file=sys.stderr, flush=True)
-            return 128 + e.signum
+    return exit_code_interruptible("specbus demo", lambda: _run_demo(args))
 
 
 def _remove_abandoned_shm(cfg: RunConfig) -> None:

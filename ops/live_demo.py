@@ -27,7 +27,7 @@ import torch
 from specbus.core.config import RunConfig, build_config, dump_config
 from specbus.ops.demo import STOP_TIMEOUT_S, _remove_abandoned_shm, demo_config
 from specbus.ops.launch import QUIET_THREADS, Launcher
-from specbus.ops.services.common import Interrupted, free_port, interruptible, shielded
+from specbus.ops.services.common import exit_code_interruptible, free_port, shielded
 from specbus.ops.services.nats import NatsServer
 
 
@@ -65,12 +65,7 @@ def _wait_http(url: str, proc, log, timeout_s: float, handshake: bool = False) -
 
 def run_live_demo(args: argparse.Namespace) -> int:
     """`specbus demo --live` (module doc); its exit code (128 + the signal when interrupted)."""
-    with interruptible():
-        try:
-            return _run(args)
-        except Interrupted as e:
-            print(f"specbus demo: stopped by signal {e.signum}", file=sys.stderr, flush=True)
-            return 128 + e.signum
+    return exit_code_interruptible("specbus demo", lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:

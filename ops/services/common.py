@@ -199,6 +199,17 @@ def interruptible():
             signal.signal(s, handler)
 
 
+def exit_code_interruptible(what: str, fn: Callable[[], int]) -> int:
+    """`fn()` under `interruptible()`; a SIGINT/SIGTERM is said (`what: stopped by signal N`)
+    and becomes the exit code 128 + N, after the `finally` blocks inside `fn` ran."""
+    with interruptible():
+        try:
+            return fn()
+        except Interrupted as e:
+            print(f"{what}: stopped by signal {e.signum}", file=sys.stderr, flush=True)
+            return 128 + e.signum
+
+
 @contextlib.contextmanager
 def shielded():
     """SIGINT and SIGTERM are ignored inside: a cleanup that stops children must not be cut
