@@ -115,6 +115,25 @@ def _ce(logits_BNKV: torch.Tensor, target_BNK: torch.Tensor) -> torch.Tensor:
 # DFlash
 
 
+def block_targets(
+    input_ids_BL: torch.Tensor, loss_mask_BL: torch.Tensor, anchors_BN: torch.Tensor,
+    keep_BN: torch.Tensor, block_size: int, gamma: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(target, mask, weights), each [B, N, K], of the blocks at `anchors_BN`: position k > 0
+    of a kept block, in range and supervised, counts; weighted by exp(-(k-1)/gamma) (1
+    without `gamma`)."""
+    offsets = torch.arange(block_size, device=input_ids_BL.device)
+    target, in_range, _ = gather_blocks(input_ids_BL, anchors_BN, offsets)
+    lm, _, _ = gather_blocks(loss_mask_BL.float(), anchors_BN, offsets)
+    mask = keep_BN[:, :, None].float() * in_range.float() * (offsets > 0).float() * lm
+    decay = (
+        torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
+        if gamma
+        else torch.ones(block_size, device=offsets.device)
+    )
+    return target, mask, mask * decay
+
+
 def dflash_loss(
     model: nn.Module,
     *,
@@ -144,16 +163,8 @@ def dflash_loss(
         anchors_BN=anchors_BN, keep_BN=keep_BN, embed_VH=embed_VH,
         mask_token_id=mask_token_id, block_size=block_size, attention=attention,
     )  # fmt: skip
-    offsets = torch.arange(block_size, device=input_ids_BL.device)
-    target, in_range, _ = gather_blocks(input_ids_BL, anchors_BN, offsets)
-    lm, _, _ = gather_blocks(loss_mask_BL.float(), anchors_BN, offsets)
-    mask = keep_BN[:, :, None].float() * in_range.float() * (offsets > 0).float() * lm
-    decay = (
-        torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
-        if gamma
-        else torch.ones(block_size, device=offsets.device)
-    )
-    weights = mask * decay
+    target, mask, weights = block_targets(input_ids_BL, loss_mask_BL, anchors_BN, keep_BN,
+                                          block_size, gamma)  # fmt: skip
 
     def terms(h, tgt, m, w):
         logits = _logits(h, lm_head_VH)
@@ -234,16 +245,8 @@ def domino_loss(
         anchors_BN=anchors_BN, keep_BN=keep_BN, embed_VH=embed_VH,
         mask_token_id=mask_token_id, block_size=block_size, attention=attention,
     )  # fmt: skip
-    offsets = torch.arange(block_size, device=input_ids_BL.device)
-    target, in_range, _ = gather_blocks(input_ids_BL, anchors_BN, offsets)
-    lm, _, _ = gather_blocks(loss_mask_BL.float(), anchors_BN, offsets)
-    mask = keep_BN[:, :, None].float() * in_range.float() * (offsets > 0).float() * lm
-    decay = (
-        torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
-        if gamma
-        else torch.ones(block_size, device=offsets.device)
-    )
-    weights = mask * decay
+    target, mask, weights = block_targets(input_ids_BL, loss_mask_BL, anchors_BN, keep_BN,
+                                          block_size, gamma)  # fmt: skip
 
     def terms(h, tgt, m, w):
         base = _logits(h, lm_head_VH)
