@@ -478,6 +478,13 @@ def check_crc(spec: FeatureSpec, t: torch.Tensor) -> None:
         )
 
 
+def as_feature(spec: FeatureSpec, flat: torch.Tensor) -> torch.Tensor:
+    """`flat`'s bytes as the tensor `spec` names (a new empty one for 0 bytes), CRC checked."""
+    t = flat.view(DTYPES[spec.dtype]).reshape(spec.shape) if spec.nbytes else empty_for(spec)
+    check_crc(spec, t)
+    return t
+
+
 def to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
     """The tensors moved to `device` (unchanged for None)."""
     if device is None:

@@ -35,14 +35,13 @@ from specbus.core.errors import (
 )
 from specbus.core.store import stfile
 from specbus.core.store.base import (
-    DTYPES,
     RefLike,
     StoreBase,
     Stored,
     StoreUsage,
     as_cpu_contiguous,
+    as_feature,
     byte_view,
-    check_crc,
     parse_key,
     sample_of,
     specs_of,
@@ -284,18 +283,8 @@ class HttpStore(StoreBase):
         sample_id, gen = sample_of(specs, self.store_id)
         flats = {n: _recv(s.nbytes, self.cfg.pool_bytes) for n, s in specs.items()}
         self._call(self._fetch(sample_id, gen, specs, flats))
-        out = {}
-        for name, spec in specs.items():
-            flat = flats[name]
-            dtype = DTYPES[spec.dtype]
-            t = (
-                flat.view(dtype).reshape(spec.shape)
-                if spec.nbytes
-                else torch.empty(spec.shape, dtype=dtype)
-            )
-            check_crc(spec, t)
-            out[name] = t
-        return to_device(out, device)
+        return to_device({name: as_feature(spec, flats[name]) for name, spec in specs.items()},
+                         device)  # fmt: skip
 
     async def _fetch(self, sample_id, gen, specs: dict[str, FeatureSpec], flats) -> None:
         import aiohttp

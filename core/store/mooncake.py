@@ -32,13 +32,12 @@ from specbus.core.errors import (
     StoreFull,
 )
 from specbus.core.store.base import (
-    DTYPES,
     RefLike,
     Screener,
     StoreBase,
     Stored,
     StoreUsage,
-    check_crc,
+    as_feature,
     parse_key,
     prepare,
     sample_prefix,
@@ -311,18 +310,8 @@ class MooncakeStore(StoreBase):
         finally:
             for ptr in registered:
                 self._client.unregister_buffer(ptr)
-        out = {}
-        for name, spec in specs.items():
-            flat = bufs[name]
-            dtype = DTYPES[spec.dtype]
-            t = (
-                flat.view(dtype).reshape(spec.shape)
-                if spec.nbytes
-                else torch.empty(spec.shape, dtype=dtype)
-            )
-            check_crc(spec, t)
-            out[name] = t
-        return to_device(out, device)
+        return to_device({name: as_feature(spec, bufs[name]) for name, spec in specs.items()},
+                         device)  # fmt: skip
 
     def _read_into(self, specs: dict[str, FeatureSpec], bufs: dict[str, torch.Tensor]) -> None:
         todo = list(specs)

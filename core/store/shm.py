@@ -34,12 +34,11 @@ from specbus.core.errors import (
 )
 from specbus.core.store import mapped, procs
 from specbus.core.store.base import (
-    DTYPES,
     RefLike,
     Screener,
     StoreBase,
     StoreUsage,
-    check_crc,
+    as_feature,
     parse_key,
     prepare,
     sample_of,
@@ -293,13 +292,7 @@ class ShmStore(ShmSweep, StoreBase):
                 raise IntegrityError(
                     f"feature {spec.key!r}: short read, {got} of {spec.nbytes} bytes"
                 )
-            t = (
-                flat.view(DTYPES[spec.dtype]).reshape(spec.shape)
-                if spec.nbytes
-                else torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-            )
-            check_crc(spec, t)
-            out[name] = t
+            out[name] = as_feature(spec, flat)
         return to_device(out, device)
 
     def _recv(self, nbytes: int) -> torch.Tensor:
