@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
 from specbus.core.models.kernels import compiled
-from specbus.core.strategies.dflash_loss import _logits, accept_prefix
+from specbus.core.strategies.dflash_loss import _logits, accept_prefix, rows_linear
 
 
 class _FusedHead(torch.autograd.Function):
@@ -32,16 +32,16 @@ class _FusedHead(torch.autograd.Function):
         for start in range(0, n, step):
             sl = slice(start, start + step)
             hc = h[:, sl]
-            z = F.linear(hc.to(lm_head_VH.dtype), lm_head_VH)
+            z = _logits(hc, lm_head_VH)
             if e is not None:
-                z = z + F.linear(e[:, sl], m2)
+                z = z + rows_linear(e[:, sl], m2)
             # contiguous chunks: one compiled graph for every chunk (no stride guards)
             chunk_args = (t[:, sl].contiguous() if t is not None else None for t in per_block)
             grad_z, c_sums, c_rows = terms(z, *chunk_args)
             grad_z = grad_z.to(z.dtype)
-            grad_h[:, sl] = torch.matmul(grad_z, lm_head_VH.to(grad_z.dtype)).to(h.dtype)
+            grad_h[:, sl] = rows_linear(grad_z, lm_head_VH.to(grad_z.dtype).T).to(h.dtype)
             if e is not None:
-                grad_e[:, sl] = torch.matmul(grad_z, m2.to(grad_z.dtype)).to(e.dtype)
+                grad_e[:, sl] = rows_linear(grad_z, m2.to(grad_z.dtype).T).to(e.dtype)
                 flat = grad_z.reshape(-1, grad_z.shape[-1])
                 grad_m2 += (flat.T @ e[:, sl].reshape(-1, e.shape[-1]).to(flat.dtype)).float()
             del z, grad_z
