@@ -134,3 +134,44 @@ def test_hooks_on_real_sglang_objects_feed_the_intake(sglang_site, sglang_env, i
         if "final" in by_source:
             torch.testing.assert_close(by_source["final"], -rows_at(positions, fed, cap.hidden_size),
                                        rtol=0, atol=0)  # fmt: skip
+
+
+def test_the_engines_refuse_without_sglang_naming_the_install(chat_target):
+    from specbus.core.config import TargetConfig
+    from specbus.core.errors import ConfigError
+    from specbus.producers.engines.registry import build_engine
+
+    for name in ("sglang", "sglang_server"):
+        with pytest.raises(ConfigError, match=rf"target.engine={name} needs SGLang 0\.5\.23: "
+                           r"pip install sglang==0\.5\.23"):  # fmt: skip
+            build_engine(TargetConfig(engine=name, model=str(chat_target)))
+
+
+def test_serve_prints_a_command_real_sglang_accepts(sglang_env, chat_target, tmp_path):
+    """`specbus serve --engine sglang --dry-run`: the printed flags parse with SGLang's own
+    `prepare_server_args`, and the layer's startup check passes on the result."""
+    from specbus.core.config import dump_config
+
+    cfg = live_config("sg", tmp_path / "run", chat_target, write_chats(tmp_path / "c.jsonl"),
+                      store_uri="shm://sg", overrides=["live.sample_rate=0.25"])  # fmt: skip
+    path = tmp_path / "run.yaml"
+    path.write_text(dump_config(cfg))
+    out = subprocess.run([sys.executable, "-m", "specbus.ops.cli", "serve", "-c", str(path),
+                          "--engine", "sglang", "--dry-run"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    words = out.stdout.strip().splitlines()[-1].split()
+    env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    assert env["SPECBUS_CAPTURE_SAMPLE_RATE"] == "0.25"
+    assert env["SPECBUS_CAPTURE_ENDPOINT"].endswith("live/intake.json")
+    argv = words[words.index("sglang.launch_server") + 1 :]
+    check = ("import sys, json; from sglang.srt.server_args import prepare_server_args\n"
+             "from specbus.patches.sglang.plugin import check_server_args\n"
+             "a = prepare_server_args(json.loads(sys.argv[1])); check_server_args(a)\n"
+             "print(json.dumps([a.return_aux_hidden_state_layer_ids, a.disable_radix_cache]))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", check, json.dumps(argv)], env=sglang_env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = load_target_info(chat_target)
+    layers = build_strategy(cfg.strategy, info).feature_contract(info).aux_layers
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [list(layers), True]

@@ -13,3 +13,6 @@ engine-agnostic `CaptureSink` instead of the JSON response.
 """
 
 SGLANG_VERSION = "0.5.23"  # the one version the hooks were read against and tested on
+# strategy -> SGLang's capture convention (`--speculative-algorithm` under aux capture; it
+# picks the model's capture hook); the other strategies: DFLASH
+CONVENTIONS = {"eagle3": "EAGLE3", "dspark": "DSPARK"}
