@@ -80,7 +80,14 @@ MODES = Registry(
     ],
 )
 # target.engine -> `(TargetConfig, **kw) -> TargetEngine` (producers/engines)
-ENGINES = Registry("target.engine", [("hf", "specbus.producers.engines.hf:HFEngine")])
+ENGINES = Registry(
+    "target.engine",
+    [
+        ("hf", "specbus.producers.engines.hf:HFEngine"),
+        ("sglang", "specbus.producers.engines.sglang:SGLangEngine"),
+        ("sglang_server", "specbus.producers.engines.sglang:SGLangServerEngine"),
+    ],
+)
 # strategy.name -> `(StrategyConfig, TargetInfo, *, heads, aux_layers) -> Strategy`
 STRATEGIES = Registry(
     "strategy.name",

@@ -253,6 +253,11 @@ def cmd_intake(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """`specbus serve`."""
     cfg = config_of(args)
+    if args.engine == "sglang":
+        from specbus.ops.sglang import run_sglang_serve
+
+        return run_sglang_serve(cfg, intake_url=args.intake_url, token=args.token,
+                                host=args.host, port=args.port, dry_run=args.dry_run)  # fmt: skip
     return run_serve(cfg, intake_url=args.intake_url, token=args.token, host=args.host,
                      port=args.port, capture=not args.no_capture,
                      model_name=args.model_name)  # fmt: skip
@@ -299,6 +304,10 @@ def add_live_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-capture", action="store_true", help="serve without capturing")
     p.add_argument("--model-name", default=None, help="the model id clients send")
+    p.add_argument("--engine", choices=["hf", "sglang"], default="hf",
+                   help="hf: serve here; sglang: print and start a stock SGLang server with the "
+                   "capture layer (docs/sglang.md)")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="--engine sglang: only print it")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("traffic", help="replay prompts against an OpenAI-compatible server")

@@ -17,4 +17,5 @@ pytest_plugins = [
     "tests.fixtures.pipeline",
     "tests.fixtures.live",
     "tests.fixtures.otlp",
+    "tests.fixtures.sglang",
 ]

@@ -1,0 +1,106 @@
+"""SGLang commands: `specbus sglang apply|check|revert` and `specbus serve --engine sglang`.
+
+- `apply|check|revert [--site DIR]`: the capture layer of `patches/sglang/layer.py` on the
+  SGLang installed in this interpreter (or in `--site`).
+- `specbus serve --engine sglang -c run.yaml`: prints the exact command that starts a stock
+  SGLang server capturing for the run (upstream aux-capture flags with the run's layer ids and
+  convention, `--disable-radix-cache`, and the environment that points the plugin at the
+  intake: its URL or `<run_dir>/live/intake.json`, the sample rate), then execs it; with
+  `--dry-run` it only prints. Starting refuses when the layer is not applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from specbus.core.config import RunConfig
+from specbus.core.errors import ConfigError
+from specbus.patches.sglang import CONVENTIONS
+
+
+def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str | None = None,
+                   port: int | None = None) -> tuple[dict[str, str], list[str]]:  # fmt: skip
+    """(environment, argv) of the SGLang server that captures for `cfg` (module doc)."""
+    from specbus.core.models.target import load_target_info, resolve_target_dir
+    from specbus.patches.sglang import plugin
+
+    model = resolve_target_dir(cfg.target.model)
+    info = load_target_info(model, name=cfg.target.model)
+    contract = cfg.strategy.build(info, aux_layers=cfg.target.aux_layers).feature_contract(info)
+    argv = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+        "--host", host or cfg.live.serve_host, "--port", str(port or cfg.live.serve_port),
+        "--tp-size", str(cfg.target.tp_size),
+        "--enable-return-aux-hidden-states",
+        "--speculative-algorithm", CONVENTIONS.get(contract.strategy, "DFLASH"),
+        "--return-aux-hidden-state-layer-ids", *map(str, contract.aux_layers),
+        "--disable-radix-cache",
+    ]  # fmt: skip
+    if cfg.target.dtype != "auto":
+        argv += ["--dtype", cfg.target.dtype]
+    env = {plugin.ENV_RATE: f"{cfg.live.sample_rate:g}", plugin.ENV_QUEUE: str(cfg.live.queue)}
+    url = intake_url or cfg.live.url
+    if url:
+        env[plugin.ENV_URL] = url
+    else:  # same host: the intake's URL and token file (read at every handshake)
+        from specbus.ops.live import endpoint_file
+
+        env[plugin.ENV_ENDPOINT] = str(endpoint_file(cfg))
+    if cfg.live.tls_ca:
+        env[plugin.ENV_CA] = str(cfg.live.tls_ca)
+    return env, argv
+
+
+def run_sglang_serve(cfg: RunConfig, *, intake_url: str | None, token: str | None,
+                     host: str | None, port: int | None, dry_run: bool) -> int:  # fmt: skip
+    """`specbus serve --engine sglang` (module doc). Returns the exit code (or execs)."""
+    from specbus.ops.live import TOKEN_ENV
+    from specbus.patches.sglang import layer
+
+    env, argv = server_command(cfg, intake_url=intake_url, host=host, port=port)
+    shown = dict(env)
+    if (
+        token
+        or cfg.live.token
+        or (env.get("SPECBUS_CAPTURE_INTAKE_URL") and TOKEN_ENV in os.environ)
+    ):
+        shown[TOKEN_ENV] = "<the intake's token>"  # never printed
+    print(" ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()), shlex.join(argv), flush=True)
+    if dry_run:
+        return 0
+    state = layer.check()
+    if not state["ok"]:
+        raise ConfigError("the SGLang capture layer is not ready: " + "; ".join(state["problems"]))
+    secret = token or cfg.live.token or os.environ.get(TOKEN_ENV)
+    os.execve(argv[0], argv, {**os.environ, **env, **({TOKEN_ENV: secret} if secret else {})})
+    return 0  # pragma: no cover - execve does not return
+
+
+def cmd_sglang(args: argparse.Namespace) -> int:
+    """`specbus sglang apply|check|revert`."""
+    from specbus.patches.sglang import layer
+
+    site = Path(args.site) if args.site else None
+    if args.action == "apply":
+        print(json.dumps(layer.apply(site), indent=1))
+        return 0
+    if args.action == "revert":
+        removed = layer.revert(site)
+        print(f"removed {len(removed)} files" + ("" if removed else " (the layer was not applied)"))
+        return 0
+    state = layer.check(site)
+    print(json.dumps(state, indent=1))
+    return 0 if state["ok"] else 1
+
+
+def add_sglang_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `sglang` (a registrar of `ops/cli.py`); `serve --engine sglang` is in ops/live.py."""
+    p = sub.add_parser("sglang", help="the SGLang capture layer: apply, check or revert it")
+    p.add_argument("action", choices=["apply", "check", "revert"])
+    p.add_argument("--site", default=None, help="site-packages holding SGLang (default: here)")
+    p.set_defaults(func=cmd_sglang)
