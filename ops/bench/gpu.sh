@@ -17,6 +17,9 @@
 #                                         # floor probe, EAGLE3 pipeline 2048/4096 (colocated with
 #                                         # capture overlap, disaggregated), DSpark 512-4096 and
 #                                         # DFlash 2048 colocated, one-step profiles, GPU checks
+#   GPU_TESTS=0 BENCH=perf STAGES=floor,profile,dflash PROFILE_ARGS="--strategies dspark --seqs 2048" \
+#     EAGLE3_ARGS="--seqs 4096 --modes disaggregated" bash ops/bench/gpu.sh
+#                                         # some stages only, with their own arguments
 #
 # Fetch the wheels here first (once; see the device README):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -68,6 +71,7 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
   pack() { tar czf "$OUT/.perf.tgz" -C "$PERF" . && mv "$OUT/.perf.tgz" "$OUT/perf.tgz"; }
   stage() {  # name timeout_s command...: log to $PERF/<name>.log, note the time and exit code
     local name=$1 limit=$2; shift 2
+    case ",${STAGES:-floor,profile,eagle3,dflash,gputests}," in *",$name,"*) ;; *) return 0 ;; esac
     local t0=$(date +%s)
     timeout -k 10 "$limit" "$@" > "$PERF/$name.log" 2>&1  # the whole process group
     local rc=$?
@@ -79,9 +83,9 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
   # the one-step profiles first: they compile every kernel once; the pipeline processes after
   # them load the compiled graphs from the on-disk inductor/triton caches
   stage floor 90 python3 "$floor"
-  stage profile 150 python3 -m specbus.ops.bench.step_profile --strategies eagle3,dspark,dflash \
-    --seqs 2048,4096 --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles"
-  stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --steps 24 \
+  stage profile 150 python3 -m specbus.ops.bench.step_profile ${PROFILE_ARGS:---strategies eagle3,dspark,dflash \
+    --seqs 2048,4096} --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles"
+  stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline ${EAGLE3_ARGS:---seqs 2048,4096} --steps 24 \
     --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$PERF/gpu_pipeline.json"
   stage dflash 170 python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
     --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$PERF/gpu_dflash.json"
