@@ -19,7 +19,7 @@
 #                                         # DFlash 2048 colocated, one-step profiles, GPU checks
 #   GPU_TESTS=0 BENCH=perf STAGES=floor,profile,dflash PROFILE_ARGS="--strategies dspark --seqs 2048" \
 #     EAGLE3_ARGS="--seqs 4096 --modes disaggregated" bash ops/bench/gpu.sh
-#                                         # some stages only, with their own arguments
+#                                         # some stages only, with their own arguments (DFLASH_ARGS too)
 #
 # Fetch the wheels here first (once; see the device README):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -87,7 +87,7 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
     --seqs 2048,4096} --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles"
   stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline ${EAGLE3_ARGS:---seqs 2048,4096} --steps 24 \
     --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$PERF/gpu_pipeline.json"
-  stage dflash 170 python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
+  stage dflash 200 python3 -m specbus.ops.bench.gpu_dflash ${DFLASH_ARGS:---runs dspark:512-4096,dflash:2048-2048} \
     --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$PERF/gpu_dflash.json"
   stage gputests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/test_gpu_perf.py tests/test_eagle3_gpu.py
