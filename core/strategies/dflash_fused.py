@@ -4,7 +4,7 @@ Per chunk of blocks the logits' gradient is formed in the forward (`fused_head`)
 are kept or recomputed (one vocabulary matmul for the logits and one for the gradient,
 instead of three under activation checkpointing). The per-chunk terms are compiled on CUDA
 (`core.models.kernels.compiled`); the CPU keeps the checkpointed reference arithmetic
-(dflash_loss.py). docs/dflash.md, "Performance".
+(dflash_loss.py). docs/dflash.md, "Training".
 """
 
 from __future__ import annotations

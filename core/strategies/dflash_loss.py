@@ -103,7 +103,7 @@ def rows_linear(x: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` as one 2-D matmul over all leading dims. A chunk sliced out of
     `[B, N, K, H]` along N is not foldable into rows without a copy, and `matmul` then runs a
     batched GEMM of B*n tiny `[K, H] @ [H, V]` products: on the H200 that was 39 ms per chunk
-    against ~4 ms for the same FLOPs as one GEMM (docs/dflash.md, "Performance"). The reshape
+    against ~4 ms for the same FLOPs as one GEMM (docs/dflash.md, "Training"). The reshape
     copies such a slice (megabytes) instead."""
     return F.linear(x.reshape(-1, x.shape[-1]), weight_OI).view(*x.shape[:-1], weight_OI.shape[0])
 
