@@ -152,3 +152,26 @@ def test_smollm2_capture_shapes_and_padding():
     with torch.no_grad():
         expected = engine.model(input_ids=seqs[0][None]).logits[0]
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_the_prefill_sdpa_backends_follow_the_environment(tiny_dir, monkeypatch):
+    """`SPECBUS_SDPA_BACKENDS` picks the prefill's SDPA backends: math gives the default's
+    features (fp32), a backend this device lacks makes the capture fail (so the setting took
+    effect), and an unknown name is refused with the valid ones."""
+    from specbus.core.errors import ConfigError
+    from specbus.producers.engines.hf import SDPA_ENV
+
+    engine = engine_for(tiny_dir, capture_batch=1)
+    contract = build_strategy(StrategyConfig(), engine.info).feature_contract()
+    seqs = [torch.randint(0, 128, (n,)) for n in (9, 5)]
+    default = engine.capture(seqs, None, contract)
+    monkeypatch.setenv(SDPA_ENV, "math")
+    math = engine.capture(seqs, None, contract)
+    for a, b in zip(default, math, strict=True):
+        torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(SDPA_ENV, "cudnn")  # no cuDNN attention on the CPU
+    with pytest.raises(RuntimeError):
+        engine.capture(seqs, None, contract)
+    monkeypatch.setenv(SDPA_ENV, "flash,fastest")
+    with pytest.raises(ConfigError, match="fastest"):
+        engine.capture(seqs, None, contract)

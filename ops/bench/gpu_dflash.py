@@ -11,6 +11,8 @@ state after `--warmup` optimizer steps: samples/s (per GPU), tokens/s, the captu
 
     python -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096 --out $OUT/gpu_dflash.json
     python -m specbus.ops.bench.gpu_dflash --runs dflash:2048-2048 --out $OUT/gpu_dflash_2048.json
+    python -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dspark:512-4096@flash,dspark:512-4096@expandable
+                                                           # variants: VARIANTS below
     python -m specbus.ops.bench.gpu_dflash --tiny          # CPU check of the same code paths (minutes)
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -31,6 +34,15 @@ from specbus.ops.bench.gpu_pipeline import run_mode
 from specbus.ops.bench.random_target import QWEN3_8B, TINY, write_target
 
 SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC, GOAL_SAMPLES_PER_S = 5.7, 0.112, 6.5
+# `--runs dspark:512-4096@flash`: the same run with its processes' environment changed, to
+# tell apart the suspects of the mixed-length gap (docs/benchmarks.md, "Second call"):
+# the prefill's SDPA backends (no cuDNN: it plans per new length) and the allocator.
+VARIANTS = {
+    "flash": {"SPECBUS_SDPA_BACKENDS": "flash,efficient,math"},
+    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "both": {"SPECBUS_SDPA_BACKENDS": "flash,efficient,math",
+             "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+}  # fmt: skip
 
 
 def write_mixed_data(path: Path, n: int, lo: int, hi: int, vocab: int) -> Path:
@@ -98,11 +110,14 @@ def main() -> None:
     args = ap.parse_args()
     runs = []
     for spec in args.runs.split(","):
+        spec, _, variant = spec.partition("@")
         name, lengths = spec.split(":")
         lo, hi = (int(x) for x in lengths.split("-"))
         if args.tiny:
             lo, hi = max(32, lo // 16), max(32, hi // 16)
-        runs.append((name, lo, hi))
+        if variant and variant not in VARIANTS:
+            ap.error(f"unknown variant @{variant}; known: {sorted(VARIANTS)}")
+        runs.append((name, lo, hi, variant))
     if args.tiny:
         args.steps, args.warmup, args.log_every = min(args.steps, 8), min(args.warmup, 2), 2
         args.num_anchors = min(args.num_anchors, 32)
@@ -125,8 +140,8 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1, default=str))
 
-    for name, lo, hi in runs:
-        key = f"{name}:{lo}-{hi}"
+    for name, lo, hi, variant in runs:
+        key = f"{name}:{lo}-{hi}" + (f"@{variant}" if variant else "")
         data = write_mixed_data(
             work / f"data-{name}-{lo}-{hi}.jsonl", args.steps + 4, lo, hi, vocab
         )
@@ -134,10 +149,18 @@ def main() -> None:
             f"gd-{name}-{uuid.uuid4().hex[:6]}", work, target, data, name, hi, args, vocab
         )
         t1 = time.perf_counter()
+        saved = {k: os.environ.get(k) for k in VARIANTS.get(variant, {})}
+        os.environ.update(VARIANTS.get(variant, {}))  # the run's processes inherit it
         try:
             row = run_mode(cfg, work, "colocated", args.warmup, args.timeout)
         except Exception as e:  # keep the other runs' figures
             row = {"error": str(e)[-4000:]}
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         row["wall_s"] = time.perf_counter() - t1
         if "samples_per_s" in row:
             row["vs_seed"] = row["samples_per_s"] / SEED_SAMPLES_PER_S

@@ -13,10 +13,17 @@ sequence, a mask of another length, or features that fail the contract.
 it builds the engine) and shards the decoder over it (`producers/engines/tp.py`); every TP
 rank must then capture the same sequences in the same order (the forward runs collectives),
 and every rank gets the full features.
+
+`SPECBUS_SDPA_BACKENDS` (experimental, e.g. `flash,efficient,math`): the prefill's SDPA
+backends in priority order (`torch.nn.attention.sdpa_kernel(..., set_priority=True)`); unset,
+torch chooses (2.11 prefers cuDNN on sm90, which plans per new sequence length: the suspect of
+the mixed-length DSpark gap, docs/benchmarks.md "Second call"). Measured, then a config key.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 import torch
@@ -34,6 +41,25 @@ from specbus.core.models.target import (
 from specbus.core.strategies.base import FeatureContract
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SDPA_ENV = "SPECBUS_SDPA_BACKENDS"
+_SDPA_NAMES = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+               "cudnn": "CUDNN_ATTENTION", "math": "MATH"}  # fmt: skip
+
+
+def sdpa_backends(spec: str | None = None):
+    """The prefill's SDPA context from `spec` (default: `$SPECBUS_SDPA_BACKENDS`): a null
+    context when unset, else `sdpa_kernel` over the named backends in that priority order.
+    `ConfigError` names the valid ones."""
+    spec = os.environ.get(SDPA_ENV, "") if spec is None else spec
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        return contextlib.nullcontext()
+    bad = [n for n in names if n not in _SDPA_NAMES]
+    if bad:
+        raise ConfigError(f"{SDPA_ENV}: unknown SDPA backend(s) {bad}; valid: {list(_SDPA_NAMES)}")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, _SDPA_NAMES[n]) for n in names], set_priority=True)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -160,7 +186,7 @@ class HFEngine:
         for i, ids in enumerate(chunk):
             ids_BL[i, : lengths[i]] = ids
             attn_BL[i, : lengths[i]] = 1
-        with AuxCapture(self.model, contract.aux_layers) as aux:
+        with AuxCapture(self.model, contract.aux_layers) as aux, sdpa_backends():
             base = getattr(self.model, "model", self.model)
             outputs = base(
                 input_ids=ids_BL.to(self.device),
