@@ -6,8 +6,6 @@ disaggregated paths give bitwise-identical per-step losses on CPU.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info
@@ -104,11 +102,7 @@ def test_colocated_rank_killed_then_resumed_exactly_once(
     try:
         cluster.start("feeder", "feed")
         cluster.trainers(2)
-        ckpt = cfg.resolved_run_dir / "checkpoints" / "latest"
-        deadline = time.monotonic() + 120
-        while not ckpt.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
+        cluster.wait_past_checkpoint()  # mid-run, steps past the checkpoint
         cluster.kill("trainer-0")
         cluster.kill("trainer-1")
         cluster.trainers(2, "--resume")

@@ -11,10 +11,15 @@ import asyncio
 import time
 
 import pytest
+from nats.js.errors import NotFoundError
 from specbus.bus.connection import connect
 from specbus.bus.dead import list_dead
+from specbus.bus.replay import replay
+from specbus.bus.subjects import Names
 from specbus.bus.topology import open_kv
 from specbus.core.config import BusConfig
+from specbus.core.contracts import SampleRef
+from specbus.core.errors import BusNotFound
 from specbus.core.store import open_store
 
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
@@ -58,6 +63,36 @@ def assert_lineage(cluster: Cluster, n: int, *, dead: int = 0) -> list[str]:
     untrained = n - len(lineage) - dead
     assert 0 <= untrained < WINDOW, f"{untrained} samples neither trained nor dead-lettered"
     return lineage
+
+
+def wait_for_samples(cluster: Cluster, *, producers: set[str], trained: bool = False,
+                     timeout: float = 180.0) -> None:  # fmt: skip
+    """Until each of `producers` (ids) published a sample and, with `trained`, the trainers
+    acked one, the trainers still running: the run is under way, not over."""
+
+    async def state():
+        async with await connect(BusConfig(), cluster.url) as bus:
+            names = Names(cluster.cfg.run)
+            try:
+                refs = [
+                    SampleRef.from_bytes(m.data) async for m in replay(bus, names.samples_stream)
+                ]
+                info = await bus.js.consumer_info(names.samples_stream, "trainers")
+            except (BusNotFound, NotFoundError):  # the feeder has not declared the run yet
+                return set(), 0
+            return {r.provenance.producer_id for r in refs}, info.ack_floor.stream_seq
+
+    deadline = time.monotonic() + timeout
+    while True:
+        seen, floor = asyncio.run(state())
+        trainers = [p for name, p in cluster.procs.items() if name.startswith("trainer-")]
+        if producers <= seen and (floor > 0 or not trained):
+            assert all(p.poll() is None for p in trainers), "the run was over before the fault"
+            return
+        failed = {k: c for k, p in cluster.procs.items() if (c := p.poll()) not in (None, 0)}
+        assert not failed, f"failed before the fault: {failed}"
+        assert time.monotonic() < deadline, f"{seen} of {producers} captured, ack floor {floor}"
+        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -132,7 +167,8 @@ def test_producer_killed_mid_capture_loses_nothing(make_cluster):
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.start("producer-1", "produce", "--id", "p1")
     cluster.trainers(WORLD)
-    time.sleep(6.0)  # both producers are capturing by now
+    wait_for_samples(cluster, producers={"p0", "p1"})  # both producers are capturing
+    assert cluster.procs["producer-0"].poll() is None
     cluster.kill("producer-0")
     codes = cluster.wait("feeder", "producer-1", "trainer-0", "trainer-1")
     cluster.assert_ok(codes)
@@ -145,14 +181,9 @@ def test_trainer_rank_killed_then_world_resumes_exactly_once(make_cluster):
     cluster.start("feeder", "feed")
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.trainers(WORLD)
-    ckpt = cluster.cfg.resolved_run_dir / "checkpoints"
-    deadline = time.monotonic() + 120
-    while not (ckpt / "latest").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    cluster.kill(
-        "trainer-1"
-    )  # mid-step; the surviving rank is stuck in a collective: the world restarts
+    cluster.wait_past_checkpoint()
+    # mid-run, past the checkpoint; the surviving rank is stuck in a collective: the world restarts
+    cluster.kill("trainer-1")
     cluster.kill("trainer-0")
     before = cluster.checkpoint_state()["step"]
     cluster.trainers(WORLD, "--resume")
@@ -168,9 +199,9 @@ def test_broker_killed_mid_run_and_restarted(make_cluster, private_nats_server):
     cluster.start("feeder", "feed")
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.trainers(WORLD)
-    time.sleep(7.0)
+    wait_for_samples(cluster, producers={"p0"}, trained=True)  # mid-run: training under way
     private_nats_server.kill()
-    time.sleep(1.0)
+    time.sleep(1.0)  # the fault itself: the broker stays down a second
     private_nats_server.start()
     cluster.assert_ok(cluster.wait("feeder", "producer-0", "trainer-0", "trainer-1"))
     assert_lineage(cluster, n)
@@ -249,10 +280,6 @@ def test_recapture_heals_deleted_features(make_cluster, nats_server):
 
 
 async def _sample_refs(url: str, run: str):
-    from specbus.bus.replay import replay
-    from specbus.bus.subjects import Names
-    from specbus.core.contracts import SampleRef
-
     async with await connect(BusConfig(), url) as bus:
         return [SampleRef.from_bytes(m.data) async for m in replay(bus, Names(run).samples_stream)]
 
