@@ -41,6 +41,7 @@ def run_two_colocated_ranks(tmp_path, target, server, run_id, n: int, *overrides
     return cfg, cluster
 
 
+@pytest.mark.slow
 def test_equivalence_gate_colocated_equals_disaggregated(tmp_path, tiny_target, nats_server):
     """The same 12 tasks through colocated, disaggregated (shm://), W3' (features over HTTP)
     and W1 (a recording captured into file://, trained for two epochs: its first epoch) train
@@ -82,6 +83,7 @@ def test_equivalence_gate_colocated_equals_disaggregated(tmp_path, tiny_target, 
     assert [f"{x}/e0" for x in lineage] == w1.checkpoint_state()["lineage"][: 6 * 2]
 
 
+@pytest.mark.slow
 def test_colocated_residency_never_exceeds_one_window(tmp_path, tiny_target, nats_server, run_id):
     cfg, cluster = run_two_colocated_ranks(tmp_path, tiny_target, nats_server, run_id, 16)
     history = cluster.checkpoint_state()["history"]
@@ -91,6 +93,7 @@ def test_colocated_residency_never_exceeds_one_window(tmp_path, tiny_target, nat
     assert len(cluster.checkpoint_state()["lineage"]) == 16
 
 
+@pytest.mark.slow
 def test_colocated_rank_killed_then_resumed_exactly_once(
     tmp_path, tiny_target, nats_server, run_id
 ):

@@ -141,6 +141,7 @@ def test_two_producers_two_trainers_on_shm(make_cluster):
         store.close()
 
 
+@pytest.mark.slow
 @pytest.mark.mooncake
 def test_two_producers_two_trainers_on_mooncake(make_cluster, mooncake_services, store_id):
     n = 16
@@ -175,6 +176,7 @@ def test_producer_killed_mid_capture_loses_nothing(make_cluster):
     assert_lineage(cluster, n)
 
 
+@pytest.mark.slow
 def test_trainer_rank_killed_then_world_resumes_exactly_once(make_cluster):
     n = 200
     cluster = make_cluster(n, overrides=["training.checkpoint_every=5"])
@@ -193,6 +195,7 @@ def test_trainer_rank_killed_then_world_resumes_exactly_once(make_cluster):
     assert_lineage(cluster, n)
 
 
+@pytest.mark.slow
 def test_broker_killed_mid_run_and_restarted(make_cluster, private_nats_server):
     n = 160
     cluster = make_cluster(n, url=private_nats_server.url)
@@ -207,6 +210,7 @@ def test_broker_killed_mid_run_and_restarted(make_cluster, private_nats_server):
     assert_lineage(cluster, n)
 
 
+@pytest.mark.slow
 def test_poisoned_task_goes_to_dead_and_the_run_finishes(make_cluster, nats_server):
     # One record longer than the target's context (256): its capture always fails.
     n = 13
@@ -221,6 +225,7 @@ def test_poisoned_task_goes_to_dead_and_the_run_finishes(make_cluster, nats_serv
     assert "t5-e0" not in lineage
 
 
+@pytest.mark.slow
 def test_trainers_wait_on_an_idle_stream_then_stop_at_end_of_data(make_cluster):
     n = 8
     cluster = make_cluster(n)
@@ -235,6 +240,7 @@ def test_trainers_wait_on_an_idle_stream_then_stop_at_end_of_data(make_cluster):
     assert len(assert_lineage(cluster, n)) == 8
 
 
+@pytest.mark.slow
 def test_backpressure_keeps_store_under_budget(make_cluster):
     n = 40
     # Each sample is ~30 KB here; a 200 KB budget holds a handful at a time.
@@ -284,6 +290,7 @@ async def _sample_refs(url: str, run: str):
         return [SampleRef.from_bytes(m.data) async for m in replay(bus, Names(run).samples_stream)]
 
 
+@pytest.mark.slow
 def test_resume_with_a_mismatched_config_is_refused(make_cluster, tmp_path):
     n = 8
     cluster = make_cluster(n)
@@ -300,6 +307,7 @@ def test_resume_with_a_mismatched_config_is_refused(make_cluster, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_trainer_replicas_join_from_the_latest_checkpoint(make_cluster):
     """Elastic scale-out: one trainer rank trains a few steps, then the run goes on with two
     ranks (the new replica joins the "trainers" group) from the latest checkpoint."""

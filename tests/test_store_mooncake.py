@@ -168,6 +168,7 @@ def test_store_node_killed_raises_feature_missing_fast_then_recovers(private_moo
     store.close()
 
 
+@pytest.mark.slow
 def test_master_restart_gives_clear_errors_then_recovers(private_mooncake, store_id):
     store = open_store(mooncake_store_config(private_mooncake, store_id))
     specs = store.put("x", {"h": torch.randn(1 << 20)})
