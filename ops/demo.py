@@ -119,7 +119,8 @@ def _remove_abandoned_shm(cfg: RunConfig) -> None:
         sweep_abandoned()
 
 
-def prepare_target(model: str, cache_dir, log: Path, *, stream=None, every_s: float = 15.0) -> Path:
+def prepare_target(model: str, cache_dir: str | Path | None, log: Path, *, stream=None,
+                   every_s: float = 15.0) -> Path:  # fmt: skip
     """The target's directory (the embedded GGUF converted once and cached), with a progress
     bar and ETA over the conversion's steps (core/models/gguf_convert.py); what the conversion
     prints (warnings, any third-party output) goes to `log`, never between our lines."""
