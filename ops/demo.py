@@ -119,9 +119,11 @@ def _remove_abandoned_shm(cfg: RunConfig) -> None:
         sweep_abandoned()
 
 
-def _prepare_target(cfg: RunConfig, log: Path) -> Path:
-    """The target's directory (the embedded GGUF converted once and cached), with progress;
-    what the conversion prints (its own progress bars, warnings) goes to `log`."""
+def prepare_target(model: str, cache_dir: str | Path | None, log: Path, *, stream=None,
+                   every_s: float = 15.0) -> Path:  # fmt: skip
+    """The target's directory (the embedded GGUF converted once and cached), with a progress
+    bar and ETA over the conversion's steps (core/models/gguf_convert.py); what the conversion
+    prints (warnings, any third-party output) goes to `log`, never between our lines."""
     from contextlib import redirect_stderr
 
     from specbus.core.models.target import resolve_target_dir
@@ -134,9 +136,13 @@ def _prepare_target(cfg: RunConfig, log: Path) -> Path:
         hf_logging.set_verbosity_error()
     except ImportError:
         pass
-    with phase(f"preparing target {cfg.target.model}", None, "s") as p:
+    with phase(f"preparing target {model}", 100, "%", stream=stream, every_s=every_s) as p:
+
+        def progress(done: float, total: float, what: str) -> None:
+            p.update(100 * done / total, info=what)
+
         with open(log, "a") as out, redirect_stderr(out):
-            target_dir = resolve_target_dir(cfg.target.model, cfg.target.cache_dir)
+            target_dir = resolve_target_dir(model, cache_dir, progress)
         p.info = str(target_dir)  # shown when the phase ends
     return target_dir
 
@@ -186,7 +192,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     times: dict[str, float] = {}
 
     t0 = time.monotonic()
-    _prepare_target(cfg, logs / "target.log")
+    prepare_target(cfg.target.model, cfg.target.cache_dir, logs / "target.log")
     times["target"] = time.monotonic() - t0
 
     server = None

@@ -25,7 +25,7 @@ import time
 
 import torch
 from specbus.core.config import RunConfig, build_config, dump_config
-from specbus.ops.demo import STOP_TIMEOUT_S, _remove_abandoned_shm, demo_config
+from specbus.ops.demo import STOP_TIMEOUT_S, _remove_abandoned_shm, demo_config, prepare_target
 from specbus.ops.launch import QUIET_THREADS, Launcher
 from specbus.ops.services.common import exit_code_interruptible, free_port, shielded
 from specbus.ops.services.nats import NatsServer
@@ -79,9 +79,7 @@ def _run(args: argparse.Namespace) -> int:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"specbus demo --live: run {cfg.run} in {run_dir} (logs in {logs})", flush=True)
-    from specbus.core.models.target import resolve_target_dir
-
-    target_dir = resolve_target_dir(cfg.target.model)
+    target_dir = prepare_target(cfg.target.model, None, logs / "target.log")
     print(
         f"target {cfg.target.model} ready in {time.time() - started:.1f}s ({target_dir})",
         flush=True,

@@ -2,7 +2,8 @@
 # Install specbus (and what it needs) on a fresh Debian/Ubuntu machine, then run one thing:
 #   bash ops/quickstart.sh demo   the main job: embedded broker + store, feeder, producer,
 #                                 two trainer ranks on SmolLM2-135M + GSM8K, on the CPU
-#   bash ops/quickstart.sh test   the test suite (what CI runs)
+#   bash ops/quickstart.sh test   the test suite (what CI runs): the fast tier (-m "not slow"),
+#                                 then the slow one (-m slow); `test ARGS` runs pytest ARGS only
 #   bash ops/quickstart.sh up     only the embedded broker, in the foreground
 # Extra arguments are passed to the command (e.g. `demo --minutes 2`).
 # One line per step; what the installers print goes to runs/quickstart.log, shown only when a
@@ -57,11 +58,26 @@ echo "quickstart: installed ($("$PY" -m specbus.ops.cli --version 2>/dev/null ||
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 case "$what" in
   test)
+    # pytest exits 5 when it collected no test: that is a failure here, in either tier.
     set +e
-    "$PY" -m pytest -q "$@"
-    rc=$?
-    # pytest exits 5 when it collected no test: that is a failure here.
-    [ $rc -eq 5 ] && echo "no test ran" >&2
+    if [ $# -gt 0 ]; then  # what was asked for, untiered
+      "$PY" -m pytest -q "$@"
+      rc=$?
+      [ $rc -eq 5 ] && echo "no test ran" >&2
+      exit $rc
+    fi
+    # Two tiers: the fast one (under 10 minutes on 2 cores) first, then the slow one
+    # (pytest.mark.slow). Both run; the first failing tier's exit code is ours.
+    rc=0
+    for tier in "not slow" "slow"; do
+      echo "quickstart: test tier -m \"$tier\""
+      t0=$SECONDS
+      "$PY" -m pytest -q -m "$tier"
+      r=$?
+      [ $r -eq 5 ] && echo "no test ran in tier -m \"$tier\"" >&2
+      echo "quickstart: test tier -m \"$tier\": exit $r ($((SECONDS - t0))s)"
+      [ $rc -eq 0 ] && rc=$r
+    done
     exit $rc ;;
   *) exec "$PY" -c "import sys; from specbus.ops.cli import main; sys.exit(main())" "$what" "$@" ;;
 esac

@@ -197,10 +197,12 @@ def test_fetch_never_exceeds_max_ack_pending(nats_server, run_id, bus_cfg):
         # Another member shares the consumer's credit: the broker delivers nothing beyond it.
         assert await other.fetch(100, timeout_s=0.5) == []
         info = await bus.js.consumer_info(topo.names.samples_stream, "trainers")
-        assert info.num_ack_pending == 5
+        assert info.num_ack_pending == 5 and info.num_waiting == 0
         # Acks free credit, and the other member's waiting fetch gets exactly that much.
         waiting = asyncio.create_task(other.fetch(100, timeout_s=3.0))
-        await asyncio.sleep(0.2)
+        while not (await bus.js.consumer_info(topo.names.samples_stream, "trainers")).num_waiting:
+            assert not waiting.done(), waiting  # its pull request waits at the server, unanswered
+            await asyncio.sleep(0.01)
         await group.ack_all(leases[:2])
         freed = await waiting
         assert len(freed) == 2

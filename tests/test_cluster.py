@@ -93,6 +93,7 @@ WORLD = 2
 N, EPOCHS = 16, 2  # 32 tasks, 8 steps of 2 ranks x 2
 
 
+@pytest.mark.slow
 def test_a_disaggregated_run_rides_through_a_node_kill(tmp_path, tiny_target, nats_cluster, run_id):
     """Feeder, 2 producers, 2 trainer ranks on the 3-node cluster; kill -9 of the SAMPLES
     stream's leader once the trainers acked a window; restarted once they acked another."""

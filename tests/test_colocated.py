@@ -6,8 +6,6 @@ disaggregated paths give bitwise-identical per-step losses on CPU.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info
@@ -43,6 +41,7 @@ def run_two_colocated_ranks(tmp_path, target, server, run_id, n: int, *overrides
     return cfg, cluster
 
 
+@pytest.mark.slow
 def test_equivalence_gate_colocated_equals_disaggregated(tmp_path, tiny_target, nats_server):
     """The same 12 tasks through colocated, disaggregated (shm://), W3' (features over HTTP)
     and W1 (a recording captured into file://, trained for two epochs: its first epoch) train
@@ -84,6 +83,7 @@ def test_equivalence_gate_colocated_equals_disaggregated(tmp_path, tiny_target, 
     assert [f"{x}/e0" for x in lineage] == w1.checkpoint_state()["lineage"][: 6 * 2]
 
 
+@pytest.mark.slow
 def test_colocated_residency_never_exceeds_one_window(tmp_path, tiny_target, nats_server, run_id):
     cfg, cluster = run_two_colocated_ranks(tmp_path, tiny_target, nats_server, run_id, 16)
     history = cluster.checkpoint_state()["history"]
@@ -93,6 +93,7 @@ def test_colocated_residency_never_exceeds_one_window(tmp_path, tiny_target, nat
     assert len(cluster.checkpoint_state()["lineage"]) == 16
 
 
+@pytest.mark.slow
 def test_colocated_rank_killed_then_resumed_exactly_once(
     tmp_path, tiny_target, nats_server, run_id
 ):
@@ -104,11 +105,7 @@ def test_colocated_rank_killed_then_resumed_exactly_once(
     try:
         cluster.start("feeder", "feed")
         cluster.trainers(2)
-        ckpt = cfg.resolved_run_dir / "checkpoints" / "latest"
-        deadline = time.monotonic() + 120
-        while not ckpt.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
+        cluster.wait_past_checkpoint()  # mid-run, steps past the checkpoint
         cluster.kill("trainer-0")
         cluster.kill("trainer-1")
         cluster.trainers(2, "--resume")

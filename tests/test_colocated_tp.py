@@ -78,6 +78,7 @@ def poison(path: Path, at: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_tp_island_trains_every_sample_once(tmp_path, tiny_target, nats_server, run_id):
     data = write_tokenised_data(tmp_path / "data.jsonl", 16)
     cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",

@@ -103,3 +103,59 @@ def test_the_summary_says_what_ran_and_where_things_are(tmp_path):
     text = summary(cfg, args, Comparison(report(1.0), report(1.25), 3), tmp_path / "export",
                    {"total": 1}, url_was_embedded=True)  # fmt: skip
     assert f"tensorboard --logdir {tmp_path / 'tb'}" in text
+
+
+def test_conversion_steps_report_forward_and_replace_transformers_tensor_bar():
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from specbus.core.models.gguf_convert import _STEPS, _Steps, _tensor_progress
+
+    heard = []
+    steps = _Steps(lambda done, total, what: heard.append((done, total, what)))
+    steps.begin("importing transformers")
+    steps.begin("reading the weights")
+    original = gguf_utils.tqdm
+    with _tensor_progress(steps):  # what transformers iterates its GGUF tensors with
+        assert list(gguf_utils.tqdm(["a", "b", "c", "d"], desc="Converting...")) == list("abcd")
+    assert gguf_utils.tqdm is original
+    steps.begin("reading the weights")  # a step again: never backwards
+    steps.end()
+    total = sum(_STEPS.values())
+    dequant = [d for d, _, w in heard if w == "de-quantising the tensors"]
+    assert len(dequant) == 5  # the step's start, then one report per tensor
+    names = list(_STEPS)
+    start = sum(_STEPS[n] for n in names[: names.index("de-quantising the tensors")])
+    assert dequant[0] == start and dequant[-1] == start + _STEPS["de-quantising the tensors"]
+    done = [d for d, _, _ in heard]
+    assert done == sorted(done) and done[-1] == total and {t for _, t, _ in heard} == {total}
+
+
+@pytest.mark.slow
+def test_target_preparation_shows_progress_with_eta(tmp_path, capfd):
+    """The cold GGUF conversion (46-139 s on 2 cores) as `specbus demo` runs it, output not a
+    terminal: plain lines through every step with an ETA, no third-party bar anywhere."""
+    import re
+
+    from specbus.core.models.target import SMOLLM2
+    from specbus.ops.demo import prepare_target
+
+    out = io.StringIO()
+    log = tmp_path / "target.log"
+    path = prepare_target(SMOLLM2, tmp_path / "cache", log, stream=out, every_s=0)
+    assert (path / "specbus_target.json").is_file() and path.is_relative_to(tmp_path)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"preparing target {SMOLLM2}..."
+    assert re.fullmatch(rf"preparing target {SMOLLM2}: done in \d+:\d\d \| {re.escape(str(path))}",
+                        lines[-1])  # fmt: skip
+    line = re.compile(rf"preparing target {SMOLLM2}: ([\d.]+)/100 % \((\d+)%\)(, ETA \d+:\d\d)?"
+                      r", \d+:\d\d elapsed \| (.+)")  # fmt: skip
+    parsed = [line.fullmatch(text) for text in lines[1:-1]]
+    assert all(parsed), [t for t, m in zip(lines[1:-1], parsed, strict=True) if not m][:3]
+    done = [float(m.group(1)) for m in parsed]
+    assert done == sorted(done) and done[-1] == 100
+    assert all(m.group(3) for m in parsed if 0 < float(m.group(1)) < 100)  # an ETA while under way
+    steps = [m.group(4) for m in parsed]
+    assert steps.count("de-quantising the tensors") > 200  # one line per tensor (272)
+    assert set(steps) >= {"reading the tokenizer", "reading the weights", "writing safetensors"}
+    captured = capfd.readouterr()
+    for text in (captured.out, captured.err, log.read_text()):
+        assert "it/s" not in text and "de-quantizing GGUF tensors" not in text  # no tqdm bar

@@ -46,6 +46,7 @@ def test_each_strategy_trains_colocated_and_exports(tmp_path, tiny_target, nats_
     assert report.num_draft_tokens == (4 if name == "dspark" else 3)
 
 
+@pytest.mark.slow
 def test_equivalence_gate_dflash_colocated_equals_disaggregated(tmp_path, tiny_target, nats_server):
     data = write_tokenised_data(tmp_path / "data.jsonl", 8, lengths=(24, 40))
     gate = ["training.log_every=1", "training.micro_batch=2", "target.capture_batch=1",

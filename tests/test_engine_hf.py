@@ -95,7 +95,7 @@ def test_fingerprints_identify_weights(tiny_dir, tmp_path):
 def test_concurrent_first_use_yields_one_complete_directory(tmp_path, monkeypatch):
     calls = []
 
-    def slow_convert(gguf, out):
+    def slow_convert(gguf, out, progress=None):
         calls.append(out)
         (out / "config.json").write_text("{}")
         time.sleep(0.3)

@@ -20,6 +20,8 @@ from specbus.core.store import open_store
 
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
+pytestmark = pytest.mark.slow  # multi-process runs of 15-40 s each on 2 cores
+
 WINDOW = 4  # 2 ranks x micro-batch 2
 HTTP = ["store.http.token=t0ken", "store.http.sweep_every_s=0.5"]
 

@@ -353,6 +353,7 @@ def _refused(url: str) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_an_intake_over_tls_refuses_plain_http_and_serves_the_sink(
     tmp_path, chat_target, nats_server, run_id
 ):

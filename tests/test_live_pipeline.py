@@ -25,6 +25,8 @@ from specbus.producers.live.wire import capture_decision, sample_id_of
 
 from tests.fixtures.live import LiveRun, live_config, wait_until, write_chats
 
+pytestmark = pytest.mark.slow  # multi-process runs of 15-40 s each on 2 cores
+
 WINDOW = 4  # 2 ranks x micro-batch 2
 
 

@@ -11,10 +11,15 @@ import asyncio
 import time
 
 import pytest
+from nats.js.errors import NotFoundError
 from specbus.bus.connection import connect
 from specbus.bus.dead import list_dead
+from specbus.bus.replay import replay
+from specbus.bus.subjects import Names
 from specbus.bus.topology import open_kv
 from specbus.core.config import BusConfig
+from specbus.core.contracts import SampleRef
+from specbus.core.errors import BusNotFound
 from specbus.core.store import open_store
 
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
@@ -58,6 +63,36 @@ def assert_lineage(cluster: Cluster, n: int, *, dead: int = 0) -> list[str]:
     untrained = n - len(lineage) - dead
     assert 0 <= untrained < WINDOW, f"{untrained} samples neither trained nor dead-lettered"
     return lineage
+
+
+def wait_for_samples(cluster: Cluster, *, producers: set[str], trained: bool = False,
+                     timeout: float = 180.0) -> None:  # fmt: skip
+    """Until each of `producers` (ids) published a sample and, with `trained`, the trainers
+    acked one, the trainers still running: the run is under way, not over."""
+
+    async def state():
+        async with await connect(BusConfig(), cluster.url) as bus:
+            names = Names(cluster.cfg.run)
+            try:
+                refs = [
+                    SampleRef.from_bytes(m.data) async for m in replay(bus, names.samples_stream)
+                ]
+                info = await bus.js.consumer_info(names.samples_stream, "trainers")
+            except (BusNotFound, NotFoundError):  # the feeder has not declared the run yet
+                return set(), 0
+            return {r.provenance.producer_id for r in refs}, info.ack_floor.stream_seq
+
+    deadline = time.monotonic() + timeout
+    while True:
+        seen, floor = asyncio.run(state())
+        trainers = [p for name, p in cluster.procs.items() if name.startswith("trainer-")]
+        if producers <= seen and (floor > 0 or not trained):
+            assert all(p.poll() is None for p in trainers), "the run was over before the fault"
+            return
+        failed = {k: c for k, p in cluster.procs.items() if (c := p.poll()) not in (None, 0)}
+        assert not failed, f"failed before the fault: {failed}"
+        assert time.monotonic() < deadline, f"{seen} of {producers} captured, ack floor {floor}"
+        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -106,6 +141,7 @@ def test_two_producers_two_trainers_on_shm(make_cluster):
         store.close()
 
 
+@pytest.mark.slow
 @pytest.mark.mooncake
 def test_two_producers_two_trainers_on_mooncake(make_cluster, mooncake_services, store_id):
     n = 16
@@ -132,27 +168,24 @@ def test_producer_killed_mid_capture_loses_nothing(make_cluster):
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.start("producer-1", "produce", "--id", "p1")
     cluster.trainers(WORLD)
-    time.sleep(6.0)  # both producers are capturing by now
+    wait_for_samples(cluster, producers={"p0", "p1"})  # both producers are capturing
+    assert cluster.procs["producer-0"].poll() is None
     cluster.kill("producer-0")
     codes = cluster.wait("feeder", "producer-1", "trainer-0", "trainer-1")
     cluster.assert_ok(codes)
     assert_lineage(cluster, n)
 
 
+@pytest.mark.slow
 def test_trainer_rank_killed_then_world_resumes_exactly_once(make_cluster):
     n = 200
     cluster = make_cluster(n, overrides=["training.checkpoint_every=5"])
     cluster.start("feeder", "feed")
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.trainers(WORLD)
-    ckpt = cluster.cfg.resolved_run_dir / "checkpoints"
-    deadline = time.monotonic() + 120
-    while not (ckpt / "latest").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    cluster.kill(
-        "trainer-1"
-    )  # mid-step; the surviving rank is stuck in a collective: the world restarts
+    cluster.wait_past_checkpoint()
+    # mid-run, past the checkpoint; the surviving rank is stuck in a collective: the world restarts
+    cluster.kill("trainer-1")
     cluster.kill("trainer-0")
     before = cluster.checkpoint_state()["step"]
     cluster.trainers(WORLD, "--resume")
@@ -162,20 +195,22 @@ def test_trainer_rank_killed_then_world_resumes_exactly_once(make_cluster):
     assert_lineage(cluster, n)
 
 
+@pytest.mark.slow
 def test_broker_killed_mid_run_and_restarted(make_cluster, private_nats_server):
     n = 160
     cluster = make_cluster(n, url=private_nats_server.url)
     cluster.start("feeder", "feed")
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.trainers(WORLD)
-    time.sleep(7.0)
+    wait_for_samples(cluster, producers={"p0"}, trained=True)  # mid-run: training under way
     private_nats_server.kill()
-    time.sleep(1.0)
+    time.sleep(1.0)  # the fault itself: the broker stays down a second
     private_nats_server.start()
     cluster.assert_ok(cluster.wait("feeder", "producer-0", "trainer-0", "trainer-1"))
     assert_lineage(cluster, n)
 
 
+@pytest.mark.slow
 def test_poisoned_task_goes_to_dead_and_the_run_finishes(make_cluster, nats_server):
     # One record longer than the target's context (256): its capture always fails.
     n = 13
@@ -190,6 +225,7 @@ def test_poisoned_task_goes_to_dead_and_the_run_finishes(make_cluster, nats_serv
     assert "t5-e0" not in lineage
 
 
+@pytest.mark.slow
 def test_trainers_wait_on_an_idle_stream_then_stop_at_end_of_data(make_cluster):
     n = 8
     cluster = make_cluster(n)
@@ -204,6 +240,7 @@ def test_trainers_wait_on_an_idle_stream_then_stop_at_end_of_data(make_cluster):
     assert len(assert_lineage(cluster, n)) == 8
 
 
+@pytest.mark.slow
 def test_backpressure_keeps_store_under_budget(make_cluster):
     n = 40
     # Each sample is ~30 KB here; a 200 KB budget holds a handful at a time.
@@ -249,14 +286,11 @@ def test_recapture_heals_deleted_features(make_cluster, nats_server):
 
 
 async def _sample_refs(url: str, run: str):
-    from specbus.bus.replay import replay
-    from specbus.bus.subjects import Names
-    from specbus.core.contracts import SampleRef
-
     async with await connect(BusConfig(), url) as bus:
         return [SampleRef.from_bytes(m.data) async for m in replay(bus, Names(run).samples_stream)]
 
 
+@pytest.mark.slow
 def test_resume_with_a_mismatched_config_is_refused(make_cluster, tmp_path):
     n = 8
     cluster = make_cluster(n)
@@ -273,6 +307,7 @@ def test_resume_with_a_mismatched_config_is_refused(make_cluster, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_trainer_replicas_join_from_the_latest_checkpoint(make_cluster):
     """Elastic scale-out: one trainer rank trains a few steps, then the run goes on with two
     ranks (the new replica joins the "trainers" group) from the latest checkpoint."""

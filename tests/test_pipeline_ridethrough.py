@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from nats.js.errors import NotFoundError
 from specbus.bus.connection import connect
 from specbus.bus.subjects import Names
@@ -19,6 +20,8 @@ from specbus.bus.topology import open_kv
 from specbus.core.config import BusConfig
 
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
+
+pytestmark = pytest.mark.slow  # multi-process runs of 15-40 s each on 2 cores
 
 WORLD, MICRO = 2, 2
 WINDOW = WORLD * MICRO

@@ -168,6 +168,7 @@ def test_store_node_killed_raises_feature_missing_fast_then_recovers(private_moo
     store.close()
 
 
+@pytest.mark.slow
 def test_master_restart_gives_clear_errors_then_recovers(private_mooncake, store_id):
     store = open_store(mooncake_store_config(private_mooncake, store_id))
     specs = store.put("x", {"h": torch.randn(1 << 20)})
@@ -193,11 +194,13 @@ def test_killed_writer_leaks_nothing_after_gc(private_mooncake, store_id):
         s = open_store({store.uri + "&buffer_bytes=" + str(48 << 20)!r})
         s.put("done", {{"h": torch.ones(1 << 20)}})
         print("ready", flush=True)
+        s.put("busy", {{"h": torch.ones(8 << 20)}})
+        print("busy", flush=True)
         while True:  # put until killed: the kill may land mid-put
             s.put("busy", {{"h": torch.ones(8 << 20)}})
     """)
-    assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.poll() else ""
-    time.sleep(0.3)
+    for line in ("ready", "busy"):  # a put done, then the put loop under way
+        assert child.stdout.readline().strip() == line, child.stderr.read() if child.poll() else ""
     child.send_signal(signal.SIGKILL)
     child.wait(10)
     assert store.usage().resident_bytes > 0

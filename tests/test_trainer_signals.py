@@ -19,6 +19,8 @@ from specbus.core.config import BusConfig
 
 from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_data
 
+pytestmark = pytest.mark.slow  # multi-process runs of 15-40 s each on 2 cores
+
 WORLD, MICRO = 2, 2
 WINDOW = WORLD * MICRO
 

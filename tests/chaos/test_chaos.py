@@ -45,6 +45,7 @@ def _trial(work, seed: int, victim: str, store: str):
         assert fault.landed["ack_floor"] >= 1 and fault.landed["train_complete"] is None
 
 
+@pytest.mark.slow
 def test_no_fault_trial_passes_every_check(chaos_work):
     """The checks themselves: a run without faults passes all of them (no false alarm)."""
     opts = Options(work=chaos_work, tasks=64, deadline_s=180.0)
@@ -53,11 +54,13 @@ def test_no_fault_trial_passes_every_check(chaos_work):
     assert result.report["lineage"]["trained"] == 64 and result.report["orphans"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed,victim", FAST, ids=[f"{v}-{s}" for s, v in FAST])
 def test_fast_trial_on_shm(chaos_work, seed, victim):
     _trial(chaos_work, seed, victim, "shm")
 
 
+@pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.parametrize("seed,victim", FAST_MOONCAKE, ids=[f"{v}-{s}" for s, v in FAST_MOONCAKE])
 def test_fast_trial_on_mooncake(chaos_work, seed, victim):
