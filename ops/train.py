@@ -282,6 +282,8 @@ def replay_from_checkpoint(
     skips what is in), producers capture again, and releases a killed rank had queued are
     re-derived before prefetch."""
     loop.call(run.reposition(mode.group, ledger.cursor.floor + 1))
+    log.info("replaying %s from stream seq %d (what is above it and not in the checkpoint "
+             "trains again)", mode.group, ledger.cursor.floor + 1)  # fmt: skip
     loop.call(run.kv.clear_train_complete())
     if mode.sweeps_store:
         sweep_trained(cfg, ledger, timeout_s=0)

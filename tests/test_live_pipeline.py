@@ -181,6 +181,12 @@ def test_live_traffic_is_trained_exactly_once_through_a_trainer_kill(make_live):
     assert set(published) == expected_captures(usage, rate, live.min_num_tokens, 128)
     assert all(r.task_id.startswith("live:") for r in refs)
 
+    # the lag means something only once the resumed rank 0 has rewound the consumer to its
+    # checkpoint (before, it is the killed run's: refs it acked after that checkpoint count
+    # as consumed, and a stop then would leave them for the next resume)
+    wait_until(lambda: "replaying trainers from stream seq" in run.log("trainer-0"), 180,
+               "the resumed trainers to rewind to the checkpoint", run.procs["trainer-0"],
+               run.log_path("trainer-0"))  # fmt: skip
     wait_until(lambda: (trainers_lag(run.url, run.cfg.run) or WINDOW) < WINDOW, 240,
                "the trainers to train every full window", run.procs["trainer-0"],
                run.log_path("trainer-0"))  # fmt: skip
