@@ -152,12 +152,13 @@ class TargetConfig(Section):
     context_length: int | None = None  # None: the model config's max_position_embeddings
     capture_batch: int = Field(4, ge=1)
     tp_size: int = Field(1, ge=1)
-    max_total_tokens: int | None = Field(
-        None, ge=1
-    )  # engine's token capacity per forward, if bounded
-    cache_dir: Path | None = (
-        None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache/specbus
-    )
+    max_total_tokens: int | None = Field(None, ge=1)  # engine's tokens per forward, if bounded
+    cache_dir: Path | None = None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache
+    # engine sglang_server (docs/sglang.md, "Driven capture"): the running server's base URL,
+    # how long an unreachable server is retried, how long the intake may take to hear of a capture
+    server_url: str | None = None
+    server_give_up_s: float = Field(60.0, gt=0)
+    capture_wait_s: float = Field(30.0, gt=0)
 
     @field_validator("engine")
     @classmethod

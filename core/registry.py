@@ -85,7 +85,7 @@ ENGINES = Registry(
     [
         ("hf", "specbus.producers.engines.hf:HFEngine"),
         ("sglang", "specbus.producers.engines.sglang:SGLangEngine"),
-        ("sglang_server", "specbus.producers.engines.sglang:SGLangServerEngine"),
+        ("sglang_server", "specbus.producers.engines.sglang_server:SGLangServerEngine"),
     ],
 )
 # strategy.name -> `(StrategyConfig, TargetInfo, *, heads, aux_layers) -> Strategy`

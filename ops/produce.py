@@ -17,6 +17,7 @@ from specbus.core.store import open_store
 from specbus.core.strategies.base import build_strategy
 from specbus.core.telemetry import setup_tracing
 from specbus.producers.capture import CaptureStats, CaptureWorker
+from specbus.producers.driven import DrivenWorker
 from specbus.producers.engines.registry import build_engine
 from specbus.producers.feature_server import is_served, serve_store
 from specbus.producers.feeder import feed, manifest_of, prepare
@@ -46,6 +47,18 @@ async def run_feeder(cfg: RunConfig, *, bus_url: str | None, on_progress=None) -
         )
 
 
+def _intake_of(cfg: RunConfig, driven: bool) -> dict:
+    """The intake a `sglang_server` producer asks for its captures' answers: `live.url` and
+    `live.token` / $SPECBUS_INTAKE_TOKEN, else `<run_dir>/live/intake.json`."""
+    if not driven:
+        return {}
+    from specbus.ops.live import read_endpoint
+
+    known = read_endpoint(cfg) or {}
+    token = cfg.live.token or os.environ.get("SPECBUS_INTAKE_TOKEN") or known.get("token")
+    return {"intake_url": cfg.live.url or known.get("url"), "token": token}
+
+
 async def run_producer(
     cfg: RunConfig,
     *,
@@ -66,7 +79,8 @@ async def run_producer(
     info = load_target_info(path, name=cfg.target.model)
     strategy = build_strategy(cfg.strategy, info, aux_layers=cfg.target.aux_layers)
     contract = strategy.feature_contract(info)
-    engine = await asyncio.to_thread(build_engine, cfg.target)
+    driven = cfg.target.engine == "sglang_server"  # the server's layer captures (docs/sglang.md)
+    engine = await asyncio.to_thread(build_engine, cfg.target, **_intake_of(cfg, driven))
     served = is_served(cfg.store)  # http://: this producer serves its features (W3')
     store = serve_store(cfg.store) if served else open_store(cfg.store)
     sweeper = None
@@ -78,7 +92,7 @@ async def run_producer(
                 sweeper = asyncio.create_task(
                     store.release_acked(run, cfg.store.http.sweep_every_s)
                 )
-            worker = CaptureWorker(
+            worker = (DrivenWorker if driven else CaptureWorker)(
                 run, group, engine, store, contract,
                 capture_batch=cfg.target.capture_batch,
                 producer_id=producer_id,

@@ -141,10 +141,12 @@ def test_the_engines_refuse_without_sglang_naming_the_install(chat_target):
     from specbus.core.errors import ConfigError
     from specbus.producers.engines.registry import build_engine
 
-    for name in ("sglang", "sglang_server"):
-        with pytest.raises(ConfigError, match=rf"target.engine={name} needs SGLang 0\.5\.23: "
-                           r"pip install sglang==0\.5\.23"):  # fmt: skip
-            build_engine(TargetConfig(engine=name, model=str(chat_target)))
+    with pytest.raises(ConfigError, match=r"target.engine=sglang needs SGLang 0\.5\.23: "
+                       r"pip install sglang==0\.5\.23"):  # fmt: skip
+        build_engine(TargetConfig(engine="sglang", model=str(chat_target)))
+    # sglang_server drives a server over HTTP (no SGLang here): it needs the server's URL
+    with pytest.raises(ConfigError, match=r"sglang_server needs target.server_url"):
+        build_engine(TargetConfig(engine="sglang_server", model=str(chat_target)))
 
 
 def test_serve_prints_a_command_real_sglang_accepts(sglang_env, chat_target, tmp_path):

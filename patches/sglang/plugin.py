@@ -9,7 +9,8 @@ when capture is off), and refuses (logs, registers nothing) on another SGLang ve
 The hooks (`TARGETS`; SGLang's `HookRegistry` applies them):
 - `Req.__init__` (after): a request whose id `capture_decision` samples, at the launch-time
   rate `SPECBUS_CAPTURE_SAMPLE_RATE` (the same on every TP rank, no handshake needed, so every
-  rank builds the same forward batches), asks for full hidden-state capture
+  rank builds the same forward batches; a driven id `specbus-task:<seq>:<sample id>` of a
+  `sglang_server` producer always, even at rate 0), asks for full hidden-state capture
   (`return_hidden_states_mode = FULL`) without `return_hidden_states`, so nothing reaches
   the response; the writer rank also gives it a `Rows` book (`rows.py`);
 - `Scheduler.__init__` (before): `check_server_args` refuses a server whose capture would be
@@ -62,7 +63,8 @@ class CaptureLayerError(ValueError):
 class _State:
     """The layer's state in one scheduler process (one scheduler per process)."""
 
-    rate: float = 0.0  # 0: the layer is off in this process
+    on: bool = False  # registered: capture configured in this process
+    rate: float = 0.0  # of user requests; driven ids (`wire.driven_rid`) are always captured
     writer: bool = False  # this rank submits captures (the others only mark requests)
     sink = None
     layer_ids: tuple[int, ...] | None = None  # the server's --return-aux-hidden-state-layer-ids
@@ -92,6 +94,7 @@ def register() -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         STATE.rate = float(os.environ.get(ENV_RATE, "1.0"))
+        STATE.on = True
         for target, kind, name in TARGETS:
             HookRegistry.register(target, globals()[name], HookType[kind])
     except Exception as e:  # noqa: BLE001 - a plugin must not stop the server
@@ -179,13 +182,13 @@ def _intake_token() -> str | None:
 
 def before_scheduler(self, server_args, *args, **kwargs):
     """`Scheduler.__init__` (before): refuse impossible captures at startup."""
-    if STATE.rate > 0:
+    if STATE.on:
         check_server_args(server_args)
 
 
 def after_scheduler(result, self, server_args, *args, **kwargs):
     """`Scheduler.__init__` (after): the writer rank starts its sink."""
-    if STATE.rate > 0:
+    if STATE.on:
         start_sink(server_args)
 
 
@@ -201,7 +204,7 @@ def on_request(result, req, rid=None, *args, **kwargs):
 def mark(req) -> bool:
     """Ask for full capture of `req` when its id is sampled; True when marked."""
     rid = getattr(req, "rid", None)
-    if STATE.rate <= 0 or not isinstance(rid, str) or not capture_decision(rid, STATE.rate):
+    if not STATE.on or not isinstance(rid, str) or not capture_decision(rid, STATE.rate):
         return False
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 

@@ -1,7 +1,8 @@
-"""The `sglang` and `sglang_server` target engines (SGLang 0.5.23, `patches/sglang/`).
+"""The `sglang` target engine (SGLang 0.5.23, `patches/sglang/`); `sglang_server` is in
+`sglang_server.py` (driven capture through a running server's capture layer).
 
-Both refuse at construction, with the install command, when SGLang is absent or another
-version. What each does with SGLang present:
+It refuses at construction, with the install command, when SGLang is absent or another
+version. What it does with SGLang present:
 
 - `sglang` (in-process, driven/colocated capture): an `sglang.Engine` started with upstream's
   capture-only aux mode (`enable_return_aux_hidden_states`, the contract's layer ids, the
@@ -11,9 +12,6 @@ version. What each does with SGLang present:
   post-norm state out of responses, so a contract with a final feature (EAGLE3's target) is
   refused with `CaptureError`: capture those with the capture layer (live mode).
   NOT RUN on these machines (no CUDA SGLang installs here): compiled and refusal-tested only.
-- `sglang_server`: the capture of a running SGLang server goes through the capture layer's
-  sink into the store and the intake (live mode, docs/sglang.md); there is no driven
-  `capture()` over HTTP. Constructing it explains that and names the commands.
 """
 
 from __future__ import annotations
@@ -106,18 +104,3 @@ class SGLangEngine:
         if self._engine is not None:
             self._engine.shutdown()
         self._engine, self._layers = None, None
-
-
-class SGLangServerEngine:
-    """A running SGLang server as the target: features through the capture layer (module doc)."""
-
-    name = "sglang_server"
-
-    def __init__(self, cfg: TargetConfig, **_):
-        require_sglang(self.name)
-        raise ConfigError(
-            "target.engine=sglang_server: a running SGLang server delivers features through the "
-            "specbus capture layer into a live run, not through a driven capture: `specbus "
-            "sglang apply`, `specbus intake -c run.yaml`, `specbus serve --engine sglang -c "
-            "run.yaml`, then `specbus traffic` with your prompts (docs/sglang.md)"
-        )

@@ -20,6 +20,9 @@ HTTP (FastAPI on uvicorn; the composition is `ops/live.py`, `specbus intake`):
      `broker_unavailable` past it: the sink gives up later than that, `record_timeout_s`);
   6. 200 `accepted` with the stream sequence.
   Every answer is a `wire.RecordAnswer` (`status`, `reason`, `detail`) and is counted.
+- driven capture (`producers/live/driven.py`): `GET /v1/spec-capture/tasks/<seq>` (a task for
+  the sink), `GET /v1/spec-capture/outcomes/<request id>?wait_s=` (the answer, for the producer);
+  a driven record's ref carries its task's id, TASKS sequence and epoch.
 - `GET /metrics`: Prometheus text: records by HTTP status and reason, the shed inputs (lag,
   residency), records/s; `GET /healthz`: liveness, no auth (readiness for scripts and tests).
 
@@ -53,6 +56,7 @@ from specbus.core.errors import (
     StoreUnavailable,
 )
 from specbus.core.store.base import parse_key
+from specbus.producers.live.driven import DrivenBook, add_routes, check_driven
 from specbus.producers.live.wire import (
     CAPTURE_SCHEMA_VERSION,
     CONFIG_PATH,
@@ -60,6 +64,7 @@ from specbus.producers.live.wire import (
     CaptureConfig,
     CaptureRecord,
     RecordAnswer,
+    driven_of,
     sample_id_of,
 )
 
@@ -133,6 +138,7 @@ class Intake:
         self.shed = ShedInputs(budget_bytes=cfg.store.budget_bytes)
         self._inflight = self._inflight_bytes = 0
         self._accepted_total = self._accepted_bytes_total = 0
+        self.driven = DrivenBook(run)  # driven captures (`producers/live/driven.py`)
         self._decls = {d.name: d for d in capture.features}
         self._poller: asyncio.Task | None = None
 
@@ -230,12 +236,14 @@ class Intake:
                 "sample_id",
                 f"{rec.sample_id!r} is not the request id's ({sample_id_of(rec.request_id)})",
             )
-        if rec.num_generated < cap.min_num_tokens:
+        if driven_of(rec.request_id) is not None:  # a task's prefill: `driven.check_driven`
+            pass
+        elif rec.num_generated < cap.min_num_tokens:
             raise _bad(
                 "too_short",
                 f"{rec.num_generated} generated rows < min_num_tokens {cap.min_num_tokens}",
             )
-        if rec.num_tokens > cap.max_num_tokens:
+        elif rec.num_tokens > cap.max_num_tokens:
             raise _bad("too_long", f"{rec.num_tokens} rows > max_num_tokens {cap.max_num_tokens}")
         if set(rec.features) != set(self._decls):
             raise _bad(
@@ -292,6 +300,15 @@ class Intake:
         if not self.authorized(authorization):
             raise Rejection(401, "rejected", "unauthenticated", "a bearer token is required")
         rec = self.parse(body)
+        try:
+            answer = await self._checked(rec)
+        except Rejection as r:
+            self.driven.note(rec.request_id, r.code, r.answer())
+            raise
+        self.driven.note(rec.request_id, 200, answer)
+        return answer
+
+    async def _checked(self, rec: CaptureRecord) -> RecordAnswer:
         self.check(rec)
         why = self.over_watermark()
         if why is None and self._inflight >= self.cfg.live.max_inflight:
@@ -322,9 +339,13 @@ class Intake:
         except StoreError as e:
             raise _bad("features", str(e)) from None
         nbytes = sum(s.nbytes for s in rec.features.values())
+        task_id, task_seq, epoch = f"live:{rec.request_id}", 0, 0
+        if driven_of(rec.request_id) is not None:
+            task = await check_driven(self.driven, rec, _bad)
+            task_id, task_seq, epoch = task.task_id, driven_of(rec.request_id)[0], task.epoch
         ref = SampleRef(
-            sample_id=rec.sample_id, run_id=rec.run_id, task_id=f"live:{rec.request_id}",
-            task_seq=0, store_uri=rec.store_uri, features=rec.features, nbytes=nbytes,
+            sample_id=rec.sample_id, run_id=rec.run_id, task_id=task_id,
+            task_seq=task_seq, epoch=epoch, store_uri=rec.store_uri, features=rec.features, nbytes=nbytes,
             num_tokens=rec.num_tokens, strategy=self.capture.strategy,
             target_fingerprint=rec.target_fingerprint,
             tokenizer_fingerprint=rec.tokenizer_fingerprint,
@@ -425,6 +446,8 @@ def build_app(intake: Intake):
         code, answer = await intake.handle(bytes(body), request.headers.get("authorization"))
         headers = {"Retry-After": "1"} if code == 429 else None
         return JSONResponse(answer.model_dump(), status_code=code, headers=headers)
+
+    add_routes(app, intake, unauthorized)  # driven capture (`producers/live/driven.py`)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

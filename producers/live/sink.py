@@ -20,7 +20,9 @@ model's rows do not depend on later tokens), skip captures with fewer than `min_
 generated rows, build the features the handshake declares (input ids, loss mask: generated
 rows 1, prompt rows 0; aux and final rows in the handshake's dtype), `store.put`, then POST
 the record. On 429 (shed), any 4xx/5xx, a timeout or an unreachable intake, the capture is
-dropped and its keys removed. Every outcome is counted (`sink.counts`).
+dropped and its keys removed. Every outcome is counted (`sink.counts`). A driven request
+(`wire.driven_rid`, a `sglang_server` producer's task) is the task's prefill: its rows are
+checked against the task the intake names and get the task's loss mask (`driven.py`).
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from specbus.producers.live.driven import TASKS_PATH, driven_tensors
 from specbus.producers.live.wire import (
     CONFIG_PATH,
     RECORDS_PATH,
     CaptureConfig,
     CaptureRecord,
     capture_decision,
+    driven_of,
     sample_id_of,
 )
 
@@ -137,7 +141,9 @@ class CaptureSink:
                 self._count("no_handshake")
                 return False
             prompt, output = len(capture.prompt_ids), len(capture.output_ids)
-            if min(prompt + output - 1, cfg.max_num_tokens) - prompt < cfg.min_num_tokens:
+            if driven_of(capture.request_id) is not None:  # a task's prefill: all rows count
+                pass
+            elif min(prompt + output - 1, cfg.max_num_tokens) - prompt < cfg.min_num_tokens:
                 self._count("too_short")
                 return False
             capture.sample_id = capture.sample_id or sample_id_of(capture.request_id)
@@ -271,6 +277,11 @@ class CaptureSink:
         for name, chunks in (("aux", capture.aux), ("final", capture.final)):
             if chunks:
                 sources[name] = torch.cat([c.reshape(-1, c.shape[-1]) for c in chunks])[:rows]
+        return self.features(sources, rows, cfg)
+
+    @staticmethod
+    def features(sources: dict, rows: int, cfg: CaptureConfig) -> dict[str, torch.Tensor]:
+        """The handshake's features from their sources (ValueError when they do not fit)."""
         out = {}
         for decl in cfg.features:
             t = sources.get(decl.source)
@@ -286,7 +297,11 @@ class CaptureSink:
         from specbus.core.errors import StoreFull
 
         cfg = self.config
-        tensors = self.tensors(capture, cfg)
+        driven = driven_of(capture.request_id)
+        if driven is not None:  # a producer's task (`driven.py`): its tokens and loss mask
+            tensors = driven_tensors(capture, cfg, self._task(driven[0]), self.features)
+        else:
+            tensors = self.tensors(capture, cfg)
         if tensors is None:
             self._count("too_short")
             return
@@ -302,7 +317,7 @@ class CaptureSink:
         record = CaptureRecord(
             run_id=cfg.run_id, request_id=capture.request_id, sample_id=capture.sample_id,
             store_uri=cfg.store_uri, features=specs, num_tokens=rows_of(tensors, cfg),
-            num_prompt_tokens=len(capture.prompt_ids),
+            num_prompt_tokens=0 if driven else len(capture.prompt_ids),
             target_fingerprint=cfg.target_fingerprint,
             tokenizer_fingerprint=cfg.tokenizer_fingerprint,
             server_id=self.server_id, engine=self.engine,
@@ -311,6 +326,12 @@ class CaptureSink:
         self._count(outcome)
         if outcome not in ("accepted", "duplicate"):
             self._drop(specs)
+
+    def _task(self, seq: int) -> dict:
+        resp = self._http().get(f"{self.intake_url}{TASKS_PATH}/{seq}", timeout=10.0)
+        if resp.status_code != 200:
+            raise RuntimeError(f"task seq {seq}: HTTP {resp.status_code} {resp.text[:200]}")
+        return resp.json()
 
     def _post(self, body: bytes, timeout_s: float) -> str:
         try:

@@ -14,6 +14,10 @@ Records are strict (unknown fields and another `schema_version` are rejected: a 
 is refused, never half-read). Decisions are pure functions of the request id, so every
 tensor-parallel rank of a server (and a retry of the same request) agrees:
 `capture_decision(request_id, rate)` and `sample_id_of(request_id)`.
+
+A *driven* request id (`driven_rid`: `specbus-task:<TASKS seq>:<task sample id>`, sent by a
+producer on `target.engine: sglang_server`) is always captured, and its sample id is the
+task's own (`<task_id>-e<epoch>`), so a retried request publishes under the same dedup id.
 """
 
 from __future__ import annotations
@@ -134,9 +138,28 @@ def _digest(request_id: str) -> bytes:
     return hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).digest()
 
 
+DRIVEN_PREFIX = "specbus-task:"
+
+
+def driven_rid(task_seq: int, sample_id: str) -> str:
+    """The request id a driving producer gives a task's prefill (module doc)."""
+    return f"{DRIVEN_PREFIX}{int(task_seq)}:{sample_id}"
+
+
+def driven_of(request_id: str) -> tuple[int, str] | None:
+    """(TASKS seq, sample id) of a driven request id, None for any other id."""
+    if not request_id.startswith(DRIVEN_PREFIX):
+        return None
+    seq, _, sample_id = request_id[len(DRIVEN_PREFIX) :].partition(":")
+    if not seq.isdigit() or not _ID.match(sample_id):
+        return None
+    return int(seq), sample_id
+
+
 def capture_decision(request_id: str, rate: float) -> bool:
-    """Whether a request is captured: a pure function of its id (every TP rank agrees)."""
-    if rate >= 1.0:
+    """Whether a request is captured: a pure function of its id (every TP rank agrees); a
+    driven id always is."""
+    if rate >= 1.0 or driven_of(request_id) is not None:
         return True
     if rate <= 0.0:
         return False
@@ -144,5 +167,9 @@ def capture_decision(request_id: str, rate: float) -> bool:
 
 
 def sample_id_of(request_id: str) -> str:
-    """The sample id of a request's capture (`live-` + 32 hex digits of its hash)."""
+    """The sample id of a request's capture (`live-` + 32 hex digits of its hash; a driven
+    id's task sample id)."""
+    driven = driven_of(request_id)
+    if driven is not None:
+        return driven[1]
     return "live-" + _digest(request_id)[8:24].hex()

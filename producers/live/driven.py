@@ -1,0 +1,146 @@
+"""Driven capture through a serving server: the intake's and the sink's side of it.
+
+A producer on `target.engine: sglang_server` (`producers/engines/sglang_server.py`) takes a
+task from TASKS and sends its exact token ids to a running, layer-applied SGLang server as a
+prefill (`max_new_tokens: 1`) under the request id `wire.driven_rid(task seq, sample id)`.
+The layer always captures such an id; the capture sink then:
+1. GETs the task from the intake (`GET /v1/spec-capture/tasks/<seq>`: its sample id, token ids
+   and loss mask, read from the run's TASKS stream), and refuses a capture whose token ids are
+   not the task's (`driven_tensors`): a request id alone cannot inject features;
+2. puts the features (every row the task's, the task's loss mask) and POSTs the record as for
+   any capture. The intake publishes the SampleRef under the task's sample id (dedup id = run +
+   sample id + generation 0), with the task's id, TASKS sequence and epoch, and remembers its
+   answer per request id (`DrivenBook`, the last `keep` ones);
+3. the producer asks for that answer (`GET /v1/spec-capture/outcomes/<request id>?wait_s=
+   &after=<n>`, `n`: the latest answer number before its request, so an earlier attempt's
+   answer is never taken for this one's) and acks its task only once it is `accepted` or
+   `duplicate`. The answers live in the intake's memory: an intake restarted meanwhile makes
+   the producer time out and nak; the retry is deduplicated by the broker.
+A retried request (a server killed mid-request, a producer killed before its ack) has the same
+request id, so the same sample id and dedup id: the broker keeps one ref.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from specbus.core.contracts import PromptTask
+from specbus.producers.live.wire import CaptureConfig, RecordAnswer, driven_of
+
+TASKS_PATH = "/v1/spec-capture/tasks"
+OUTCOMES_PATH = "/v1/spec-capture/outcomes"
+
+
+def task_sample_id(task: PromptTask) -> str:
+    """The sample id of a task in its epoch (the same as `producers.capture.sample_id_of`)."""
+    return f"{task.task_id}-e{task.epoch}"
+
+
+def driven_tensors(capture, cfg: CaptureConfig, task: dict, build) -> dict:
+    """The features of a driven capture: rows = the task's tokens (the prefill), the task's loss
+    mask; `build(sources, rows, cfg)` makes them as the handshake declares. Raises ValueError when
+    the request is not the task's."""
+    import torch
+
+    ids = list(capture.prompt_ids)
+    if task["sample_id"] != capture.sample_id or list(task["input_ids"]) != ids:
+        raise ValueError(f"driven request {capture.request_id}: its tokens are not the task's")
+    rows = len(ids)
+    mask = task.get("loss_mask") or [1] * rows
+    sources: dict[str, Any] = {"input_ids": torch.tensor(ids, dtype=torch.long),
+                               "loss_mask": torch.tensor(mask, dtype=torch.long)}  # fmt: skip
+    for name, chunks in (("aux", capture.aux), ("final", capture.final)):
+        if chunks:
+            sources[name] = torch.cat([c.reshape(-1, c.shape[-1]) for c in chunks])[:rows]
+    return build(sources, rows, cfg)
+
+
+class DrivenBook:
+    """The intake's view of driven captures: tasks by TASKS sequence (cached) and the answers
+    to driven records by request id (the last `keep`)."""
+
+    def __init__(self, run, keep: int = 1 << 16):
+        self.run, self.keep = run, keep
+        self._tasks: OrderedDict[int, PromptTask] = OrderedDict()
+        self.answers: OrderedDict[str, tuple[int, RecordAnswer, int]] = OrderedDict()
+        self._n = 0  # answers noted so far: an answer's number orders it against a retry
+
+    async def task(self, seq: int) -> PromptTask | None:
+        """The task at TASKS `seq` (None once it is gone)."""
+        task = self._tasks.get(seq)
+        if task is None:
+            stored = await self.run.task(seq)
+            if stored is None:
+                return None
+            task = PromptTask.from_bytes(stored.data)
+            self._tasks[seq] = task
+            while len(self._tasks) > 1024:
+                self._tasks.popitem(last=False)
+        return task
+
+    def note(self, request_id: str, code: int, answer: RecordAnswer) -> None:
+        """Remember the answer to a driven record (others are ignored)."""
+        if driven_of(request_id) is None:
+            return
+        self._n += 1
+        self.answers[request_id] = (code, answer, self._n)
+        self.answers.move_to_end(request_id)
+        while len(self.answers) > self.keep:
+            self.answers.popitem(last=False)
+
+    async def wait(self, request_id: str, wait_s: float, after: int = 0):
+        """(code, answer, number) of the latest answer to `request_id`'s record numbered above
+        `after` (an earlier attempt's answer is not this one's), waiting up to `wait_s`."""
+        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        while True:
+            got = self.answers.get(request_id)
+            if got is not None and got[2] <= after:
+                got = None
+            if got is not None or time.monotonic() >= deadline:
+                return got
+            await asyncio.sleep(0.05)
+
+
+async def check_driven(book: DrivenBook, rec, reject) -> PromptTask:
+    """The task a driven record claims to be, checked (`reject(reason, detail)` -> exception)."""
+    seq, sample_id = driven_of(rec.request_id)
+    task = await book.task(seq)
+    if task is None:
+        raise reject("driven", f"no task at TASKS seq {seq}")
+    if task_sample_id(task) != sample_id or task.generation != 0:
+        raise reject("driven", f"TASKS seq {seq} is {task_sample_id(task)} generation "
+                     f"{task.generation}, the record says {sample_id} generation 0")  # fmt: skip
+    if rec.num_tokens != len(task.input_ids or ()) or rec.num_prompt_tokens != 0:
+        raise reject("driven", f"{rec.num_tokens} rows, the task has {len(task.input_ids or ())}")
+    return task
+
+
+def add_routes(app, intake, unauthorized) -> None:
+    """`GET TASKS_PATH/<seq>` (for sinks) and `GET OUTCOMES_PATH/<request id>` (for producers)."""
+
+    @app.get(TASKS_PATH + "/{seq}")
+    async def task(seq: int, request: Request):
+        if not intake.authorized(request.headers.get("authorization")):
+            return unauthorized()
+        found = await intake.driven.task(seq)
+        if found is None:
+            return JSONResponse({"detail": f"no task at seq {seq}"}, status_code=404)
+        return JSONResponse({"sample_id": task_sample_id(found), "generation": found.generation,
+                             "input_ids": list(found.input_ids or ()),
+                             "loss_mask": list(found.loss_mask or ())})  # fmt: skip
+
+    @app.get(OUTCOMES_PATH + "/{request_id}")
+    async def outcome(request_id: str, request: Request, wait_s: float = 0.0, after: int = 0):
+        if not intake.authorized(request.headers.get("authorization")):
+            return unauthorized()
+        got = await intake.driven.wait(request_id, wait_s, after)
+        if got is None:
+            return JSONResponse({"detail": f"no record of {request_id} yet",
+                                 "latest": intake.driven._n}, status_code=404)  # fmt: skip
+        code, answer, n = got
+        return JSONResponse({"code": code, "n": n, **answer.model_dump()})
