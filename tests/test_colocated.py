@@ -123,7 +123,10 @@ def test_colocated_rank_killed_then_resumed_exactly_once(
         (["deployment.sequence_parallel=2"], "deployment.sequence_parallel=2"),
         (["deployment.target_ep=2"], "deployment.target_ep=2"),
         (["data.max_length=300"], "headroom"),
-        (["target.tp_size=2", "target.engine=sglang"], "target.engine 'sglang' is not registered"),
+        (
+            ["target.tp_size=2", "target.engine=sglang"],
+            "runs on the hf engine, not target.engine='sglang'",
+        ),
         (["target.tp_size=2", "deployment.colocated_prefetch=1"], "colocated_prefetch=1"),
         (["target.max_total_tokens=10"], "max_total_tokens=10"),
     ],
