@@ -340,7 +340,7 @@ def cmd_traffic(args: argparse.Namespace) -> int:
 def add_live_commands(sub: argparse._SubParsersAction) -> None:
     """Register `intake`, `serve` and `traffic` (a registrar of `ops/cli.py`)."""
     p = sub.add_parser(
-        "intake", help="live mode: the intake (capture handshake + records -> SAMPLES)"
+        "intake", help="the intake of a live or driven run (capture handshake + records -> SAMPLES)"
     )
     add_common(p)
     p.add_argument("--host", default=None, help="listen address (default live.host, loopback)")
