@@ -19,7 +19,7 @@ from specbus.ops.live import endpoint_file, run_intake
 from specbus.ops.services.common import free_port
 from specbus.patches.sglang import layer
 
-from tests.fixtures.live import LiveRun
+from tests.fixtures.live import LiveRun, wait_until
 from tests.fixtures.pipeline import pipeline_config, write_tokenised_data
 from tests.test_live_pipeline import refs_of
 from tests.test_sglang_drive import Server
@@ -36,6 +36,25 @@ def applied(sglang_site):
         layer.revert(sglang_site)
 
 
+def finish(run: LiveRun, names, server, timeout_s: float) -> None:
+    """Until every one of `names` exited 0; a failure fails at once (a dead producer would
+    leave the trainer waiting), with every process's log tail."""
+
+    def done():
+        codes = [run.procs[n].poll() for n in names]
+        return all(c is not None for c in codes) or any(c not in (None, 0) for c in codes)
+
+    try:
+        wait_until(done, timeout_s, f"{', '.join(names)} to finish")
+    finally:
+        codes = {n: run.procs[n].poll() for n in names}
+        if any(c != 0 for c in codes.values()):
+            tails = [f"--- {n} ({codes.get(n, 'running')})\n{run.log(n)[-2500:]}"
+                     for n in (*names, "intake")]  # fmt: skip
+            tails.append(f"--- server\n{server.log.read_text(errors='replace')[-2500:]}")
+            pytest.fail(f"exit codes {codes}\n" + "\n".join(tails))
+
+
 @pytest.mark.slow  # five processes on 2 cores: ~35 s
 def test_a_driven_run_through_the_cli_trains_every_task_once(
     applied, sglang_env, chat_target, nats_server, run_id, tmp_path
@@ -44,13 +63,13 @@ def test_a_driven_run_through_the_cli_trains_every_task_once(
     server_port = free_port()
     cfg = pipeline_config(run_id, tmp_path / "run", chat_target, data, store_uri=f"shm://{run_id}",
                           overrides=["target.engine=sglang_server",
-                                     f"target.server_url=http://127.0.0.1:{server_port}",
-                                     "target.capture_wait_s=20"])  # fmt: skip
+                                     f"target.server_url=http://127.0.0.1:{server_port}"])  # fmt: skip
     run = LiveRun(cfg, tmp_path / "procs", nats_server.url)
     server = None
     try:
         run.start("feeder", "feed")
-        run.start_intake()  # ready once the feeder's manifest is there and checked
+        intake_port = next(p for p in iter(free_port, None) if p != server_port)
+        run.start_intake(intake_port)  # ready once the feeder's manifest is there and checked
         with run.intake_client() as c:
             hs = c.get("/v1/spec-capture/config").json()
         assert hs["sample_rate"] == 0  # a driven run's handshake: driven requests only
@@ -60,7 +79,7 @@ def test_a_driven_run_through_the_cli_trains_every_task_once(
         server = Server(env, opts, tmp_path / "server.log").start()
         run.start("producer-0", "produce", "--id", "p0")
         run.trainers(1)
-        run.assert_ok(run.wait("feeder", "trainer-0", "producer-0", timeout=300))
+        finish(run, ("feeder", "producer-0", "trainer-0"), server, timeout_s=300)
 
         fed = {f"t{i}-e0" for i in range(N)}
         state = run.checkpoint_state()
