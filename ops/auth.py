@@ -9,7 +9,7 @@ config holds only public keys, each process signs the server's nonce with its se
 | producer | consume TASKS (group "producers": pull, ack), publish SAMPLES and TASKS dead letters |
 | trainer | consume SAMPLES (group "trainers": pull, ack, reposition, replay), dead-letter SAMPLES, republish a task for a recapture, write the checkpoint pointer and train-complete keys |
 | colocated | a trainer that captures its own tasks: the trainer's rights plus consuming TASKS |
-| intake | publish SAMPLES, write the run KV's manifest (live mode: the intake writes it, there is no feeder) |
+| intake | publish SAMPLES, write the run KV's manifest (live mode: the intake writes it, there is no feeder), read TASKS (a driven run's tasks) |
 | observer | read-only: stream/consumer info, single messages, the KV, replay of DEAD (`specbus status`, `specbus dead`) |
 | admin | everything (`specbus up` declares the run's streams, consumers and KV with it) |
 
@@ -106,6 +106,7 @@ def permissions(run: str, role: str) -> dict:
         ]  # fmt: skip (reposition)
     elif role == "intake":
         pub += [n.samples, *_kv_write(n, ("manifest",))]  # a live run's manifest
+        pub += _get(n.tasks_stream)  # a driven run's tasks (producers/live/driven.py)
     elif role == "observer":
         pub += [*_get(n.tasks_stream), *_get(n.samples_stream), *_get(n.dead_stream)]
         pub += _replay(n.dead_stream)

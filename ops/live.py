@@ -2,7 +2,10 @@
 
 - `run_intake(cfg, bus_url)`: connect and declare the run, write the live manifest (vocab
   prior from `live.vocab_source`, the capture handshake), hold the run's store open, serve the
-  intake on `live.host:live.port` until SIGINT/SIGTERM.
+  intake on `live.host:live.port` until SIGINT/SIGTERM. A driven run (`deployment.mode:
+  disaggregated`, `target.engine: sglang_server`, docs/sglang.md): the feeder owns the
+  manifest; the intake waits for it, checks its plan is this config's, and serves driven
+  captures only (handshake rate 0, other records refused).
 - `run_serve(cfg, ...)`: the hf engine behind the OpenAI-compatible server, capturing through a
   `CaptureSink` pointed at the intake (`--no-capture`: none).
 - `specbus traffic`: `ops/traffic.py`.
@@ -142,31 +145,41 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
     from specbus.producers.live.intake import Intake, build_app
     from specbus.producers.live.manifest import capture_config, ensure_manifest, live_manifest
 
-    if cfg.deployment.mode != "live":
+    driven = is_driven(cfg)
+    if cfg.deployment.mode != "live" and not driven:
         raise ConfigError(
-            f"specbus intake serves live runs: set deployment.mode=live (run {cfg.run!r} is "
-            f"{cfg.deployment.mode})"
+            f"specbus intake serves live runs (deployment.mode=live) and driven ones "
+            f"(deployment.mode=disaggregated with target.engine=sglang_server); run {cfg.run!r} "
+            f"is {cfg.deployment.mode} on target.engine={cfg.target.engine}"
         )
     host = host or cfg.live.host
     port = cfg.live.port if port is None else port
     sock = bind(host, port)
     vocab_cfg = cfg.model_copy(deep=True)
-    vocab_cfg.data.source = cfg.live.vocab_source or cfg.data.source
+    if driven:  # the feeder's data and plan; captures of driven requests only
+        vocab_cfg.live.sample_rate = 0.0
+    else:
+        vocab_cfg.data.source = cfg.live.vocab_source or cfg.data.source
     prepared = await asyncio.to_thread(prepare, vocab_cfg)
     info = load_target_info(resolve_target_dir(cfg.target.model), name=cfg.target.model)
     strategy = cfg.strategy.build(info, aux_layers=cfg.target.aux_layers)
     store = cfg.store.build()  # held open for the run: samples outlive their writers
     try:
         capture = capture_config(
-            cfg, strategy.feature_contract(info), store_uri=store.uri, store_id=store.store_id,
-            float_dtype=float_dtype(cfg), target_fingerprint=prepared.target_fingerprint,
+            vocab_cfg if driven else cfg, strategy.feature_contract(info), store_uri=store.uri,
+            store_id=store.store_id, float_dtype=float_dtype(cfg),
+            target_fingerprint=prepared.target_fingerprint,
             tokenizer_fingerprint=prepared.tokenizer_fingerprint,
         )  # fmt: skip
         async with await connect(cfg.bus, bus_url, name="specbus-intake") as bus:
             run = await declare(bus, cfg.bus, cfg.run)
-            await ensure_manifest(run.kv, live_manifest(cfg, prepared, capture))
+            if not driven:
+                await ensure_manifest(run.kv, live_manifest(cfg, prepared, capture))
+            elif not await feeder_manifest(run, cfg, prepared):
+                print("specbus intake stopped before the run's manifest appeared", flush=True)
+                return 0
             token = intake_token(cfg)
-            intake = Intake(cfg, run, store, capture, token)
+            intake = Intake(cfg, run, store, capture, token, driven_only=driven)
             await intake.start()
             bound = sock.getsockname()
             tls = (cfg.live.tls_cert, cfg.live.tls_key) if cfg.live.tls_cert else None
@@ -188,6 +201,52 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
     finally:
         store.close(timeout_s=0)
         sock.close()
+
+
+def is_driven(cfg: RunConfig) -> bool:
+    """A driven run: tasks from a feeder, captured by a serving SGLang server (docs/sglang.md)."""
+    return cfg.deployment.mode == "disaggregated" and cfg.target.engine == "sglang_server"
+
+
+async def feeder_manifest(run, cfg: RunConfig, prepared, timeout_s: float = 600.0) -> bool:
+    """A driven run's intake: wait for the feeder's manifest (as trainers do) and check its plan
+    is this config's. False: SIGINT/SIGTERM came first. Raises `ConfigError` for another plan,
+    a live manifest, or none after `timeout_s`."""
+    import signal
+    import time
+
+    from specbus.producers.feeder import plan_hash, plan_of
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        deadline, said = time.monotonic() + timeout_s, -1e9
+        while (manifest := await run.kv.get_manifest()) is None:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"run {cfg.run!r} has no manifest after {timeout_s:.0f}s: "
+                                  "start the feeder (`specbus feed`) for this run")  # fmt: skip
+            if time.monotonic() - said >= 60:
+                print(f"specbus intake: waiting for the feeder (`specbus feed`) of run {cfg.run} "
+                      "to write its manifest", flush=True)  # fmt: skip
+                said = time.monotonic()
+            try:
+                await asyncio.wait_for(stop.wait(), 0.2)
+                return False
+            except TimeoutError:
+                pass
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    want = plan_hash(plan_of(cfg, prepared))
+    if manifest.mode != "driven" or manifest.plan_hash != want:
+        raise ConfigError(
+            f"run {cfg.run!r} has a manifest of another plan ({manifest.plan_hash}, mode "
+            f"{manifest.mode}; this config's: {want}): the intake of a driven run needs the "
+            "feeder's data/strategy/target settings"
+        )
+    return True
 
 
 def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | None = None,
@@ -281,7 +340,7 @@ def cmd_traffic(args: argparse.Namespace) -> int:
 def add_live_commands(sub: argparse._SubParsersAction) -> None:
     """Register `intake`, `serve` and `traffic` (a registrar of `ops/cli.py`)."""
     p = sub.add_parser(
-        "intake", help="live mode: the intake (capture handshake + records -> SAMPLES)"
+        "intake", help="the intake of a live or driven run (capture handshake + records -> SAMPLES)"
     )
     add_common(p)
     p.add_argument("--host", default=None, help="listen address (default live.host, loopback)")

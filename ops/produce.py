@@ -80,6 +80,8 @@ async def run_producer(
     strategy = build_strategy(cfg.strategy, info, aux_layers=cfg.target.aux_layers)
     contract = strategy.feature_contract(info)
     driven = cfg.target.engine == "sglang_server"  # the server's layer captures (docs/sglang.md)
+    if driven:  # not two log lines per task (its POST, its outcome)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     engine = await asyncio.to_thread(build_engine, cfg.target, **_intake_of(cfg, driven))
     served = is_served(cfg.store)  # http://: this producer serves its features (W3')
     store = serve_store(cfg.store) if served else open_store(cfg.store)

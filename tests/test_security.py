@@ -21,7 +21,7 @@ from specbus.bus.replay import get
 from specbus.bus.subjects import Names
 from specbus.bus.topology import declare
 from specbus.core.config import BusConfig
-from specbus.core.contracts import Manifest, ManifestTarget, VocabTable
+from specbus.core.contracts import Manifest, ManifestTarget, PromptTask, VocabTable
 from specbus.core.errors import BusError
 from specbus.ops.auth import role_bus, write_auth
 from specbus.ops.services.cluster import NatsCluster, TlsFiles
@@ -92,6 +92,10 @@ def test_each_role_does_its_own_work(server, auth_dir):
             topo = await declare(feeder, None, RUN)  # finds everything declared: info only
             await Publisher(feeder).publish(n.tasks, make_task(RUN, 1))
             await topo.kv.put_manifest(MANIFEST)
+        async with await connect(role_cfg(auth_dir, RUN, "intake"), server.url) as intake:
+            # a driven run's intake reads its tasks (producers/live/driven.py)
+            stored = await (await declare(intake, None, RUN)).task(1)
+            assert stored is not None and PromptTask.from_bytes(stored.data).run_id == RUN
         async with await connect(role_cfg(auth_dir, RUN, "producer"), server.url) as producer:
             tasks = await Leases.join(producer, RUN, "producers")
             (task,) = await tasks.fetch(1, 2.0)

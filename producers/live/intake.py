@@ -127,11 +127,13 @@ class Intake:
 
     `run`: the run's `RunBus` (its publisher, the trainers' lag); `store`: the run's store,
     held open by the intake; `capture`: the handshake it serves; `token`: the bearer token;
-    `poll_s`: how often the shed inputs are read."""
+    `poll_s`: how often the shed inputs are read; `driven_only`: a driven run's intake (records
+    of serving traffic are refused, 422 `driven`)."""
 
     def __init__(self, cfg: RunConfig, run: RunBus, store, capture: CaptureConfig, token: str,
-                 *, poll_s: float = 0.25):  # fmt: skip
+                 *, poll_s: float = 0.25, driven_only: bool = False):  # fmt: skip
         self.cfg, self.run, self.store, self.capture = cfg, run, store, capture
+        self.driven_only = driven_only
         self.token = token
         self.poll_s = poll_s
         self.metrics = IntakeMetrics()
@@ -238,6 +240,9 @@ class Intake:
             )
         if driven_of(rec.request_id) is not None:  # a task's prefill: `driven.check_driven`
             pass
+        elif self.driven_only:
+            raise _bad("driven", f"{rec.request_id} is not a task's request: a driven run "
+                       "trains its tasks only")  # fmt: skip
         elif rec.num_generated < cap.min_num_tokens:
             raise _bad(
                 "too_short",
