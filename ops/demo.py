@@ -166,7 +166,7 @@ def _train(procs: Launcher, cfg: RunConfig, trainers: list, logs: Path) -> int:
                 r = rows[-1]
                 info = (f"step {int(r['step'])} | loss {r.get('loss', float('nan')):.2f} | "
                         f"tau {r.get('sim_accept_len', float('nan')):.2f} | "
-                        f"{r.get('samples_per_s', 0):.1f} samples/s | "
+                        f"{r.get('samples_per_s', 0) * len(trainers):.1f} samples/s | "
                         f"wait {r.get('data_wait_frac', 0):.0%}")  # fmt: skip
             elapsed = time.monotonic() - started
             # the budget runs from the trainers' first fetch: past it, the last step and its
@@ -277,7 +277,9 @@ def summary(cfg: RunConfig, args: argparse.Namespace, report, export_dir: Path,
         f"ran       {cfg.strategy.name} draft for {cfg.target.model} on {cfg.data.source}: "
         f"{args.producers} producer(s), {args.trainers} trainer rank(s), "
         f"{final.get('steps', '?')} steps, {final.get('samples', '?')} samples",
-        f"training  {rate:.2f} samples/s, data wait {wait:.0%} of step time (mean over "
+        # each rank logs its own rate; in lockstep every rank trains the same share
+        f"training  {rate * args.trainers:.2f} samples/s over {args.trainers} rank(s) "
+        f"({rate:.2f} per rank), data wait {wait:.0%} of step time (mean over "
         f"{len(steps)} log intervals)",
         f"accept    untrained {report.untrained.accept_length:.3f} -> trained "
         f"{report.trained.accept_length:.3f} tokens/verify (k={report.num_draft_tokens}, "

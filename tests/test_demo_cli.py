@@ -96,7 +96,8 @@ def test_the_summary_says_what_ran_and_where_things_are(tmp_path):
                    {"target": 3, "training": 200, "evaluation": 90, "total": 293},
                    url_was_embedded=True)  # fmt: skip
     assert "done in 4.9 min (target 3s, training 200s, evaluation 90s)" in text
-    assert "10 steps, 20 samples" in text and "2.00 samples/s, data wait 20%" in text
+    assert "10 steps, 20 samples" in text  # each rank logs its own rate: 2 ranks x 2.00
+    assert "4.00 samples/s over 2 rank(s) (2.00 per rank), data wait 20%" in text
     assert "untrained 1.000 -> trained 1.250" in text and str(tmp_path / "export") in text
     assert "tensorboard" not in text
     (tmp_path / "tb").mkdir()
