@@ -70,6 +70,16 @@ def trainers_lag(url: str, run: str) -> int | None:
     return asyncio.run(go())
 
 
+def dead_letters_of(run: LiveRun):
+    from specbus.bus.dead import list_dead
+
+    async def go():
+        async with await connect(BusConfig(), run.url) as bus:
+            return await list_dead(bus, run.cfg.run)
+
+    return asyncio.run(go())
+
+
 def prompts_of(run: LiveRun):
     from specbus.ops.traffic import load_prompts
 
@@ -198,7 +208,15 @@ def test_live_traffic_is_trained_exactly_once_through_a_trainer_kill(make_live):
     assert state["step"] > before
     assert len(lineage) == len(set(lineage)), "a sample was trained twice"
     assert set(lineage) <= set(published)
-    assert len(published) - len(lineage) < WINDOW and len(lineage) == state["step"] * WINDOW
+    # Known gap (docs/live.md, Failures): refs the killed world trained after its last
+    # checkpoint had their tensors released, and a live sample cannot be recaptured, so the
+    # resumed world dead-letters them `lost`. Every published ref is accounted for: trained
+    # once, or dead-lettered lost (never both), or in the last partial window.
+    lost = {SampleRef.from_bytes(d.data).sample_id for d in dead_letters_of(run)
+            if d.reason == "lost" and d.data is not None}  # fmt: skip
+    assert not lost & set(lineage) and lost <= set(published)
+    assert len(published) - len(lineage) - len(lost) < WINDOW
+    assert len(lineage) == state["step"] * WINDOW
     log0 = run.log("trainer-0")
     assert f"rank 0 resumed at step {before}" in log0 and "training stopped" in log0
 
