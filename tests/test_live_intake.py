@@ -16,10 +16,6 @@ from specbus.bus.connection import connect
 from specbus.bus.lease import Leases
 from specbus.bus.subjects import Names
 from specbus.core.config import BusConfig
-from specbus.core.models.target import load_target_info
-from specbus.core.store import open_store
-from specbus.core.strategies.base import build_strategy
-from specbus.producers.live.manifest import capture_config
 from specbus.producers.live.sink import Capture, CaptureSink
 from specbus.producers.live.wire import (
     CONFIG_PATH,
@@ -29,7 +25,12 @@ from specbus.producers.live.wire import (
     sample_id_of,
 )
 
-from tests.fixtures.live import IntakeThread, live_config, wait_until, write_chats
+from tests.fixtures.live import (
+    live_config,
+    start_intake_thread,
+    wait_until,
+    write_chats,
+)
 
 TOKEN = "test-token"
 
@@ -41,15 +42,8 @@ def live(tmp_path, chat_target, nats_server, run_id):
 
     def make(**live):
         overrides = [f"live.{k}={v}" for k, v in live.items()]
-        cfg = live_config(run_id, tmp_path / "run", chat_target, write_chats(tmp_path / "c.jsonl"),
-                          store_uri=f"shm://{run_id}", overrides=overrides)  # fmt: skip
-        store = open_store(cfg.store)
-        info = load_target_info(chat_target)
-        contract = build_strategy(cfg.strategy, info).feature_contract(info)
-        cap = capture_config(cfg, contract, store_uri=store.uri, store_id=store.store_id,
-                             float_dtype="float32", target_fingerprint="fp-target",
-                             tokenizer_fingerprint="fp-tok")  # fmt: skip
-        intake = IntakeThread(cfg, nats_server.url, cap, store, TOKEN).start()
+        cfg, store, cap, intake = start_intake_thread(run_id, tmp_path, chat_target,
+                                                      nats_server.url, TOKEN, overrides)  # fmt: skip
         made.append((intake, store))
         return cfg, store, cap, intake
 

@@ -21,13 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 from specbus.core.models.target import load_target_info
-from specbus.core.store import open_store
 from specbus.core.strategies.base import build_strategy
 from specbus.patches.sglang import SGLANG_VERSION, layer
-from specbus.producers.live.manifest import capture_config
 from specbus.producers.live.wire import sample_id_of
 
-from tests.fixtures.live import IntakeThread, live_config, write_chats
+from tests.fixtures.live import live_config, start_intake_thread, write_chats
 from tests.sglang_driver import rows_at
 from tests.test_live_intake import lease_refs
 
@@ -77,15 +75,8 @@ def test_a_missing_hook_target_is_named(sglang_site, tmp_path):
 
 @pytest.fixture
 def intake(tmp_path, chat_target, nats_server, run_id):
-    cfg = live_config(run_id, tmp_path / "run", chat_target, write_chats(tmp_path / "c.jsonl"),
-                      store_uri=f"shm://{run_id}")  # fmt: skip
-    store = open_store(cfg.store)
-    info = load_target_info(chat_target)
-    contract = build_strategy(cfg.strategy, info).feature_contract(info)
-    cap = capture_config(cfg, contract, store_uri=store.uri, store_id=store.store_id,
-                         float_dtype="float32", target_fingerprint="fp-target",
-                         tokenizer_fingerprint="fp-tok")  # fmt: skip
-    thread = IntakeThread(cfg, nats_server.url, cap, store, TOKEN).start()
+    cfg, store, cap, thread = start_intake_thread(run_id, tmp_path, chat_target, nats_server.url,
+                                                  TOKEN)  # fmt: skip
     yield cfg, store, cap, thread
     thread.stop()
     store.close()
