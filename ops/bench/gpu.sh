@@ -19,7 +19,8 @@
 #                                         # DFlash 2048 colocated, one-step profiles, GPU checks
 #   GPU_TESTS=0 BENCH=perf STAGES=floor,profile,dflash PROFILE_ARGS="--strategies dspark --seqs 2048" \
 #     EAGLE3_ARGS="--seqs 4096 --modes disaggregated" bash ops/bench/gpu.sh
-#                                         # some stages only, with their own arguments (DFLASH_ARGS too)
+#                                         # some stages only, with their own arguments (DFLASH_ARGS,
+#                                         # MIXED_ARGS: ops/bench/mixed_lengths.py, too)
 #
 # Fetch the wheels here first (once; see the device README):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -71,7 +72,7 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
   pack() { tar czf "$OUT/.perf.tgz" -C "$PERF" . && mv "$OUT/.perf.tgz" "$OUT/perf.tgz"; }
   stage() {  # name timeout_s command...: log to $PERF/<name>.log, note the time and exit code
     local name=$1 limit=$2; shift 2
-    case ",${STAGES:-floor,profile,eagle3,dflash,gputests}," in *",$name,"*) ;; *) return 0 ;; esac
+    case ",${STAGES:-floor,profile,mixed,eagle3,dflash,gputests}," in *",$name,"*) ;; *) return 0 ;; esac
     local t0=$(date +%s)
     timeout -k 10 "$limit" "$@" > "$PERF/$name.log" 2>&1  # the whole process group
     local rc=$?
@@ -85,6 +86,8 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
   stage floor 90 python3 "$floor"
   stage profile 150 python3 -m specbus.ops.bench.step_profile ${PROFILE_ARGS:---strategies eagle3,dspark,dflash \
     --seqs 2048,4096} --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles"
+  stage mixed 300 python3 -m specbus.ops.bench.mixed_lengths ${MIXED_ARGS:---strategies dspark,eagle3} \
+    --out "$PERF/mixed_lengths.json"
   stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline ${EAGLE3_ARGS:---seqs 2048,4096} --steps 24 \
     --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$PERF/gpu_pipeline.json"
   stage dflash 200 python3 -m specbus.ops.bench.gpu_dflash ${DFLASH_ARGS:---runs dspark:512-4096,dflash:2048-2048} \
