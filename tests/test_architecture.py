@@ -84,6 +84,19 @@ def test_importing_core_loads_neither_nats_nor_mooncake():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_producer_and_trainer_hosts_need_no_web_stack():
+    """A GPU host runs `specbus produce` / `train` with the bus and torch only (ops/bench/gpu.sh
+    installs no fastapi): the live intake's and server's web stack is imported where it serves."""
+    code = (
+        "import sys\n"
+        "for name in ('fastapi', 'uvicorn', 'starlette', 'httpx', 'aiohttp', 'openai'):\n"
+        "    sys.modules[name] = None  # importing it raises\n"
+        "import specbus.ops.cli, specbus.ops.train, specbus.ops.produce\n"
+        "import specbus.producers.engines.hf, specbus.consumers.trainer\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
 def test_the_distribution_installs_one_top_level_name():
     """Installed, the folders are one namespace (`specbus.core`, `specbus.bus`, ...): nothing
     generic like `core` or `ops` lands in site-packages."""

@@ -20,15 +20,11 @@ A retried request (a server killed mid-request, a producer killed before its ack
 request id, so the same sample id and dedup id: the broker keeps one ref.
 """
 
-from __future__ import annotations
-
 import asyncio
 import time
 from collections import OrderedDict
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
 from specbus.core.contracts import PromptTask
 from specbus.producers.live.wire import CaptureConfig, RecordAnswer, driven_of
 
@@ -122,6 +118,11 @@ async def check_driven(book: DrivenBook, rec, reject) -> PromptTask:
 
 def add_routes(app, intake, unauthorized) -> None:
     """`GET TASKS_PATH/<seq>` (for sinks) and `GET OUTCOMES_PATH/<request id>` (for producers)."""
+    # here, not at the top: producers import this module for its names, and a producer host
+    # (the GPU machine) need not have the intake's web stack; the annotations are evaluated
+    # here (no postponed annotations in this module), so FastAPI sees the real `Request`
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
 
     @app.get(TASKS_PATH + "/{seq}")
     async def task(seq: int, request: Request):
