@@ -175,3 +175,18 @@ def test_the_prefill_sdpa_backends_follow_the_environment(tiny_dir, monkeypatch)
     monkeypatch.setenv(SDPA_ENV, "flash,fastest")
     with pytest.raises(ConfigError, match="fastest"):
         engine.capture(seqs, None, contract)
+
+
+def test_the_gpu_prefill_prefers_flash_and_the_cpu_keeps_torchs_order(monkeypatch):
+    """Unset, a CUDA engine's prefill runs under flash-first priorities (cuDNN plans per new
+    length); the CPU, and `default`, keep torch's own order (a null context)."""
+    import contextlib
+
+    from specbus.producers.engines.hf import GPU_SDPA_ORDER, SDPA_ENV, sdpa_backends
+
+    monkeypatch.delenv(SDPA_ENV, raising=False)
+    assert GPU_SDPA_ORDER.split(",")[0] == "flash"
+    assert isinstance(sdpa_backends(device=torch.device("cpu")), contextlib.nullcontext)
+    assert not isinstance(sdpa_backends(device=torch.device("cuda")), contextlib.nullcontext)
+    monkeypatch.setenv(SDPA_ENV, "default")
+    assert isinstance(sdpa_backends(device=torch.device("cuda")), contextlib.nullcontext)

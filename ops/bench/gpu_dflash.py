@@ -11,7 +11,7 @@ state after `--warmup` optimizer steps: samples/s (per GPU), tokens/s, the captu
 
     python -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096 --out $OUT/gpu_dflash.json
     python -m specbus.ops.bench.gpu_dflash --runs dflash:2048-2048 --out $OUT/gpu_dflash_2048.json
-    python -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dspark:512-4096@flash,dspark:512-4096@expandable
+    python -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dspark:512-4096@torchsdpa,dspark:512-4096@expandable
                                                            # variants: VARIANTS below
     python -m specbus.ops.bench.gpu_dflash --tiny          # CPU check of the same code paths (minutes)
 """
@@ -34,10 +34,12 @@ from specbus.ops.bench.gpu_pipeline import run_mode
 from specbus.ops.bench.random_target import QWEN3_8B, TINY, write_target
 
 SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC, GOAL_SAMPLES_PER_S = 5.7, 0.112, 6.5
-# `--runs dspark:512-4096@flash`: the same run with its processes' environment changed, to
-# tell apart the suspects of the mixed-length gap (docs/benchmarks.md, "Second call"):
-# the prefill's SDPA backends (no cuDNN: it plans per new length) and the allocator.
+# `--runs dspark:512-4096@torchsdpa`: the same run with its processes' environment changed
+# (docs/benchmarks.md, "Mixed lengths"): the prefill's SDPA backends in torch's own order
+# (cuDNN first on sm90: a plan per new length; the hf engine's default is flash first) or
+# flash only, the allocator's expandable segments.
 VARIANTS = {
+    "torchsdpa": {"SPECBUS_SDPA_BACKENDS": "default"},
     "flash": {"SPECBUS_SDPA_BACKENDS": "flash,efficient,math"},
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "both": {"SPECBUS_SDPA_BACKENDS": "flash,efficient,math",

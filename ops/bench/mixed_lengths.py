@@ -10,7 +10,8 @@ the real `hf` engine over the Qwen3-8B-shaped random target and the real strateg
 - `seen`: the same lengths again (every per-shape cache warm: cuDNN plans, cuBLAS heuristics,
   compiled graphs, allocator blocks);
 - `fixed`: one length (the mean) `--n` times;
-- `new@flash`: new lengths, the prefill's SDPA limited to flash/efficient/math (no cuDNN);
+- `new@torchsdpa`: new lengths, the prefill's SDPA in torch's own order (cuDNN first on sm90;
+  the `hf` engine's default is flash first);
 - `new@bucket`: new lengths, each right-extended to a multiple of `--bucket` (causal: the
   real rows are unchanged) with the extension's loss mask 0, as a bucketed batch's padding;
 - `new@expandable`: new lengths with the allocator's expandable segments on (set last: it
@@ -38,7 +39,7 @@ import torch
 from specbus.ops.bench.random_target import TINY, random_engine, write_target
 from specbus.ops.bench.step_profile import build
 
-PHASES = ("new", "seen", "fixed", "new@flash", "new@bucket", "new@expandable")
+PHASES = ("new", "seen", "fixed", "new@torchsdpa", "new@bucket", "new@expandable")
 
 
 def _counters() -> dict[str, float]:
@@ -221,8 +222,8 @@ def probe(name: str, engine, target: Path, phases: list[str], lengths: Lengths, 
         elif phase_name == "fixed":
             one(mean, None)
             rows[phase_name] = phase(phase_name, [mean] * args.n)
-        elif phase_name == "new@flash":
-            os.environ[SDPA_ENV] = "flash,efficient,math"
+        elif phase_name == "new@torchsdpa":
+            os.environ[SDPA_ENV] = "default"
             try:
                 rows[phase_name] = phase(phase_name, lengths.new(args.n))
             finally:

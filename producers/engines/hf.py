@@ -14,10 +14,13 @@ it builds the engine) and shards the decoder over it (`producers/engines/tp.py`)
 rank must then capture the same sequences in the same order (the forward runs collectives),
 and every rank gets the full features.
 
-`SPECBUS_SDPA_BACKENDS` (experimental, e.g. `flash,efficient,math`): the prefill's SDPA
-backends in priority order (`torch.nn.attention.sdpa_kernel(..., set_priority=True)`); unset,
-torch chooses (2.11 prefers cuDNN on sm90, which plans per new sequence length: the suspect of
-the mixed-length DSpark gap, docs/benchmarks.md "Second call"). Measured, then a config key.
+The prefill's SDPA backends: on a GPU flash first (then memory-efficient, cuDNN, math), not
+torch's own order. torch 2.11 prefers cuDNN attention on sm90, and cuDNN builds an execution
+plan per new sequence length: on an H200 a Qwen3-8B-shaped prefill of a length not seen before
+took ~55 ms per 1k tokens against ~35 for a length seen before or under flash
+(`ops/bench/mixed_lengths.py`, docs/benchmarks.md "Mixed lengths"); real traffic and the
+seed's uniform 512-4096 setup are nearly all new lengths. `SPECBUS_SDPA_BACKENDS` (e.g.
+`cudnn,flash,math`; `default` = torch's order) overrides it; the CPU keeps torch's order.
 """
 
 from __future__ import annotations
@@ -46,13 +49,19 @@ _SDPA_NAMES = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                "cudnn": "CUDNN_ATTENTION", "math": "MATH"}  # fmt: skip
 
 
-def sdpa_backends(spec: str | None = None):
-    """The prefill's SDPA context from `spec` (default: `$SPECBUS_SDPA_BACKENDS`): a null
-    context when unset, else `sdpa_kernel` over the named backends in that priority order.
+GPU_SDPA_ORDER = "flash,efficient,cudnn,math"
+
+
+def sdpa_backends(spec: str | None = None, device: torch.device | None = None):
+    """The prefill's SDPA context from `spec` (default: `$SPECBUS_SDPA_BACKENDS`, else
+    `GPU_SDPA_ORDER` on a CUDA `device`): `sdpa_kernel` over the named backends in that
+    priority order, or a null context (torch's own order) for "" / `default` off the GPU.
     `ConfigError` names the valid ones."""
-    spec = os.environ.get(SDPA_ENV, "") if spec is None else spec
+    if spec is None:
+        cuda = device is not None and torch.device(device).type == "cuda"
+        spec = os.environ.get(SDPA_ENV, GPU_SDPA_ORDER if cuda else "")
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    if not names:
+    if not names or names == ["default"]:
         return contextlib.nullcontext()
     bad = [n for n in names if n not in _SDPA_NAMES]
     if bad:
@@ -186,7 +195,7 @@ class HFEngine:
         for i, ids in enumerate(chunk):
             ids_BL[i, : lengths[i]] = ids
             attn_BL[i, : lengths[i]] = 1
-        with AuxCapture(self.model, contract.aux_layers) as aux, sdpa_backends():
+        with AuxCapture(self.model, contract.aux_layers) as aux, sdpa_backends(device=self.device):
             base = getattr(self.model, "model", self.model)
             outputs = base(
                 input_ids=ids_BL.to(self.device),
