@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from specbus.core.models.eagle3_attention import TILE, block_mask_from_tiles
+from specbus.core.models.kernels import raise_recompile_limit
 
 log = logging.getLogger("specbus.dflash")
 
@@ -126,6 +127,7 @@ def _flex_kernel():
 
         # dynamic: lengths vary by batch (one compile; every mask input is a tensor, so no
         # length is baked into the graph)
+        raise_recompile_limit()  # size-range guards: kernels.py
         _FLEX_KERNEL = torch.compile(flex_attention, dynamic=True)
     return _FLEX_KERNEL
 

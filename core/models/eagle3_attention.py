@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from specbus.core.models.kernels import raise_recompile_limit
 
 
 @dataclass
@@ -218,5 +219,6 @@ def _compiled_flex():
 
         # dynamic=None: the key length grows with the TTT step and L varies by batch; a static
         # compile per shape would hit the recompile limit and fall back to the unfused kernel.
+        raise_recompile_limit()  # size-range guards: kernels.py
         _FLEX = torch.compile(flex_attention, dynamic=None)
     return _FLEX

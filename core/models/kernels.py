@@ -7,6 +7,14 @@ eager PyTorch issues for it, which made the TTT step host-bound. Lengths vary by
 shapes are dynamic from the first call (one compile per function and dtype). Any failure to
 compile or run compiled falls back to the eager function for good, with one warning.
 `SPECBUS_COMPILE=0` (or `kernels.ENABLED = False`) turns compilation off.
+
+"Dynamic" still recompiles now and then: a function called with another rank, dtype or
+requires_grad is another graph, and Inductor's kernels carry range guards on the sizes their
+heuristics read (on an H200, `rms_norm` recompiled for `1280 <= L <= 8191`, then for
+`L >= 8192`, then for a stride; 8 graphs in the first ~20 DSpark steps of uniform 512-4096
+lengths, each 1-3 s). Dynamo's default limit of 8 graphs per function would then run it
+eagerly for the rest of the process, so the limit is raised to `RECOMPILE_LIMIT`: the
+recompiles are a one-off cost per size range, an eager fallback a cost on every step.
 """
 
 from __future__ import annotations
@@ -22,6 +30,17 @@ import torch.nn.functional as F
 log = logging.getLogger("specbus.kernels")
 
 ENABLED = os.environ.get("SPECBUS_COMPILE", "1") != "0"
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit() -> None:
+    """Dynamo's per-function graph limit to at least `RECOMPILE_LIMIT` (module docstring)."""
+    import torch._dynamo.config as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the name before torch 2.6
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILE_LIMIT))
+            return
 
 
 class _Compiled:
@@ -41,6 +60,7 @@ class _Compiled:
             # round where the eager code rounds (x.to(bf16) then back up), as the reference
             if hasattr(inductor, "emulate_precision_casts"):
                 inductor.emulate_precision_casts = True
+            raise_recompile_limit()
             self.compiled = torch.compile(self.fn, dynamic=True)
         try:
             return self.compiled(*args)

@@ -84,14 +84,15 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
   # the one-step profiles first: they compile every kernel once; the pipeline processes after
   # them load the compiled graphs from the on-disk inductor/triton caches
   stage floor 90 python3 "$floor"
-  stage profile 150 python3 -m specbus.ops.bench.step_profile ${PROFILE_ARGS:---strategies eagle3,dspark,dflash \
-    --seqs 2048,4096} --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles"
-  stage mixed 300 python3 -m specbus.ops.bench.mixed_lengths ${MIXED_ARGS:---strategies dspark,eagle3} \
-    --out "$PERF/mixed_lengths.json"
-  stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline ${EAGLE3_ARGS:---seqs 2048,4096} --steps 24 \
-    --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$PERF/gpu_pipeline.json"
-  stage dflash 200 python3 -m specbus.ops.bench.gpu_dflash ${DFLASH_ARGS:---runs dspark:512-4096,dflash:2048-2048} \
-    --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$PERF/gpu_dflash.json"
+  stage profile 150 python3 -m specbus.ops.bench.step_profile --strategies eagle3,dspark,dflash \
+    --seqs 2048,4096 --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles" ${PROFILE_ARGS:-}
+  stage mixed 300 python3 -m specbus.ops.bench.mixed_lengths --strategies dspark,eagle3 \
+    --out "$PERF/mixed_lengths.json" ${MIXED_ARGS:-}
+  # (the stage's own arguments last: `--steps` there overrides the default)
+  stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --steps 24 \
+    --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$PERF/gpu_pipeline.json" ${EAGLE3_ARGS:-}
+  stage dflash ${DFLASH_LIMIT:-200} python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
+    --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$PERF/gpu_dflash.json" ${DFLASH_ARGS:-}
   stage gputests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/test_gpu_perf.py tests/test_eagle3_gpu.py
   python3 -m specbus.ops.bench.perf_summary "$PERF" 2>&1 | tee "$PERF/summary.txt"
