@@ -5,7 +5,8 @@ and skipped, one of another strategy/target/tokenizer is dead-lettered, one whos
 gone triggers a recapture (its task republished with the next generation, the stale ref acked
 as superseded). Retired sequences are reported by `drain_retired()`. docs/architecture.md,
 "Tensors are a cache". `LiveSource` is the same for a live run's refs (docs/live.md): the
-data never ends and a ref whose tensors are gone is dead-lettered (the capture was the data).
+data never ends, a ref whose tensors are gone is dead-lettered (the capture was the data), so
+a trained ref's tensors are held until a checkpoint covers it (`checkpointed`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from typing import Any
 
 from specbus.bus.lease import Lease, Leases
@@ -151,15 +153,19 @@ class BusSource(LeaseSettlement):
                 items.append(item)
         return items
 
+    async def _release_skipped(self, ref: SampleRef) -> None:
+        """The keys of a ref the ledger already holds, settled at take time: freed now."""
+        with contextlib.suppress(StoreError):
+            (await self._store(ref.store_uri)).release(ref)
+
     async def _take_one(self, lease: Lease) -> Item | None:
         """The item of one leased ref, or None when it was settled here instead."""
         ref: SampleRef = lease.record
         if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
             await lease.ack()
-            self.stats["skipped"] += 1
             if self._problem(ref) is None:  # its keys (maybe another generation's)
-                with contextlib.suppress(StoreError):
-                    (await self._store(ref.store_uri)).release(ref)
+                await self._release_skipped(ref)
+            self.stats["skipped"] += 1
             return None
         problem = self._problem(ref)
         if problem:
@@ -194,6 +200,7 @@ class BusSource(LeaseSettlement):
             links=[link_to_current()],
             redelivered=lease.deliveries > 1,
             stored=ref,
+            nbytes=ref.nbytes,
         )
 
     async def upstream(self) -> Upstream:
@@ -205,9 +212,13 @@ class BusSource(LeaseSettlement):
         return await self.runbus.drained(TRAINERS)
 
     def release(self, items: list[Item]) -> None:
-        """Free the items' tensors in their stores (after ack)."""
+        """Free the items' tensors in their stores (after ack): a released ref that comes
+        again (a resume's replay) is recaptured from its task."""
         for item in items:
             self.store(item.stored.store_uri).release(item.stored)
+
+    def checkpointed(self) -> None:
+        """Nothing held back: `release` frees at once."""
 
     def usage(self):
         """The store's residency as this rank sees it (None before the first ref)."""
@@ -227,8 +238,57 @@ class BusSource(LeaseSettlement):
 class LiveSource(BusSource):
     """The source of a live run (`deployment.mode: live`): SampleRefs the intake published
     from serving traffic. As `BusSource`, except that the data never ends (a stop signal,
-    `training.max_steps` or `training.max_minutes` ends training) and a ref whose tensors are
-    gone is dead-lettered `lost`: a live capture has no task to capture again."""
+    `training.max_steps` or `training.max_minutes` ends training), a ref whose tensors are
+    gone is dead-lettered `lost` (a live capture has no task to capture again), and so the
+    tensors of a trained ref are held in the store until a checkpoint covers it
+    (`checkpointed`), not freed at its ack: a world killed after training it resumes from the
+    checkpoint before, and the replay trains it again from the same tensors."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # trained refs whose tensors wait for a checkpoint, by key (duplicates hold one entry);
+        # filled by the training thread (release) and the bus loop (take's skipped refs)
+        self._held: dict[tuple[str, str, int], SampleRef] = {}
+        self._held_lock = threading.Lock()
+
+    def _hold(self, refs: list[SampleRef]) -> None:
+        with self._held_lock:
+            for ref in refs:
+                self._held[(ref.store_uri, ref.sample_id, ref.generation)] = ref
+
+    def release(self, items: list[Item]) -> None:
+        """Hold the trained items' tensors until `checkpointed` (see the class doc)."""
+        self._hold([item.stored for item in items])
+
+    async def _release_skipped(self, ref: SampleRef) -> None:
+        # A ref the ledger holds, delivered again: its keys are the sample's (generation 0),
+        # which a rank may hold for a checkpoint that is not written yet.
+        self._hold([ref])
+
+    def checkpointed(self) -> None:
+        """A durable checkpoint covers every ref held: free their tensors. A store that
+        refuses is logged, not fatal: the sweep at the end of the run (or at a resume) frees
+        what the checkpoint holds."""
+        with self._held_lock:
+            refs, self._held = list(self._held.values()), {}
+        failed = 0
+        for ref in refs:
+            try:
+                self.store(ref.store_uri).release(ref)
+            except StoreError as e:
+                failed += 1
+                error = e
+        if failed:
+            log.warning("could not release %d of %d trained live samples covered by a "
+                        "checkpoint (the run's sweep will): %s", failed, len(refs), error)  # fmt: skip
+
+    def close(self) -> None:
+        """Close the stores. Held tensors stay: no checkpoint covers them, so a resume trains
+        them again (or, covered after all, its sweep frees them)."""
+        if self._held:
+            log.info("%d trained live samples not covered by a checkpoint keep their tensors "
+                     "for a resume", len(self._held))  # fmt: skip
+        super().close()
 
     async def _recapture(self, lease: Lease, why: Exception) -> None:
         await self._dead(lease, "lost", f"live capture's tensors unavailable: {why}")

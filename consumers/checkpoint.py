@@ -6,7 +6,9 @@ scheduler, RNG, step, SAMPLES cursor, lineage) and `meta.json` (step, score, pla
 fingerprint, data, batch geometry, world size): `load()` refuses a checkpoint whose plan
 differs and names the differing keys, so a resume never silently trains something else.
 Writes go to a temporary directory renamed into place; `latest`/`best` are small files
-replaced atomically. A kill at any moment leaves the previous checkpoint intact.
+replaced atomically; everything is fsynced before `save` returns (a live run frees trained
+tensors once a checkpoint covers them: it must survive the host). A kill at any moment leaves
+the previous checkpoint intact.
 """
 
 from __future__ import annotations
@@ -23,10 +25,21 @@ import torch
 from specbus.core.errors import CheckpointError
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's (its entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
+    _fsync(tmp)
     os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 def rng_state() -> dict[str, Any]:
@@ -84,6 +97,8 @@ class CheckpointManager:
         (tmp / "meta.json").write_text(
             json.dumps({"step": step, "score": score, "plan": self.plan}, indent=1)
         )
+        for path in (tmp / "state.pt", tmp / "meta.json", tmp):
+            _fsync(path)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _atomic_write(self.directory / "latest", name)

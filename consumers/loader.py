@@ -4,8 +4,9 @@ One loader per trainer rank. On the bus loop it prefetches `need * (1 + prefetch
 heartbeats their leases; `next_window()` returns a `Window` of exactly `micro_batch *
 accumulation` items once every rank holds one (consumers/lockstep.py), after gathering the
 candidates and filtering them against the ledger (`plan_round`), or None at the end of the data
-or on a stop; `commit(window)` records, acks, then releases. It owns the `Ledger` (a
-`Stateful`). docs/architecture.md, "Exactly once into the model" and "Lockstep".
+or on a stop; `commit(window)` records, acks, then releases (a live source holds the tensors
+until `checkpointed()`, after the next checkpoint). It owns the `Ledger` (a `Stateful`).
+docs/architecture.md, "Exactly once into the model" and "Lockstep".
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ log = logging.getLogger("specbus.loader")
 @dataclass
 class Window:
     """One optimizer step's data on this rank: its items, their collated micro-batches, every rank's
-    keys of the step (recorded at commit) and how long the rank waited for it."""
+    keys of the step (recorded at commit) and their store bytes, and how long the rank waited
+    for it."""
 
     items: list[Item]
     micro_batches: list[Any]
     keys: list[Key] = field(default_factory=list)  # every rank's items of this step
+    nbytes: int = 0  # store bytes of every rank's items of this step (the same on every rank)
     wait_s: float = 0.0  # time next_window() blocked (data-wait)
     num_tokens: int = field(init=False)
 
@@ -48,7 +51,9 @@ class Loader:
     """One trainer rank's loader over `source` (see the module doc): windows of `micro_batch *
     accumulation` items, `prefetch` windows ahead (0: one window in flight), heartbeats every
     `heartbeat_s`; `stop_after_s` ends the data after that long; `stop` (set by a signal) stops
-    every rank at the next step."""
+    every rank at the next step; `hold_limit_bytes`: the source holds committed tensors until
+    a checkpoint (live mode), and `checkpoint_due` says so once the windows committed since
+    the last one hold this many store bytes (None: never)."""
 
     def __init__(
         self,
@@ -66,6 +71,7 @@ class Loader:
         stop_after_s: float | None = None,
         stop: threading.Event | None = None,
         report_wait_s: float = 30.0,
+        hold_limit_bytes: int | None = None,
     ):
         self.source, self.loop, self.collate = source, loop, collate
         self.ledger = ledger if ledger is not None else Ledger()
@@ -78,6 +84,10 @@ class Loader:
         self.stopped = False  # next_window() returned None because a stop was asked for
         self.poll_s, self.fetch_timeout_s, self.heartbeat_s = poll_s, fetch_timeout_s, heartbeat_s
         self.report_wait_s = report_wait_s
+        self.hold_limit_bytes = hold_limit_bytes
+        # store bytes of every rank's windows committed since the last `checkpointed()`, from
+        # the lockstep gather: the same on every rank
+        self.held_bytes = 0
         self._ready: queue.Queue[Item] = queue.Queue()
         self._held: list[Item] = []  # taken from _ready, waiting for the window to fill
         self._parked: list[Item] = []  # duplicates of an item another rank trains this step
@@ -232,14 +242,16 @@ class Loader:
         other (the same plan on every rank), settle what is already trained. Returns the
         window when every rank still has a full one, else None (the ranks go on filling)."""
         candidates = self._held[: self.need]
-        rows = gather_objects(([i.key for i in candidates], self.source.drain_retired()))
-        for _, retired in rows:
+        mine = ([i.key for i in candidates], [i.nbytes for i in candidates],
+                self.source.drain_retired())  # fmt: skip
+        rows = gather_objects(mine)
+        for _, _, retired in rows:
             self.ledger.retire(retired)
-        plans = plan_round(self.ledger, [keys for keys, _ in rows])
-        mine = plans[rank()]
-        self._settle_trained([candidates[i] for i in mine.trained])
-        self._parked.extend(candidates[i] for i in mine.parked)
-        self._held = [candidates[i] for i in mine.keep] + self._held[self.need :]
+        plans = plan_round(self.ledger, [keys for keys, _, _ in rows])
+        plan = plans[rank()]
+        self._settle_trained([candidates[i] for i in plan.trained])
+        self._parked.extend(candidates[i] for i in plan.parked)
+        self._held = [candidates[i] for i in plan.keep] + self._held[self.need :]
         if any(len(p.keep) < self.need for p in plans):
             return None
         items, self._held = self._held[: self.need], self._held[self.need :]
@@ -247,8 +259,10 @@ class Loader:
             self.collate([it.tensors for it in items[i : i + self.micro_batch]])
             for i in range(0, self.need, self.micro_batch)
         ]
-        keys = [keys[i] for (keys, _), plan in zip(rows, plans, strict=True) for i in plan.keep]
-        return Window(items=items, micro_batches=mbs, keys=keys)
+        kept = [(keys[i], sizes[i]) for (keys, sizes, _), p in zip(rows, plans, strict=True)
+                for i in p.keep]  # fmt: skip
+        return Window(items=items, micro_batches=mbs, keys=[k for k, _ in kept],
+                      nbytes=sum(n for _, n in kept))  # fmt: skip
 
     def _drop_trained_held(self) -> None:
         """Items another rank trained since this rank took them: settle them before counting."""
@@ -294,6 +308,7 @@ class Loader:
         item comes back and is filtered), then free their tensors. Parked duplicates are
         settled by the next round, now that their originals are in."""
         self.ledger.record(window.keys)
+        self.held_bytes += window.nbytes
         with span("ack", attributes={"messages": len(window.items)}):
             try:
                 self.loop.call(self.source.ack(window.items))
@@ -303,12 +318,24 @@ class Loader:
                 log.warning("rank %d: %s; they will be redelivered and filtered", rank(), e)
         self._forget(window.items)
         with span("release", attributes={"samples": len(window.items)}):
-            self.source.release(window.items)
+            self.source.release(window.items)  # live: held until `checkpointed`
         for item in window.items:
             item.tensors = {}
         if self._parked:
             parked, self._parked = self._parked, []
             self._held[:0] = parked  # trained ones are settled by the next round's first look
+
+    @property
+    def checkpoint_due(self) -> bool:
+        """The windows committed since the last checkpoint hold `hold_limit_bytes` (every rank
+        answers the same): the trainer checkpoints now, so that the source frees them."""
+        return self.hold_limit_bytes is not None and self.held_bytes >= self.hold_limit_bytes
+
+    def checkpointed(self) -> None:
+        """A durable checkpoint holds every committed window: the source frees what its
+        `release` held back (live mode). Every rank calls it after the checkpoint's barrier."""
+        self.source.checkpointed()
+        self.held_bytes = 0
 
     def close(self) -> None:
         """Stop prefetching and give back everything still leased (nak, no delay), then

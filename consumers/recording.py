@@ -356,6 +356,9 @@ class RecordingSource:
     def release(self, items: list[Item]) -> None:
         """Nothing: a recording is read again next epoch."""
 
+    def checkpointed(self) -> None:
+        """Nothing: a recording is never released."""
+
     def drain_retired(self) -> list[int]:
         """Positions skipped (missing features) since the last call, for the cursor."""
         out, self._retired = self._retired, []

@@ -3,8 +3,11 @@
 One `Trainer` per rank, built from its parts (`TrainParts`), its loader and `cfg.training`.
 Each step trains one window of the loader, runs one gradient collective, steps, then commits
 the window (ledger, ack, release); checkpoints hold the model, optimizer and the loader's
-ledger. On a stop it saves the last step; after a failure rank 0 saves it when it can alone.
-The semantics (exactly once, stop and failure): docs/architecture.md.
+ledger; once one is written every rank lets its source free what it held back for it (live
+mode: trained tensors wait for the checkpoint that covers them, and one comes early when they
+reach the loader's limit, `Loader.checkpoint_due`). On a stop it saves the last step; after a
+failure rank 0 saves it when it can alone. The semantics (exactly once, stop and failure):
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -182,7 +185,7 @@ class Trainer:
                     self._step(window)
                 if self.state.step % cfg.log_every == 0:
                     self._log()
-                if self.checkpoints is not None and self.state.step % cfg.checkpoint_every == 0:
+                if self.checkpoints is not None and self._checkpoint_due():
                     self.save()
         except BaseException as e:
             # The model and the ledger are at the last optimizer step (a failed step never
@@ -201,6 +204,9 @@ class Trainer:
             self._log()
         if self.checkpoints is not None and self._last_checkpoint_step != self.state.step:
             self.save()
+        # Every trained window is in the last checkpoint (or there are none): what the source
+        # still holds (duplicates settled since) is freed.
+        self.loader.checkpointed()
         return self._result(stopped=self.loader.stopped)
 
     def _result(self, *, stopped: bool) -> TrainResult:
@@ -232,6 +238,8 @@ class Trainer:
             t_bus = time.perf_counter()
             self.state.step += 1
             self.loader.commit(window)
+            if self.checkpoints is None:  # no checkpoint will ever cover it: free it now
+                self.loader.checkpointed()
             bus_s = time.perf_counter() - t_bus
             for k, v in {**result.metrics, "grad_norm": result.grad_norm}.items():
                 self._window_metrics[k].append(_scalar(v))
@@ -280,9 +288,28 @@ class Trainer:
                 return row["sim_accept_len"]
         return None
 
+    def _checkpoint_due(self) -> bool:
+        """Every `checkpoint_every` steps, or early when the loader's source holds as much as
+        it may for the next checkpoint (`Loader.checkpoint_due`: the same on every rank)."""
+        if self.state.step % self.cfg.checkpoint_every == 0:
+            return True
+        if not self.loader.checkpoint_due:
+            return False
+        if self.rank == 0:
+            log.info(
+                "checkpoint at step %d, before checkpoint_every=%d: the %d steps since the last "
+                "one hold %d bytes in the store until a checkpoint covers them (limit %d)",
+                self.state.step, self.cfg.checkpoint_every,
+                self.state.step - self._last_checkpoint_step, self.loader.held_bytes,
+                self.loader.hold_limit_bytes,
+            )  # fmt: skip
+        return True
+
     def save(self) -> None:
-        """Rank 0 writes the checkpoint; every rank agrees on the step before moving on.
-        Under FSDP every rank takes part in gathering the full state."""
+        """Rank 0 writes the checkpoint; every rank agrees on the step before moving on, then
+        lets its source free what it held for this checkpoint (the barrier comes after rank 0's
+        write: past it, the checkpoint is on disk). Under FSDP every rank takes part in
+        gathering the full state."""
         if self.checkpoints is not None and (self.rank == 0 or self.sharded):
             state = self.state_dict()
             if self.rank == 0:
@@ -292,6 +319,7 @@ class Trainer:
         self._last_checkpoint_step = self.state.step
         if distributed():
             torch.distributed.barrier(group=control_group())
+        self.loader.checkpointed()
 
     def _save_alone(self) -> None:
         """After a failure: rank 0 saves the last optimizer step when it can do so without its
@@ -317,6 +345,10 @@ class Trainer:
         self._last_checkpoint, self._last_checkpoint_step = str(path), self.state.step
         log.warning("saved the checkpoint of step %d after the failure: %s", self.state.step, path)
         self._announce_checkpoint(path)
+        try:  # this rank's held tensors are covered now (the others' are swept at the resume)
+            self.loader.checkpointed()
+        except Exception as e:  # noqa: BLE001 - the original failure is what propagates
+            log.warning("could not free the tensors held for step %d: %s", self.state.step, e)
 
     def _announce_checkpoint(self, path: Path) -> None:
         if self.hooks.on_checkpoint is None:

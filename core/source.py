@@ -28,6 +28,7 @@ class Item:
     links: list[Any] = field(default_factory=list)  # trace links to the capture spans
     stored: Any = None  # what the source's store releases (a SampleRef, or the put's specs)
     redelivered: bool = False
+    nbytes: int = 0  # bytes its tensors hold in the store (0: not counted by this source)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -59,7 +60,7 @@ class Trained(Protocol):
 class Source(Protocol):
     """Where a trainer rank's items come from (see the module doc); the loader's only view of upstream.
     `take`, `upstream`, `keepalive`, `ack`, `nak`, `give_back` run on the bus loop; `release`,
-    `unsettled`, `drain_retired`, `usage` are safe from the training thread."""
+    `checkpointed`, `unsettled`, `drain_retired`, `usage` are safe from the training thread."""
 
     stats: dict[str, float]
 
@@ -88,7 +89,13 @@ class Source(Protocol):
         """Leases this rank holds unsettled (handed out or received and buffered)."""
 
     def release(self, items: list[Item]) -> None:
-        """Free the items' tensors in the store (after ack)."""
+        """The items are trained (after ack): free their tensors in the store, or, for a
+        source whose tensors cannot be captured again (live), hold them until `checkpointed`."""
+
+    def checkpointed(self) -> None:
+        """A durable checkpoint holds everything trained so far (or none ever will: a trainer
+        without checkpoints): free what `release` held back. A no-op for a source that frees
+        at `release`."""
 
     def drain_retired(self) -> list[int]:
         """Sequences settled here that will never be trained (dead, superseded) since the

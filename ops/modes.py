@@ -67,6 +67,14 @@ class Mode:
     check: Callable[[RunConfig, TargetInfo, int], IslandPlan | None] = _no_check
     # who writes the run's manifest (what the trainers wait for, named in their messages)
     manifest_writer: str = "the feeder (`specbus feed`)"
+    # The source holds trained tensors in the store until a checkpoint covers them (they
+    # cannot be captured again): (cfg) -> the store bytes of trained windows at which the
+    # trainers checkpoint early. None: freed at the ack.
+    held_until_checkpoint: Callable[[RunConfig], int] | None = None
+
+    def hold_limit_bytes(self, cfg: RunConfig) -> int | None:
+        """The loader's `hold_limit_bytes` for this mode (None: nothing is held)."""
+        return self.held_until_checkpoint(cfg) if self.held_until_checkpoint else None
 
 
 def disaggregated_source(ctx: RankContext, cls: type[BusSource] = BusSource) -> tuple[Source, int]:
@@ -87,8 +95,18 @@ def disaggregated_source(ctx: RankContext, cls: type[BusSource] = BusSource) -> 
 
 def live_source(ctx: RankContext) -> tuple[Source, int]:
     """The refs the live intake published from serving traffic: the disaggregated source
-    without an end of data or recapture (`LiveSource`)."""
+    without an end of data or recapture, trained tensors held until a checkpoint covers them
+    (`LiveSource`)."""
     return disaggregated_source(ctx, LiveSource)
+
+
+def live_held_bytes(cfg: RunConfig) -> int:
+    """The trained-and-held store bytes at which a live run's trainers checkpoint early: half
+    the intake's shed watermark of the store budget. Held tensors are resident and the intake
+    sheds on residency at `live.shed_watermark x store.budget_bytes`; the step that reaches
+    this checkpoints at once (freeing what is held), so while the trainers wait for traffic
+    what they hold stays under half the watermark and the other half takes the captures."""
+    return int(cfg.live.shed_watermark * cfg.store.budget_bytes / 2)
 
 
 def check_live(cfg: RunConfig, info: TargetInfo, world: int) -> None:
@@ -163,5 +181,5 @@ COLOCATED = Mode(
 )
 LIVE = Mode(
     "live", TRAINERS, sweeps_store=True, source=live_source, check=check_live,
-    manifest_writer="the intake (`specbus intake`)",
+    manifest_writer="the intake (`specbus intake`)", held_until_checkpoint=live_held_bytes,
 )  # fmt: skip

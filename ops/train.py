@@ -98,7 +98,7 @@ def run_trainer(
                 heartbeat_s=min(cfg.bus.heartbeat_s, cfg.bus.ack_wait_s / 3),
                 fetch_timeout_s=cfg.bus.fetch_timeout_s,
                 stop_after_s=cfg.training.max_minutes * 60 if cfg.training.max_minutes else None,
-                stop=stop,
+                stop=stop, hold_limit_bytes=mode.hold_limit_bytes(cfg),
             )  # fmt: skip
             hooks = TrainerHooks(reporter(cfg, on_log, rank, loop=loop, run=run),
                                  lambda: best_effort_lag(loop, run), cfg.resolved_run_dir / "profile",

@@ -239,6 +239,9 @@ class ColocatedSource(LeaseSettlement):
         for item in items:
             self.store.release(item.stored)
 
+    def checkpointed(self) -> None:
+        """Nothing held back: a released task is captured again if it comes back."""
+
     def usage(self):
         """This rank's store residency."""
         return self.store.usage()
