@@ -130,9 +130,16 @@ def dspark_chunk_terms_table(z, t_logits_BLV, pos_BnK, tgt, w, ev, ce_alpha, l1_
 
 
 def _dspark_terms(z, t_logits, tgt, w, ev, ce_alpha: float, l1_alpha: float):
+    # Every term from four row statistics (max and log-sum-exp of the draft's and the
+    # teacher's logits): the probabilities' maxima are exp(max - lse), not reductions over a
+    # softmax, and p is exp(log p), not a second softmax. Compiled, that is fewer passes over
+    # the chunk's [rows, V] logits in the one reduction kernel (19.7 of an 88 ms H200 step).
     evf = ev.float()
-    logp = torch.log_softmax(z.float(), dim=-1)
-    ce = -logp.gather(-1, tgt[..., None]).squeeze(-1)
+    zf = z.float()
+    z_max = zf.amax(-1)
+    lse = z_max + (zf - z_max[..., None]).exp().sum(-1).log()
+    logp = zf - lse[..., None]
+    ce = lse - zf.gather(-1, tgt[..., None]).squeeze(-1)
     pred = z.argmax(-1)
     hit = ((pred == tgt) & ev).float()
     zero = ce.new_zeros(())
@@ -140,31 +147,31 @@ def _dspark_terms(z, t_logits, tgt, w, ev, ce_alpha: float, l1_alpha: float):
     rate_K = ce.new_zeros(ce.shape[-1])
     accept = torch.zeros_like(ce)
     blocks = ev.any(-1).float()
+    p = logp.exp()
     if t_logits is not None:
-        t_prob = torch.softmax(t_logits.float(), dim=-1)
+        tf = t_logits.float()
+        t_max = tf.amax(-1)
+        t_lse = t_max + (tf - t_max[..., None]).exp().sum(-1).log()
         t_ids = t_logits.argmax(-1)
-        p = torch.softmax(z.float(), dim=-1)
-        t_top1 = (t_prob.max(-1).values * evf).sum()
-        diff = p - t_prob
-        del t_prob
+        t_top1 = ((t_max - t_lse).exp() * evf).sum()
+        diff = p - (tf - t_lse[..., None]).exp()
         l1 = diff.abs().sum(-1)
         accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
         l1_num = (l1 * w).sum()
         agree = ((pred == t_ids).float() * evf).sum()
-        d_top1 = (p.max(-1).values * evf).sum()
+        d_top1 = ((z_max - lse).exp() * evf).sum()
         tau_num = (((accept * evf).cumprod(-1).sum(-1) + 1.0) * blocks).sum()
         tau_den = blocks.sum()
         rate_K = (accept * evf).sum((0, 1))
         # d|p - t|_1 / dz = p * (sign - <sign, p>): softmax's backward of the sign
-        grad = diff.sign_().mul_(p)
-        grad.sub_(p * grad.sum(-1, keepdim=True)).mul_((l1_alpha * w)[..., None])
+        sign_p = diff.sign() * p
+        grad = (sign_p - p * sign_p.sum(-1, keepdim=True)) * (l1_alpha * w)[..., None]
         if ce_alpha:
-            grad.add_(logp.exp_().mul_((ce_alpha * w)[..., None]))
-        del p
+            grad = grad + p * (ce_alpha * w)[..., None]
     else:
-        grad = logp.exp_().mul_((ce_alpha * w)[..., None])
+        grad = p * (ce_alpha * w)[..., None]
     if ce_alpha:
-        grad.scatter_add_(-1, tgt[..., None], -(ce_alpha * w)[..., None])
+        grad = grad.scatter_add(-1, tgt[..., None], -(ce_alpha * w)[..., None])
     acc_len = accept_prefix(pred, tgt, ev)
     return (
         grad.to(z.dtype), accept, ce_alpha * (ce * w).sum() + l1_alpha * l1_num,
