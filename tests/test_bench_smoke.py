@@ -1,0 +1,56 @@
+"""The H200 benchmarks' code paths on the CPU (`--tiny`): a device call costs minutes of a
+30-minute budget, so a script that cannot start, or reports nothing, must fail here first.
+And the compile limit the GPU runs rely on (core/models/kernels.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench(module: str, *args: str, timeout: float = 180) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", f"specbus.ops.bench.{module}", *args], cwd=ROOT,
+                   env=env, check=True, timeout=timeout, capture_output=True)  # fmt: skip
+
+
+def test_mixed_lengths_probe_reports_every_phase(tmp_path):
+    out = tmp_path / "mixed.json"
+    phases = "new,seen,fixed,new@torchsdpa,new@bucket"
+    _bench("mixed_lengths", "--tiny", "--n", "2", "--phases", phases, "--out", str(out))
+    rows = json.loads(out.read_text())["results"]["dspark"]
+    assert list(rows) == phases.split(",")
+    for row in rows.values():
+        assert row["n"] == 2 and len(row["prefill_ms"]) == len(row["step_ms"]) == 2
+        assert row["prefill_ms_mean"] > 0 and row["step_ms_mean"] > 0 and row["samples_per_s"] > 0
+
+
+def test_step_profile_reports_each_strategy(tmp_path):
+    out = tmp_path / "profile.json"
+    _bench("step_profile", "--tiny", "--strategies", "dspark,eagle3", "--seqs", "64",
+           "--reps", "1", "--warmup", "1", "--out", str(out))  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == ["dspark", "eagle3"]
+    for by_seq in results.values():
+        (row,) = by_seq.values()
+        assert row["step_ms"] > 0 and row["ops"] > 0
+
+
+def test_the_compile_limit_is_raised_above_dynamos_default():
+    """Size-range guards recompile the dynamic kernels now and then; at Dynamo's default of 8
+    graphs a function would run eagerly for good (docs/benchmarks.md, "Mixed lengths")."""
+    import torch._dynamo.config as dynamo
+    from specbus.core.models.kernels import RECOMPILE_LIMIT, raise_recompile_limit
+
+    before = dynamo.recompile_limit
+    try:
+        dynamo.recompile_limit = 8
+        raise_recompile_limit()
+        assert dynamo.recompile_limit == RECOMPILE_LIMIT >= 32
+    finally:
+        dynamo.recompile_limit = before
