@@ -91,8 +91,9 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
   # (the stage's own arguments last: `--steps` there overrides the default)
   stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --steps 24 \
     --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$PERF/gpu_pipeline.json" ${EAGLE3_ARGS:-}
-  stage dflash ${DFLASH_LIMIT:-200} python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
-    --steps 24 --warmup 8 --log-every 4 --colocated-prefetch 1 --timeout 90 --out "$PERF/gpu_dflash.json" ${DFLASH_ARGS:-}
+  # 40 steps after 16: mixed lengths compile a few size ranges in the first steps (kernels.py)
+  stage dflash ${DFLASH_LIMIT:-260} python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
+    --steps 56 --warmup 16 --log-every 4 --colocated-prefetch 1 --timeout 120 --out "$PERF/gpu_dflash.json" ${DFLASH_ARGS:-}
   stage gputests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
     tests/test_gpu_perf.py tests/test_eagle3_gpu.py
   python3 -m specbus.ops.bench.perf_summary "$PERF" 2>&1 | tee "$PERF/summary.txt"
