@@ -256,7 +256,10 @@ class Trainer:
         row: dict[str, float] = {"step": float(self.state.step)}
         row.update({k: sum(v) / len(v) for k, v in self._window_metrics.items() if v})
         row["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        row["samples_per_s"] = iv["samples"] / elapsed
+        row["samples_per_s"] = iv["samples"] / elapsed  # this rank's
+        # the world's: every rank trains the same number of samples per step (lockstep)
+        world = torch.distributed.get_world_size() if distributed() else 1
+        row["world_samples_per_s"] = row["samples_per_s"] * world
         row["tokens_per_s"] = iv["tokens"] / elapsed
         row["steps_per_s"] = iv["steps"] / elapsed
         row["data_wait_frac"] = iv["wait"] / elapsed

@@ -25,7 +25,8 @@ _GROUPS: dict[str, str] = {
     "sim_accept_len": "acceptance/sim_accept_len",
     "lr": "optim/lr",
     "grad_norm": "optim/grad_norm",
-    "samples_per_s": "throughput/samples_per_s",
+    "samples_per_s": "throughput/samples_per_s",  # rank 0's own
+    "world_samples_per_s": "throughput/world_samples_per_s",  # every rank's
     "tokens_per_s": "throughput/tokens_per_s",
     "steps_per_s": "throughput/steps_per_s",
     "data_wait_frac": "time/data_wait_frac",

@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from specbus.ops.cli import add_common, config_of, resolve_url
+from specbus.ops.observe import samples_rate
 
 log = logging.getLogger("specbus")
 
@@ -27,10 +28,10 @@ def format_row(row: dict[str, float], total: int | None = None) -> str:
     step = int(row["step"])
     parts = [f"step {step}" + (f"/{total}" if total else "")]
     for key, fmt in (("loss", "loss {:.3f}"), ("acc_0", "acc0 {:.3f}"), ("sim_accept_len", "tau {:.2f}"),
-                     ("samples_per_s", "{:.1f} samples/s"), ("tokens_per_s", "{:.0f} tok/s"),
+                     ("samples_per_s", None), ("tokens_per_s", "{:.0f} tok/s"),
                      ("data_wait_frac", "wait {:.1%}"), ("bus_s_per_step", "bus {:.1e}s/step")):  # fmt: skip
         if key in row:
-            parts.append(fmt.format(row[key]))
+            parts.append(fmt.format(row[key]) if fmt else samples_rate(row))
     for key in ("dead_letters", "recaptures"):
         if row.get(key):
             parts.append(f"{key.replace('_', ' ')} {int(row[key])}")

@@ -67,6 +67,15 @@ class _ProgressWriter:
         self._pending = self.loop.submit(self.run.kv.put_progress({**row, "time": time.time()}))
 
 
+def samples_rate(row: dict[str, float]) -> str:
+    """The world's samples/s of a log row, with the rank's own beside it on several ranks."""
+    mine = row["samples_per_s"]
+    world = row.get("world_samples_per_s", mine)
+    if abs(world - mine) <= 1e-9 * max(world, 1.0):
+        return f"{mine:.1f} samples/s"
+    return f"{world:.1f} samples/s ({mine:.1f}/rank)"
+
+
 def tensorboard_hint(cfg: RunConfig) -> str | None:
     """The command that shows the run's TensorBoard scalars (None when none are written)."""
     import importlib.util

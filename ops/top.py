@@ -16,6 +16,7 @@ from typing import Any
 from specbus.bus.connection import Bus
 from specbus.bus.status import run_status
 from specbus.bus.topology import open_kv
+from specbus.ops.observe import samples_rate
 
 
 async def snapshot(bus: Bus, run: str) -> dict[str, Any]:
@@ -41,10 +42,10 @@ def _trainers_line(p: dict[str, Any] | None, now: float) -> str:
         return "progress   no trainer log row yet"
     parts = [f"step {int(p.get('step', 0))}"]
     for key, fmt in (("loss", "loss {:.3f}"), ("sim_accept_len", "tau {:.2f}"),
-                     ("steps_per_s", "{:.2f} steps/s"), ("samples_per_s", "{:.1f} samples/s"),
+                     ("steps_per_s", "{:.2f} steps/s"), ("samples_per_s", None),
                      ("tokens_per_s", "{:.0f} tok/s"), ("data_wait_frac", "wait {:.0%}")):  # fmt: skip
         if key in p:
-            parts.append(fmt.format(p[key]))
+            parts.append(fmt.format(p[key]) if fmt else samples_rate(p))
     if "time" in p:
         parts.append(f"{max(now - p['time'], 0):.0f}s ago")
     return "progress   " + " | ".join(parts)

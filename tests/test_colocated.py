@@ -90,6 +90,8 @@ def test_colocated_residency_never_exceeds_one_window(tmp_path, tiny_target, nat
     assert (
         max(row["store_peak_bytes"] for row in history) <= cfg.training.micro_batch * sample_bytes
     )
+    for row in history:  # rank 0's rows: the world's rate is both ranks' (lockstep)
+        assert row["world_samples_per_s"] == pytest.approx(2 * row["samples_per_s"])
     assert len(cluster.checkpoint_state()["lineage"]) == 16
 
 

@@ -91,11 +91,21 @@ def test_rank0_writes_tensorboard_scalars(trained_run):
     tags = set(acc.Tags()["scalars"])
     for tag in ("train/loss", "train/acc_0", "train/ploss_1", "acceptance/sim_accept_len",
                 "optim/lr", "optim/grad_norm", "throughput/samples_per_s",
+                "throughput/world_samples_per_s",
                 "throughput/tokens_per_s", "time/data_wait_frac", "time/bus_s_per_step",
                 "store/resident_bytes", "bus/lag_refs", "bus/redeliveries",
                 "bus/dead_letters"):  # fmt: skip
         assert tag in tags, sorted(tags)
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4]  # log_every 2, 4 steps
+
+
+def test_the_console_line_gives_the_worlds_samples_per_s_and_the_ranks():
+    from specbus.ops.commands import format_row
+
+    one = format_row({"step": 3, "samples_per_s": 0.8, "world_samples_per_s": 0.8})
+    two = format_row({"step": 3, "samples_per_s": 0.8, "world_samples_per_s": 1.6})
+    assert "0.8 samples/s" in one and "/rank" not in one
+    assert "1.6 samples/s (0.8/rank)" in two
 
 
 def test_top_once_shows_the_run(trained_run, nats_server, capsys):
