@@ -194,6 +194,36 @@ def test_driven_tasks_arrive_once_with_their_rows(served, nats_server):
     check_refs(nats_server.url, cfg, store, cap, tasks, seqs)
 
 
+def test_a_recapture_task_is_driven_at_its_generation(served, nats_server):
+    """Tensors are a cache: when a trainer finds a driven ref's tensors gone it republishes the
+    task at the next generation (`BusSource._request_recapture`). The driven producer captures
+    it through the server like any task; the sink stores it under that generation (keys apart
+    from the lost ones) and the intake publishes the ref at it, checked against the task."""
+    (cfg, store, cap, thread), make = served
+    server = make().start()
+    first = tasks_of(cfg.run, 2)
+    engine = engine_for(cfg, thread, server.url)
+    _, seqs, _ = asyncio.run(drive(cfg, nats_server.url, engine, store, first))
+    (lost,) = [r for r in lease_refs(nats_server.url, cfg.run, 4) if r.task_id == "drv-0"]
+    store.release(lost)  # as after the ack of a trained ref, before a resume replays it
+    again = first[0].model_copy(update={"generation": 1, "source": "recapture"})
+    worker, reseqs, _ = asyncio.run(drive(cfg, nats_server.url, engine, store, [again]))
+    engine.close()
+    assert worker.stats.tasks == 1 and worker.stats.dead_letters == 0
+    refs = {(r.sample_id, r.generation): r for r in lease_refs(nats_server.url, cfg.run, 6)}
+    assert sorted(refs) == [("drv-0-e0", 0), ("drv-0-e0", 1), ("drv-1-e0", 0)]
+    ref = refs["drv-0-e0", 1]
+    assert ref.task_seq == reseqs["drv-0"] != seqs["drv-0"]
+    assert all("/g1/" in spec.key for spec in ref.features.values())
+    got = store.get(ref)
+    src = {d.source: got[d.name] for d in cap.features}
+    ids = list(again.input_ids)
+    assert src["input_ids"].tolist() == ids and src["loss_mask"].tolist() == list(again.loss_mask)
+    width = len(cap.aux_layers) * cap.hidden_size
+    torch.testing.assert_close(src["aux"], rows_at(list(range(len(ids))), ids, width),
+                               rtol=0, atol=0)  # fmt: skip
+
+
 def wait_for(get, status: str, timeout_s: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while (got := get()).get("status") != status and time.monotonic() < deadline:

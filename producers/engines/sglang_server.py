@@ -107,9 +107,6 @@ class SGLangServerEngine:
         duplicate). Raises `ServerUnreachable`, `LayerNotApplied`, `Shed` or `CaptureError`."""
         if task.input_ids is None:
             raise CaptureError(f"task {task.task_id} has no input_ids (the feeder tokenises)")
-        if task.generation != 0:
-            raise CaptureError(f"task {task.task_id} is a recapture (generation "
-                               f"{task.generation}): sglang_server captures generation 0 only")  # fmt: skip
         rid = driven_rid(task_seq, task_sample_id(task))
         before = self._intake("GET", f"{OUTCOMES_PATH}/{rid}").json()
         if before.get("status") in ("accepted", "duplicate"):  # an earlier attempt's ref is out

@@ -7,10 +7,11 @@ The layer always captures such an id; the capture sink then:
 1. GETs the task from the intake (`GET /v1/spec-capture/tasks/<seq>`: its sample id, token ids
    and loss mask, read from the run's TASKS stream), and refuses a capture whose token ids are
    not the task's (`driven_tensors`): a request id alone cannot inject features;
-2. puts the features (every row the task's, the task's loss mask) and POSTs the record as for
-   any capture. The intake publishes the SampleRef under the task's sample id (dedup id = run +
-   sample id + generation 0), with the task's id, TASKS sequence and epoch, and remembers its
-   answer per request id (`DrivenBook`, the last `keep` ones);
+2. puts the features (every row the task's, the task's loss mask) under the task's generation
+   (a recapture task's is > 0: its keys never meet the lost generation's) and POSTs the record
+   as for any capture. The intake publishes the SampleRef under the task's sample id and
+   generation (dedup id = run + sample id + generation), with the task's id, TASKS sequence and
+   epoch, and remembers its answer per request id (`DrivenBook`, the last `keep` ones);
 3. the producer asks for that answer (`GET /v1/spec-capture/outcomes/<request id>?wait_s=
    &after=<n>`, `n`: the latest answer number before its request, so an earlier attempt's
    answer is never taken for this one's) and acks its task only once it is `accepted` or
@@ -102,15 +103,28 @@ class DrivenBook:
             await asyncio.sleep(0.05)
 
 
+def record_generation(rec) -> int:
+    """The generation a record's keys are stored under (the sink puts a driven capture under
+    its task's); `ValueError` if its features disagree."""
+    from specbus.core.store.base import parse_key
+
+    gens = {parse_key(spec.key).gen for spec in rec.features.values()}
+    if len(gens) != 1:
+        raise ValueError(f"{rec.request_id}: features of generations {sorted(gens)}")
+    return gens.pop()
+
+
 async def check_driven(book: DrivenBook, rec, reject) -> PromptTask:
-    """The task a driven record claims to be, checked (`reject(reason, detail)` -> exception)."""
+    """The task a driven record claims to be, checked (`reject(reason, detail)` -> exception):
+    its sample id, and the generation its keys were stored under (a recapture task's > 0)."""
     seq, sample_id = driven_of(rec.request_id)
     task = await book.task(seq)
     if task is None:
         raise reject("driven", f"no task at TASKS seq {seq}")
-    if task_sample_id(task) != sample_id or task.generation != 0:
+    gen = record_generation(rec)
+    if task_sample_id(task) != sample_id or task.generation != gen:
         raise reject("driven", f"TASKS seq {seq} is {task_sample_id(task)} generation "
-                     f"{task.generation}, the record says {sample_id} generation 0")  # fmt: skip
+                     f"{task.generation}, the record says {sample_id} generation {gen}")  # fmt: skip
     if rec.num_tokens != len(task.input_ids or ()) or rec.num_prompt_tokens != 0:
         raise reject("driven", f"{rec.num_tokens} rows, the task has {len(task.input_ids or ())}")
     return task

@@ -15,7 +15,7 @@ HTTP (FastAPI on uvicorn; the composition is `ops/live.py`, `specbus intake`):
      capture and removes its keys;
   4. the store holds every key at its spec's size (`store.adopt`; 422 `missing_keys` /
      `integrity`; 503 `store_unavailable`);
-  5. publish the SampleRef (dedup id = run + sample id + generation 0, so a re-POSTed record
+  5. publish the SampleRef (dedup id = run + sample id + generation: 0, or a driven task's; so a re-POSTed record
      is stored once: 200 `duplicate`), bounded by `live.publish_timeout_s` (503
      `broker_unavailable` past it: the sink gives up later than that, `record_timeout_s`);
   6. 200 `accepted` with the stream sequence.
@@ -56,7 +56,7 @@ from specbus.core.errors import (
     StoreUnavailable,
 )
 from specbus.core.store.base import parse_key
-from specbus.producers.live.driven import DrivenBook, add_routes, check_driven
+from specbus.producers.live.driven import DrivenBook, add_routes, check_driven, record_generation
 from specbus.producers.live.wire import (
     CAPTURE_SCHEMA_VERSION,
     CONFIG_PATH,
@@ -255,6 +255,14 @@ class Intake:
                 "features",
                 f"features {sorted(rec.features)}, the handshake says {sorted(self._decls)}",
             )
+        # a live capture is generation 0; a driven one is its task's (a recapture task's is
+        # > 0: `check_driven` compares it with the task), the same for every feature
+        gen = 0
+        if driven_of(rec.request_id) is not None:
+            try:
+                gen = record_generation(rec)
+            except (ValueError, StoreError) as e:
+                raise _bad("features", str(e)) from None
         for name, spec in rec.features.items():
             decl = self._decls[name]
             want = decl.resolve(rec.num_tokens)
@@ -269,8 +277,9 @@ class Intake:
                 parts = parse_key(spec.key, cap.store_id)
             except StoreError as e:
                 raise _bad("features", f"{name}: {e}") from None
-            if (parts.sample_id, parts.gen, parts.name) != (rec.sample_id, 0, name):
-                raise _bad("features", f"{name}: key {spec.key!r} is not {rec.sample_id}/g0/{name}")
+            if (parts.sample_id, parts.gen, parts.name) != (rec.sample_id, gen, name):
+                raise _bad("features", f"{name}: key {spec.key!r} is not "
+                           f"{rec.sample_id}/g{gen}/{name}")  # fmt: skip
 
     def over_watermark(self) -> str | None:
         """The reason to shed now, or None."""
@@ -345,11 +354,13 @@ class Intake:
             raise _bad("features", str(e)) from None
         nbytes = sum(s.nbytes for s in rec.features.values())
         task_id, task_seq, epoch = f"live:{rec.request_id}", 0, 0
+        generation = 0
         if driven_of(rec.request_id) is not None:
             task = await check_driven(self.driven, rec, _bad)
             task_id, task_seq, epoch = task.task_id, driven_of(rec.request_id)[0], task.epoch
+            generation = task.generation
         ref = SampleRef(
-            sample_id=rec.sample_id, run_id=rec.run_id, task_id=task_id,
+            sample_id=rec.sample_id, run_id=rec.run_id, task_id=task_id, generation=generation,
             task_seq=task_seq, epoch=epoch, store_uri=rec.store_uri, features=rec.features, nbytes=nbytes,
             num_tokens=rec.num_tokens, strategy=self.capture.strategy,
             target_fingerprint=rec.target_fingerprint,

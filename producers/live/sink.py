@@ -298,15 +298,18 @@ class CaptureSink:
 
         cfg = self.config
         driven = driven_of(capture.request_id)
-        if driven is not None:  # a producer's task (`driven.py`): its tokens and loss mask
-            tensors = driven_tensors(capture, cfg, self._task(driven[0]), self.features)
+        gen = 0
+        if driven is not None:  # a producer's task (`driven.py`): its tokens, loss mask, generation
+            task = self._task(driven[0])
+            tensors = driven_tensors(capture, cfg, task, self.features)
+            gen = int(task.get("generation", 0))
         else:
             tensors = self.tensors(capture, cfg)
         if tensors is None:
             self._count("too_short")
             return
         try:
-            specs = self._store.put(capture.sample_id, tensors, 0)
+            specs = self._store.put(capture.sample_id, tensors, gen)
         except StoreFull:
             self._count("store_full")
             return
