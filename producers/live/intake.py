@@ -15,8 +15,8 @@ HTTP (FastAPI on uvicorn; the composition is `ops/live.py`, `specbus intake`):
      capture and removes its keys;
   4. the store holds every key at its spec's size (`store.adopt`; 422 `missing_keys` /
      `integrity`; 503 `store_unavailable`);
-  5. publish the SampleRef (dedup id = run + sample id + generation: 0, or a driven task's; so a re-POSTed record
-     is stored once: 200 `duplicate`), bounded by `live.publish_timeout_s` (503
+  5. publish the SampleRef (dedup id = run + sample id + generation, 0 or a driven task's, so
+     a re-POSTed record is stored once: 200 `duplicate`), bounded by `live.publish_timeout_s` (503
      `broker_unavailable` past it: the sink gives up later than that, `record_timeout_s`);
   6. 200 `accepted` with the stream sequence.
   Every answer is a `wire.RecordAnswer` (`status`, `reason`, `detail`) and is counted.
