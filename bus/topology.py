@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -249,6 +251,28 @@ class RunKV:
         of another schema version (a run fed by another specbus)."""
         data = await self._get_bytes(KEY_MANIFEST)
         return None if data is None else Manifest.from_bytes(data)
+
+    async def wait_manifest(
+        self,
+        timeout_s: float,
+        stopped: Callable[[], bool],
+        waiting: Callable[[float], None],
+        poll_s: float = 0.2,
+    ) -> Manifest | None:
+        """The run's manifest once its writer put it; None when `stopped()` first. `waiting
+        (seconds left)` is told at once and then once a minute; `TimeoutError` after
+        `timeout_s` without one."""
+        deadline, said = time.monotonic() + timeout_s, -math.inf
+        while (manifest := await self.get_manifest()) is None:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no manifest after {timeout_s:.0f}s")
+            if time.monotonic() - said >= 60:
+                waiting(deadline - time.monotonic())
+                said = time.monotonic()
+            if stopped():
+                return None
+            await asyncio.sleep(poll_s)
+        return manifest
 
     async def mark_feed_complete(self, task_count: int) -> int:
         """The feeder is done: `task_count` tasks were published for this run."""

@@ -213,7 +213,6 @@ async def feeder_manifest(run, cfg: RunConfig, prepared, timeout_s: float = 600.
     is this config's. False: SIGINT/SIGTERM came first. Raises `ConfigError` for another plan,
     a live manifest, or none after `timeout_s`."""
     import signal
-    import time
 
     from specbus.producers.feeder import plan_hash, plan_of
 
@@ -221,24 +220,21 @@ async def feeder_manifest(run, cfg: RunConfig, prepared, timeout_s: float = 600.
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    def waiting(_left: float) -> None:
+        print(f"specbus intake: waiting for the feeder (`specbus feed`) of run {cfg.run} to "
+              "write its manifest", flush=True)  # fmt: skip
+
     try:
-        deadline, said = time.monotonic() + timeout_s, -1e9
-        while (manifest := await run.kv.get_manifest()) is None:
-            if time.monotonic() > deadline:
-                raise ConfigError(f"run {cfg.run!r} has no manifest after {timeout_s:.0f}s: "
-                                  "start the feeder (`specbus feed`) for this run")  # fmt: skip
-            if time.monotonic() - said >= 60:
-                print(f"specbus intake: waiting for the feeder (`specbus feed`) of run {cfg.run} "
-                      "to write its manifest", flush=True)  # fmt: skip
-                said = time.monotonic()
-            try:
-                await asyncio.wait_for(stop.wait(), 0.2)
-                return False
-            except TimeoutError:
-                pass
+        manifest = await run.kv.wait_manifest(timeout_s, stop.is_set, waiting)
+    except TimeoutError:
+        raise ConfigError(f"run {cfg.run!r} has no manifest after {timeout_s:.0f}s: start the "
+                          "feeder (`specbus feed`) for this run") from None  # fmt: skip
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    if manifest is None:
+        return False
     want = plan_hash(plan_of(cfg, prepared))
     if manifest.mode != "driven" or manifest.plan_hash != want:
         raise ConfigError(

@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -235,21 +234,17 @@ def wait_for_manifest(
     """The run's manifest, once the feeder (a live run: the intake) wrote it; None if a stop
     was asked for first. Raises `ConfigError` after `timeout_s` without one."""
     writer = MODES.get(cfg.deployment.mode).manifest_writer
-    deadline = time.monotonic() + timeout_s
-    said = -math.inf
-    while time.monotonic() < deadline:
-        manifest = loop.call(run.kv.get_manifest())
-        if manifest is not None:
-            return manifest
-        if time.monotonic() - said >= 60:
-            log.info("waiting for %s of run %r to write its manifest; giving up in %.0fs",
-                     writer, cfg.run, deadline - time.monotonic())  # fmt: skip
-            said = time.monotonic()
-        if stop.wait(0.2):
-            return None
-    raise ConfigError(
-        f"run {cfg.run!r} has no manifest after {timeout_s:.0f}s: start {writer} for this run"
-    )
+
+    def waiting(left: float) -> None:
+        log.info("waiting for %s of run %r to write its manifest; giving up in %.0fs",
+                 writer, cfg.run, left)  # fmt: skip
+
+    try:
+        return loop.call(run.kv.wait_manifest(timeout_s, stop.is_set, waiting))
+    except TimeoutError:
+        raise ConfigError(
+            f"run {cfg.run!r} has no manifest after {timeout_s:.0f}s: start {writer} for this run"
+        ) from None
 
 
 def restore(
