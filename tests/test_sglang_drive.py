@@ -242,7 +242,10 @@ def test_a_server_killed_mid_run_loses_and_duplicates_nothing(served, nats_serve
         if not killed and worker.stats.tasks >= 3:
             killed["done_at_kill"] = worker.stats.tasks
             server.kill()
-            time.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while engine.retries == 0:  # the outage landed: a prefill found the server gone
+                assert time.monotonic() < deadline, "no prefill met the killed server"
+                time.sleep(0.05)
             server.start()  # the same port: the producer's retries reach it
 
     worker, seqs, _ = asyncio.run(

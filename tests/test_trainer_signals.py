@@ -7,7 +7,6 @@ tests/test_pipeline.py. The signals are sent once the trainers have logged a ste
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import time
 
@@ -50,17 +49,6 @@ def take_given_back(url: str, run: str, n: int) -> list[int]:
     return asyncio.run(go())
 
 
-def wait_for_line(cluster: Cluster, name: str, pattern: str, timeout_s: float = 180.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = re.search(pattern, cluster.log(name))
-        if found:
-            return found.group(0)
-        assert cluster.procs[name].poll() is None, f"{name} ended\n{cluster.log(name)[-3000:]}"
-        assert time.monotonic() < deadline, f"no {pattern!r} in {name}\n{cluster.log(name)[-3000:]}"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def cluster(tmp_path, tiny_target, nats_server, run_id):
     n = 96
@@ -91,12 +79,12 @@ def test_sigterm_to_every_rank_saves_the_last_step_and_gives_back_the_leases(clu
     cluster.start("feeder", "feed")
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.trainers(WORLD)
-    wait_for_line(cluster, "trainer-0", r"step 2\b")  # mid-run: steps trained, more to come
+    cluster.wait_for_line("trainer-0", r"step 2\b")  # mid-run: steps trained, more to come
     for rank in range(WORLD):
         cluster.procs[f"trainer-{rank}"].send_signal(signal.SIGTERM)
     codes = cluster.wait("trainer-0", "trainer-1", timeout=60)
     cluster.assert_ok(codes)
-    stopped = wait_for_line(cluster, "trainer-0", r"training stopped: (\d+) steps")
+    stopped = cluster.wait_for_line("trainer-0", r"training stopped: (\d+) steps")
     step = int(stopped.split()[2])
     assert cluster.checkpoint_state()["step"] == step
     assert step < cluster.n // WINDOW, "the signal landed after the last step"
@@ -114,7 +102,7 @@ def test_a_dead_peer_then_sigterm_saves_the_last_step_on_rank_0(cluster):
     cluster.start("feeder", "feed")
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.trainers(WORLD)
-    logged = wait_for_line(cluster, "trainer-0", r"step 3\b")
+    logged = cluster.wait_for_line("trainer-0", r"step 3\b")
     cluster.kill("trainer-1")
     cluster.procs["trainer-0"].send_signal(signal.SIGTERM)
     cluster.assert_ok(cluster.wait("trainer-0", timeout=60))

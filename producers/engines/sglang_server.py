@@ -62,6 +62,7 @@ class SGLangServerEngine:
         self.intake_url, self.token = intake_url.rstrip("/"), token
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0))
         self._heard = False  # the intake has answered one of our captures
+        self.retries = 0  # prefills that found the server unreachable and were sent again
         self.info, self.tokenizer = None, None
         self.target_fingerprint = self.tokenizer_fingerprint = ""
         hand = self._intake("GET", CONFIG_PATH).json()
@@ -89,6 +90,7 @@ class SGLangServerEngine:
                 resp = self._http.post(self.url + "/generate", json=body)
             except httpx.TransportError as e:  # refused, reset, killed mid-request
                 last = e
+                self.retries += 1
             else:
                 if resp.status_code == 200:
                     return resp.json()
