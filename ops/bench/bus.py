@@ -89,7 +89,7 @@ def _fetch_batch() -> int:
     return int(os.environ.get("SPECBUS_BENCH_FETCH", FETCH))
 
 
-# ---------------------------------------------------------------- raw nats-py (ops/bench/raw_nats.py)
+# ---------------------------------------------------------------- raw nats-py (bus/raw_nats.py)
 class _Clock:
     """Set `ready`, wait for `go`, then start the wall and CPU clocks (the `started` hook)."""
 
@@ -110,7 +110,7 @@ async def raw_publisher(
     url: str, run: str, n: int, ready, go, records: bool
 ) -> tuple[float, float, int]:
     """`records`: encode each SampleRef in the loop (`to_bytes`), else publish pre-encoded bytes."""
-    from specbus.ops.bench.raw_nats import raw_publish
+    from specbus.bus.raw_nats import raw_publish
 
     refs = sample_refs(n, run)
     items = refs if records else [r.to_bytes() for r in refs]
@@ -125,8 +125,8 @@ async def raw_consumer(
     url: str, run: str, n: int, ready, go, records: bool
 ) -> tuple[float, float, int]:
     """`records`: decode each payload (`SampleRef.from_bytes`) before acking it."""
+    from specbus.bus.raw_nats import raw_consume
     from specbus.core.contracts import SampleRef
-    from specbus.ops.bench.raw_nats import raw_consume
 
     clock = _Clock(ready, go)
     decode = SampleRef.from_bytes if records else None
@@ -137,7 +137,7 @@ async def raw_consumer(
 
 
 async def raw_setup(url: str, run: str) -> None:
-    from specbus.ops.bench.raw_nats import raw_declare
+    from specbus.bus.raw_nats import raw_declare
 
     await raw_declare(url, f"RAWBENCH_{run}", f"rawbench.{run}", "c", max_ack_pending=1024)
 

@@ -1,6 +1,6 @@
 """The bus layer's yardstick: the same job done with plain nats-py, as a careful hand-written
-client would do it. Only `ops/bench/bus.py` uses it. The one module outside `bus/` that imports
-nats (tests/test_architecture.py names it): a yardstick must not go through what it measures.
+client would do it. Only `ops/bench/bus.py` uses it. It lives in `bus/` (the only nats importer)
+but uses none of its modules: a yardstick must not go through what it measures.
 
 - `raw_declare`: a file-backed stream with a duplicate window and one durable pull consumer;
 - `raw_publish`: `js.publish_async` with a `Nats-Msg-Id` per message and a window of
