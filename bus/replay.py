@@ -145,6 +145,8 @@ class _DirectReader:
             if "Nats-Sequence" in headers:
                 got.append(_stored(int(headers["Nats-Sequence"]), headers.get("Nats-Subject", ""),
                                    msg.data, headers))  # fmt: skip
+                if "Nats-Num-Pending" not in headers:  # a server < 2.11 answers one, no batch
+                    return got, True
                 continue
             status, description = headers.get("Status", ""), headers.get("Description", "")
             if status == "204":  # end of batch
