@@ -9,8 +9,9 @@ in the run config so that every process declares the same), announces the URL li
 restarts a node that dies on its ports and store dir (it rejoins and catches up); Ctrl-C or
 SIGTERM stop every node by PID.
 
-`--auth DIR` includes `DIR/auth.conf` (`specbus auth --out DIR`) in every node and declares
-as `DIR/admin.nk`; `--tls DIR` serves TLS with `DIR/ca.pem`, `DIR/server.pem`/`.key`, and
+`--auth DIR` includes `DIR/auth.conf` (`specbus auth --out DIR`: one account per run) in every
+node and declares as the run's admin, `DIR/<run>/admin.nk` (a run DIR has no users of is a
+`ConfigError`); `--tls DIR` serves TLS with `DIR/ca.pem`, `DIR/server.pem`/`.key`, and
 `--mtls` requires client certificates signed by that CA. Without `--cluster` these run one
 node the same way.
 """
@@ -72,7 +73,9 @@ class ClusterUp:
             )  # fmt: skip
         update["replicas"] = replicas
         if self.args.auth:
-            update.update(role_bus(Path(self.args.auth), None, ADMIN, tls=bool(self.args.tls)))
+            # the run's own admin: each run is an account of its own (ops/auth.py)
+            auth = Path(self.args.auth)
+            update.update(role_bus(auth, self.cfg.run, ADMIN, tls=bool(self.args.tls), make=False))
         elif self.args.tls:
             update["tls_ca"] = Path(self.args.tls) / "ca.pem"
         return type(self.cfg.bus).model_validate({**self.cfg.bus.model_dump(), **update})
@@ -85,6 +88,7 @@ class ClusterUp:
         auth = Path(args.auth) / "auth.conf" if args.auth else None
         if auth is not None and not auth.exists():
             raise ConfigError(f"--auth {args.auth}: no auth.conf (run `specbus auth --out {args.auth}`)")  # fmt: skip
+        bus_cfg = self.admin_bus()  # before any node starts: a run without an admin is an error
         sync = None if args.sync == "default" else args.sync
         self.cluster = NatsCluster(self.store_dir, max(1, args.cluster), host=args.host,
                                    auth=auth, tls=self._tls(), sync=sync)  # fmt: skip
@@ -97,7 +101,6 @@ class ClusterUp:
         url = self.cluster.url
         self.lock.update(self._record())
         announce(url, self.store_dir)
-        bus_cfg = self.admin_bus()
         if not args.no_declare:
             asyncio.run(_declare(bus_cfg, url, self.cfg.run))
         pids = ", ".join(f"{n.name} pid {n.pid}" for n in self.cluster.nodes)

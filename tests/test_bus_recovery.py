@@ -115,3 +115,70 @@ def test_reposition_resumes_the_trainers_at_a_sequence(nats_server, run_id, bus_
         await bus.close()
 
     asyncio.run(body())
+
+
+def test_replay_reads_by_direct_get_past_gaps_without_a_consumer(nats_server, run_id, bus_cfg):
+    """A replay creates no consumer (roles may replay without the right to create one,
+    docs/cluster.md): while it runs, the stream has its declared group only; its batches
+    step over a removed message and end at the stream's end (or `end_seq`)."""
+
+    async def body():
+        bus, topo = await open_run(nats_server.url, bus_cfg, run_id)
+        stream = topo.names.samples_stream
+        await Publisher(bus).publish_many(
+            topo.names.samples, [make_ref(run_id, i) for i in range(10)]
+        )
+        await bus.js.delete_msg(stream, 5)
+        seqs = []
+        async for stored in replay(bus, stream, 2, batch=3):
+            seqs.append(stored.seq)
+            assert (await bus.js.stream_info(stream)).state.consumer_count == 1  # "trainers"
+        assert seqs == [2, 3, 4, 6, 7, 8, 9, 10]
+        assert [s.seq async for s in replay(bus, stream, 4, end_seq=99, batch=2)] == [
+            4, 6, 7, 8, 9, 10,
+        ]  # fmt: skip
+        assert [s.seq async for s in replay(bus, stream, 5, end_seq=5)] == []
+        await bus.close()
+
+    asyncio.run(body())
+
+
+def test_reposition_resets_in_place_and_recreates_what_it_cannot_reset(
+    nats_server, run_id, bus_cfg
+):
+    """A reposition keeps the consumer (a reset: deliver-all, same config, the members keep
+    their subscription); a missing group is created, and one created at a start sequence by
+    an earlier specbus (which the server will not reset below it) is recreated deliver-all."""
+    from nats.js.api import DeliverPolicy
+
+    async def body():
+        bus, topo = await open_run(nats_server.url, bus_cfg, run_id)
+        stream = topo.names.samples_stream
+        await Publisher(bus).publish_many(
+            topo.names.samples, [make_ref(run_id, i) for i in range(6)]
+        )
+        group = await Leases.join(bus, run_id, "trainers")
+        await group.ack_all(await group.fetch(6))
+        created = (await bus.js.consumer_info(stream, "trainers")).created
+        await reposition(bus, run_id, "trainers", 3)
+        assert [lease.seq for lease in await group.fetch(6)] == [3, 4, 5, 6]  # same member
+        info = await bus.js.consumer_info(stream, "trainers")
+        assert info.created == created and info.config.deliver_policy == DeliverPolicy.ALL
+        # what an earlier specbus left: the group recreated at a start sequence
+        await bus.js.delete_consumer(stream, "trainers")
+        legacy = info.config
+        legacy.deliver_policy, legacy.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, 5
+        await bus.js.add_consumer(stream, legacy)
+        await reposition(bus, run_id, "trainers", 2)
+        fresh = await Leases.join(bus, run_id, "trainers")
+        assert [lease.seq for lease in await fresh.fetch(6)] == [2, 3, 4, 5, 6]
+        info = await bus.js.consumer_info(stream, "trainers")
+        assert info.config.deliver_policy == DeliverPolicy.ALL
+        assert info.config.ack_wait == bus_cfg.ack_wait_s
+        # a group that is gone is created
+        await bus.js.delete_consumer(stream, "trainers")
+        await reposition(bus, run_id, "trainers", 6)
+        assert [lease.seq for lease in await fresh.fetch(6)] == [6]
+        await bus.close()
+
+    asyncio.run(body())

@@ -132,7 +132,7 @@ def test_replay_get_and_last_ride_through(private_nats_server, run_id, rt_cfg):
 def test_a_replay_interrupted_by_a_restart_goes_on_where_it_was(
     private_nats_server, run_id, rt_cfg
 ):
-    """The replay's ephemeral consumer is memory-backed: the restart loses it. The replay
+    """A batch of the replay's direct gets lost to the restart is asked again: the replay
     must neither end early (an outage is not the end of the stream) nor repeat anything."""
 
     async def body():

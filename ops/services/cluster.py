@@ -16,8 +16,8 @@ and store dir: it rejoins and catches up with the streams' leaders by itself.
 `size=1` is one standalone server (no cluster block) with the same options: the auth and
 TLS include files below apply to either.
 
-- `auth`: a file with an `authorization { users = [...] }` block (`specbus auth --out DIR`
-  writes `DIR/auth.conf`), included by every node;
+- `auth`: a file with the users (`specbus auth --out DIR` writes `DIR/auth.conf`: an
+  `accounts { ... }` block, one account per run), included by every node;
 - `tls`: a `TlsFiles` (CA, server cert and key); `verify=True` requires a client certificate
   signed by the CA (mutual TLS). The routes between the nodes stay plain TCP on loopback.
 """
