@@ -9,6 +9,10 @@ in the run config so that every process declares the same), announces the URL li
 restarts a node that dies on its ports and store dir (it rejoins and catches up); Ctrl-C or
 SIGTERM stop every node by PID.
 
+Ports as for one server (`Up._port`): `--port P` (node i listens on P + i - 1; 0: new free
+ports), else `bus.url`'s when it lists one URL per node, else the ports pinned in the store
+dir's `cluster.json` by an earlier start, else new free ones.
+
 `--auth DIR` includes `DIR/auth.conf` (`specbus auth --out DIR`) in every node and declares
 as `DIR/admin.nk`; `--tls DIR` serves TLS with `DIR/ca.pem`, `DIR/server.pem`/`.key`, and
 `--mtls` requires client certificates signed by that CA. Without `--cluster` these run one
@@ -23,6 +27,7 @@ import logging
 import os
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 from specbus.core.config import RunConfig
@@ -87,7 +92,8 @@ class ClusterUp:
             raise ConfigError(f"--auth {args.auth}: no auth.conf (run `specbus auth --out {args.auth}`)")  # fmt: skip
         sync = None if args.sync == "default" else args.sync
         self.cluster = NatsCluster(self.store_dir, max(1, args.cluster), host=args.host,
-                                   auth=auth, tls=self._tls(), sync=sync)  # fmt: skip
+                                   auth=auth, tls=self._tls(), sync=sync,
+                                   client_ports=self._client_ports())  # fmt: skip
         try:
             self.lock.acquire(self._record(), what=f"the broker store dir {self.store_dir}")
         except DirInUse as e:
@@ -109,6 +115,19 @@ class ClusterUp:
         print(f"commands of this run find it; elsewhere: --url {url}", flush=True)
         print("Ctrl-C to stop", flush=True)
         return self._supervise()
+
+    def _client_ports(self) -> list[int] | None:
+        """The nodes' client ports, as `Up._port` picks one: `--port P` (node i on P + i - 1;
+        0: new free ones), else `bus.url`'s when it names one per node, else None (those
+        pinned in the store dir's `cluster.json`, or new ones)."""
+        n = max(1, self.args.cluster)
+        if self.args.port is not None:
+            return [self.args.port + i if self.args.port else 0 for i in range(n)]
+        urls = [u for u in (self.cfg.bus.url or "").split(",") if u.strip()]
+        ports = [urllib.parse.urlsplit(u.strip()).port for u in urls]
+        if len(ports) == n and all(ports):
+            return ports
+        return None
 
     def _record(self) -> dict:
         record = {"pid": os.getpid(), "store_dir": str(self.store_dir.resolve())}
