@@ -9,6 +9,10 @@ in the run config so that every process declares the same), announces the URL li
 restarts a node that dies on its ports and store dir (it rejoins and catches up); Ctrl-C or
 SIGTERM stop every node by PID.
 
+Ports as for one server (`Up._port`): `--port P` (node i listens on P + i - 1; 0: new free
+ports), else `bus.url`'s when it lists one URL per node, else the ports pinned in the store
+dir's `cluster.json` by an earlier start, else new free ones.
+
 `--auth DIR` includes `DIR/auth.conf` (`specbus auth --out DIR`: one account per run) in every
 node and declares as the run's admin, `DIR/<run>/admin.nk` (a run DIR has no users of is a
 `ConfigError`); `--tls DIR` serves TLS with `DIR/ca.pem`, `DIR/server.pem`/`.key`, and
@@ -24,6 +28,7 @@ import logging
 import os
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 from specbus.core.config import RunConfig
@@ -91,7 +96,8 @@ class ClusterUp:
         bus_cfg = self.admin_bus()  # before any node starts: a run without an admin is an error
         sync = None if args.sync == "default" else args.sync
         self.cluster = NatsCluster(self.store_dir, max(1, args.cluster), host=args.host,
-                                   auth=auth, tls=self._tls(), sync=sync)  # fmt: skip
+                                   auth=auth, tls=self._tls(), sync=sync,
+                                   client_ports=self._client_ports())  # fmt: skip
         try:
             self.lock.acquire(self._record(), what=f"the broker store dir {self.store_dir}")
         except DirInUse as e:
@@ -112,6 +118,19 @@ class ClusterUp:
         print(f"commands of this run find it; elsewhere: --url {url}", flush=True)
         print("Ctrl-C to stop", flush=True)
         return self._supervise()
+
+    def _client_ports(self) -> list[int] | None:
+        """The nodes' client ports, as `Up._port` picks one: `--port P` (node i on P + i - 1;
+        0: new free ones), else `bus.url`'s when it names one per node, else None (those
+        pinned in the store dir's `cluster.json`, or new ones)."""
+        n = max(1, self.args.cluster)
+        if self.args.port is not None:
+            return [self.args.port + i if self.args.port else 0 for i in range(n)]
+        urls = [u for u in (self.cfg.bus.url or "").split(",") if u.strip()]
+        ports = [urllib.parse.urlsplit(u.strip()).port for u in urls]
+        if len(ports) == n and all(ports):
+            return ports
+        return None
 
     def _record(self) -> dict:
         record = {"pid": os.getpid(), "store_dir": str(self.store_dir.resolve())}

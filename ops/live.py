@@ -86,7 +86,9 @@ def trusting(ca: Path | None):
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening-ready socket (SO_REUSEADDR: a restart right after a kill -9 rebinds)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and an
+    # accepted connection inherits it; without, every answer waited ~40 ms (Nagle + delayed ACK)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -333,3 +333,34 @@ def test_a_broker_restart_keeps_the_mooncake_store_and_its_objects(tmp_path, sto
             store.close()
         up.kill()
         _reap(seen)
+
+
+def test_up_with_auth_serves_on_the_port_given(tmp_path):
+    """`specbus up --auth DIR --port P` listens on P (it took a free port instead: issue 33),
+    with the role users in force there, and declares the run through it."""
+    from specbus.ops.services.common import free_port
+
+    auth = tmp_path / "auth"
+    made = Proc(tmp_path, "auth", "--out", str(auth), "run=lc", f"run_dir={tmp_path / 'run'}")
+    assert made.wait() == 0, "".join(made.lines)
+    port = free_port()
+    seen = []
+    up = Proc(tmp_path, "up", "--auth", str(auth), "--port", str(port), "run=lc",
+              f"run_dir={tmp_path / 'run'}")  # fmt: skip
+    try:
+        url, pid = up.expect(r"cluster ready at (nats://\S+) \(n1 pid (\d+)").groups()
+        seen.append(psutil.Process(int(pid)))
+        up.expect(r"run 'lc' declared")  # the admin user connected to `url` and declared
+        up.expect(READY)
+        assert url == f"nats://127.0.0.1:{port}"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            info = s.recv(4096)  # what nats-server says first, to anyone: auth is on here
+        assert info.startswith(b"INFO ") and json.loads(info[5:])["auth_required"] is True
+        assert any(c.laddr.port == port for c in seen[0].net_connections(kind="tcp")
+                   if c.status == psutil.CONN_LISTEN)  # fmt: skip
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.wait() == 0
+        assert not gone(seen)
+    finally:
+        up.kill()
+        _reap(seen)

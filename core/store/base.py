@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 # Ids become path components and key segments: no "/", no leading dot, bounded length.
 _ID = re.compile(r"^[A-Za-z0-9_:=+\-][A-Za-z0-9._:=+\-]{0,199}$")
-_KEY = re.compile(r"^(?P<store>[^/]+)/(?P<sample>[^/]+)/g(?P<gen>\d+)/(?P<name>[^/]+)$")
+_KEY = re.compile(r"(?P<store>[^/]+)/(?P<sample>[^/]+)/g(?P<gen>[0-9]{1,18})/(?P<name>[^/]+)")
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -305,7 +305,7 @@ class KeyParts:
 
 def parse_key(key: str, store_id: str | None = None) -> KeyParts:
     """Split a key; with `store_id`, also check the key belongs to that store."""
-    m = _KEY.match(key)
+    m = _KEY.fullmatch(key)
     if not m:
         raise StoreError(f"key {key!r} is not of the form store/sample/g<gen>/name")
     parts = KeyParts(m["store"], m["sample"], int(m["gen"]), m["name"])

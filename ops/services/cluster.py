@@ -85,15 +85,21 @@ class ClusterNode(NatsServer):
 
 
 class NatsCluster:
+    """`size` nodes under `base_dir` (module doc). `client_ports`: the nodes' client ports
+    (0: a new free one), instead of the ones pinned in `cluster.json` (`specbus up --port`);
+    the route ports stay pinned."""
+
     def __init__(self, base_dir: str | Path, size: int = 3, *, host: str = LOOPBACK,
                  auth: str | Path | None = None, tls: TlsFiles | None = None,
-                 sync: str | None = None):  # fmt: skip
+                 sync: str | None = None, client_ports: list[int] | None = None):  # fmt: skip
         if size < 1:
             raise ServiceError(f"a cluster needs at least one node, not {size}")
+        if client_ports is not None and len(client_ports) != size:
+            raise ServiceError(f"{len(client_ports)} client ports for {size} nodes")
         self.base_dir = Path(base_dir)
         self.size = size
         self.host = host
-        ports = self._ports()
+        ports = self._ports(client_ports)
         clustered = size > 1
         routes = [f"nats-route://{host}:{p}" for p in ports["cluster"]] if clustered else []
         self.nodes = [
@@ -111,24 +117,33 @@ class NatsCluster:
             for i in range(size)
         ]
 
-    def _ports(self) -> dict[str, list[int]]:
-        """The pinned ports of this base dir, or new free ones (pinned by `start`)."""
+    def _ports(self, client: list[int] | None) -> dict[str, list[int]]:
+        """The pinned ports of this base dir, or new free ones (pinned by `start`); `client`
+        replaces the client ports (0: a new one)."""
         path = self.base_dir / PORTS_FILE
+        ports = None
         try:
             ports = json.loads(path.read_text())
-            if len(ports["client"]) == self.size and len(ports["cluster"]) == self.size:
-                return ports
+            if len(ports["client"]) != self.size or len(ports["cluster"]) != self.size:
+                ports = None
         except (OSError, ValueError, KeyError):
-            pass
-        taken: set[int] = set()
-        ports = {"client": [], "cluster": []}
-        for kind in ("client", "cluster"):
-            for _ in range(self.size):
+            ports = None
+        given = [p for p in client or () if p]
+        taken: set[int] = set(given)
+
+        def new() -> int:
+            port = free_port(self.host)
+            while port in taken:
                 port = free_port(self.host)
-                while port in taken:
-                    port = free_port(self.host)
-                taken.add(port)
-                ports[kind].append(port)
+            taken.add(port)
+            return port
+
+        if ports is None or set(ports["cluster"]) & taken:
+            ports = {"client": [new() for _ in range(self.size)],
+                     "cluster": [new() for _ in range(self.size)]}  # fmt: skip
+        if client is not None:
+            taken.update(ports["cluster"])
+            ports["client"] = [p or new() for p in client]
         return ports
 
     @property
@@ -145,7 +160,8 @@ class NatsCluster:
         self.base_dir.mkdir(parents=True, exist_ok=True)
         busy = [n.port for n in self.nodes if not port_free(self.host, n.port)]
         if busy:
-            raise ServiceError(f"cluster ports {busy} (pinned in {self.base_dir / PORTS_FILE}) are in use")  # fmt: skip
+            raise ServiceError(f"ports {busy} (the client ports asked for, or pinned in "
+                               f"{self.base_dir / PORTS_FILE}) are in use")  # fmt: skip
         (self.base_dir / PORTS_FILE).write_text(
             json.dumps({"client": [n.port for n in self.nodes],
                         "cluster": [n.cluster_port for n in self.nodes]})

@@ -22,15 +22,28 @@ request id, so the same sample id and dedup id: the broker keeps one ref.
 """
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from typing import Any
 
 from specbus.core.contracts import PromptTask
-from specbus.producers.live.wire import CaptureConfig, RecordAnswer, driven_of
+from specbus.core.errors import BusError, RecordError
+from specbus.producers.live.wire import (
+    MAX_SEQ,
+    CaptureConfig,
+    RecordAnswer,
+    driven_of,
+    parse_seconds,
+    parse_seq,
+    parse_uint,
+)
+
+log = logging.getLogger("specbus.intake")
 
 TASKS_PATH = "/v1/spec-capture/tasks"
 OUTCOMES_PATH = "/v1/spec-capture/outcomes"
+MAX_WAIT_S = 60.0  # an outcome's long poll waits at most this long
 
 
 def task_sample_id(task: PromptTask) -> str:
@@ -68,13 +81,18 @@ class DrivenBook:
         self._n = 0  # answers noted so far: an answer's number orders it against a retry
 
     async def task(self, seq: int) -> PromptTask | None:
-        """The task at TASKS `seq` (None once it is gone)."""
+        """The task at TASKS `seq` (1 .. `MAX_SEQ`; None once it is gone, or when what is
+        stored there is not a task). Raises the broker's `BusError`."""
         task = self._tasks.get(seq)
         if task is None:
             stored = await self.run.task(seq)
             if stored is None:
                 return None
-            task = PromptTask.from_bytes(stored.data)
+            try:
+                task = PromptTask.from_bytes(stored.data)
+            except RecordError as e:  # not the feeder's: no task a capture can claim
+                log.warning("TASKS seq %d is not a task (%s): %s", seq, e.reason, e)
+                return None
             self._tasks[seq] = task
             while len(self._tasks) > 1024:
                 self._tasks.popitem(last=False)
@@ -93,7 +111,7 @@ class DrivenBook:
     async def wait(self, request_id: str, wait_s: float, after: int = 0):
         """(code, answer, number) of the latest answer to `request_id`'s record numbered above
         `after` (an earlier attempt's answer is not this one's), waiting up to `wait_s`."""
-        deadline = time.monotonic() + max(0.0, min(wait_s, 60.0))
+        deadline = time.monotonic() + max(0.0, min(wait_s, MAX_WAIT_S))
         while True:
             got = self.answers.get(request_id)
             if got is not None and got[2] <= after:
@@ -131,31 +149,60 @@ async def check_driven(book: DrivenBook, rec, reject) -> PromptTask:
 
 
 def add_routes(app, intake, unauthorized) -> None:
-    """`GET TASKS_PATH/<seq>` (for sinks) and `GET OUTCOMES_PATH/<request id>` (for producers)."""
+    """`GET TASKS_PATH/<seq>` (for sinks) and `GET OUTCOMES_PATH/<request id>` (for producers).
+    Ids and numbers are parsed strictly (`wire.parse_seq`, `parse_uint`, `parse_seconds`: 400
+    `bad_seq` / `bad_after` / `bad_wait_s`); a task not (or no longer) on TASKS is a 404
+    `not_found`; the broker's errors are 503s (`refusals.bus_refusal`), and so is a lookup
+    the broker does not answer within `live.publish_timeout_s` (`broker_unavailable`)."""
     # here, not at the top: producers import this module for its names, and a producer host
     # (the GPU machine) need not have the intake's web stack; the annotations are evaluated
     # here (no postponed annotations in this module), so FastAPI sees the real `Request`
     from fastapi import Request
     from fastapi.responses import JSONResponse
+    from specbus.producers.live.refusals import Rejection, bus_refusal, rejected, unavailable
+
+    def refuse(r: Rejection, **extra) -> JSONResponse:
+        intake.metrics.count(r.code, r.reason)
+        return JSONResponse({**r.answer().model_dump(), **extra}, status_code=r.code)
 
     @app.get(TASKS_PATH + "/{seq}")
-    async def task(seq: int, request: Request):
+    async def task(seq: str, request: Request):
         if not intake.authorized(request.headers.get("authorization")):
             return unauthorized()
-        found = await intake.driven.task(seq)
+        n = parse_seq(seq)
+        if n is None:
+            return refuse(rejected("bad_seq", f"{seq[:40]!r} is not a TASKS sequence "
+                                   f"(ASCII digits, 1 .. {MAX_SEQ})", 400))  # fmt: skip
+        timeout_s = intake.cfg.live.publish_timeout_s
+        try:
+            found = await asyncio.wait_for(intake.driven.task(n), timeout_s)
+        except asyncio.TimeoutError:
+            return refuse(unavailable("broker_unavailable", f"TASKS seq {n} not read within "
+                                      f"live.publish_timeout_s={timeout_s:g}s"))  # fmt: skip
+        except BusError as e:
+            return refuse(bus_refusal(e))
         if found is None:
-            return JSONResponse({"detail": f"no task at seq {seq}"}, status_code=404)
+            return refuse(rejected("not_found", f"no task at seq {n}", 404))
         return JSONResponse({"sample_id": task_sample_id(found), "generation": found.generation,
                              "input_ids": list(found.input_ids or ()),
                              "loss_mask": list(found.loss_mask or ())})  # fmt: skip
 
     @app.get(OUTCOMES_PATH + "/{request_id}")
-    async def outcome(request_id: str, request: Request, wait_s: float = 0.0, after: int = 0):
+    async def outcome(request_id: str, request: Request):
         if not intake.authorized(request.headers.get("authorization")):
             return unauthorized()
+        query = request.query_params
+        wait_s = parse_seconds(query.get("wait_s", "0"))
+        after = parse_uint(query.get("after", "0"))
+        if wait_s is None:
+            return refuse(rejected("bad_wait_s", "wait_s: seconds, e.g. 2.5 (at most "
+                                   f"{MAX_WAIT_S:g} are waited)", 400))  # fmt: skip
+        if after is None:
+            return refuse(rejected("bad_after", f"after: an answer number, 0 .. {MAX_SEQ}", 400))
         got = await intake.driven.wait(request_id, wait_s, after)
         if got is None:
-            return JSONResponse({"detail": f"no record of {request_id} yet",
+            return JSONResponse({"status": "rejected", "reason": "not_found",
+                                 "detail": f"no record of {request_id} yet",
                                  "latest": intake.driven._n}, status_code=404)  # fmt: skip
         code, answer, n = got
         return JSONResponse({"code": code, "n": n, **answer.model_dump()})

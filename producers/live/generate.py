@@ -175,10 +175,14 @@ class Generator:
     def _choose(self, logits: torch.Tensor, job: Job, gen: torch.Generator | None) -> int:
         if job.temperature <= 0:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float() / job.temperature, dim=-1)
+        # in float64, the max subtracted first: a tiny temperature (1e-300 is 0 in float32)
+        # scales the others to -inf and the max to 0, never to inf - inf or 0 / 0
+        logits = logits.double()
+        probs = torch.softmax((logits - logits.max()) / job.temperature, dim=-1)
         if job.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < job.top_p
+            keep[0] = True  # the likeliest token always (top_p 0 would keep none)
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=gen))
 

@@ -19,7 +19,9 @@ HTTP (FastAPI on uvicorn; the composition is `ops/live.py`, `specbus intake`):
      a re-POSTed record is stored once: 200 `duplicate`), bounded by `live.publish_timeout_s` (503
      `broker_unavailable` past it: the sink gives up later than that, `record_timeout_s`);
   6. 200 `accepted` with the stream sequence.
-  Every answer is a `wire.RecordAnswer` (`status`, `reason`, `detail`) and is counted.
+  Every answer is a `wire.RecordAnswer` (`status`, `reason`, `detail`) and is counted; on
+  every route a 4xx is the request's fault, a 503 the broker's or the store's, and no other
+  5xx is answered on purpose (`producers/live/refusals.py`).
 - driven capture (`producers/live/driven.py`): `GET /v1/spec-capture/tasks/<seq>` (a task for
   the sink), `GET /v1/spec-capture/outcomes/<request id>?wait_s=` (the answer, for the producer);
   a driven record's ref carries its task's id, TASKS sequence and epoch.
@@ -52,11 +54,20 @@ from specbus.core.errors import (
     FeatureMissing,
     IntegrityError,
     RecordError,
+    StoreDenied,
     StoreError,
     StoreUnavailable,
 )
 from specbus.core.store.base import parse_key
 from specbus.producers.live.driven import DrivenBook, add_routes, check_driven, record_generation
+from specbus.producers.live.refusals import (
+    Rejection,
+    add_handlers,
+    bus_refusal,
+    rejected,
+    store_refusal,
+    unavailable,
+)
 from specbus.producers.live.wire import (
     CAPTURE_SCHEMA_VERSION,
     CONFIG_PATH,
@@ -65,6 +76,8 @@ from specbus.producers.live.wire import (
     CaptureRecord,
     RecordAnswer,
     driven_of,
+    is_reserved,
+    parse_uint,
     sample_id_of,
 )
 
@@ -72,22 +85,6 @@ log = logging.getLogger("specbus.intake")
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4,
              "uint8": 1, "bool": 1}  # fmt: skip
-
-
-class Rejection(Exception):
-    """A record the intake answers with a 4xx/5xx: `code`, machine-readable `reason`, `detail`."""
-
-    def __init__(self, code: int, status: str, reason: str, detail: str = ""):
-        super().__init__(f"{code} {reason}: {detail}")
-        self.code, self.status, self.reason, self.detail = code, status, reason, detail
-
-    def answer(self) -> RecordAnswer:
-        """The body the client gets."""
-        return RecordAnswer(status=self.status, reason=self.reason, detail=self.detail[:500])
-
-
-def _bad(reason: str, detail: str, code: int = 422) -> Rejection:
-    return Rejection(code, "rejected", reason, detail)
 
 
 @dataclass
@@ -198,60 +195,65 @@ class Intake:
         """A POSTed body as a `CaptureRecord`; raises `Rejection` (413 oversize, 400 garbage
         or schema, 422 invalid)."""
         if len(body) > self.capture.max_record_bytes:
-            raise _bad("oversize", f"{len(body)} bytes > {self.capture.max_record_bytes}", 413)
+            raise rejected("oversize", f"{len(body)} bytes > {self.capture.max_record_bytes}", 413)
         try:
             import orjson
 
             obj = orjson.loads(body)
         except Exception as e:  # noqa: BLE001 - any decode failure is garbage
-            raise _bad("garbage", f"not JSON: {e}", 400) from None
+            raise rejected("garbage", f"not JSON: {e}", 400) from None
         if not isinstance(obj, dict):
-            raise _bad("garbage", f"a record is a JSON object, not {type(obj).__name__}", 400)
+            raise rejected("garbage", f"a record is a JSON object, not {type(obj).__name__}", 400)
         if obj.get("schema_version") != CAPTURE_SCHEMA_VERSION:
-            raise _bad("schema", f"schema_version {obj.get('schema_version')!r} is not "
-                       f"{CAPTURE_SCHEMA_VERSION} (GET {CONFIG_PATH})", 400)  # fmt: skip
+            raise rejected("schema", f"schema_version {obj.get('schema_version')!r} is not "
+                           f"{CAPTURE_SCHEMA_VERSION} (GET {CONFIG_PATH})", 400)  # fmt: skip
         try:
             return CaptureRecord.model_validate_json(body)
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(p) for p in err["loc"]) or "<record>"
-            raise _bad("invalid", f"{loc}: {err['msg']}") from None
+            raise rejected("invalid", f"{loc}: {err['msg']}") from None
 
     def check(self, rec: CaptureRecord) -> None:
         """The record against the handshake (no I/O). Raises `Rejection`."""
         cap = self.capture
         if rec.run_id != cap.run_id:
-            raise _bad(
+            raise rejected(
                 "wrong_run", f"record of run {rec.run_id!r}, this intake serves {cap.run_id!r}"
             )
         if rec.store_uri != cap.store_uri:
-            raise _bad(
+            raise rejected(
                 "wrong_store", f"store {rec.store_uri!r}, the handshake says {cap.store_uri!r}"
             )
         if (rec.target_fingerprint, rec.tokenizer_fingerprint) != (
             cap.target_fingerprint, cap.tokenizer_fingerprint,
         ):  # fmt: skip
-            raise _bad("fingerprint", f"target/tokenizer {rec.target_fingerprint}/"
-                       f"{rec.tokenizer_fingerprint} != {cap.target_fingerprint}/{cap.tokenizer_fingerprint}")  # fmt: skip
+            raise rejected("fingerprint", f"target/tokenizer {rec.target_fingerprint}/"
+                           f"{rec.tokenizer_fingerprint} != {cap.target_fingerprint}/{cap.tokenizer_fingerprint}")  # fmt: skip
         if rec.sample_id != sample_id_of(rec.request_id):
-            raise _bad(
+            raise rejected(
                 "sample_id",
                 f"{rec.sample_id!r} is not the request id's ({sample_id_of(rec.request_id)})",
             )
         if driven_of(rec.request_id) is not None:  # a task's prefill: `driven.check_driven`
             pass
+        elif is_reserved(rec.request_id):
+            raise rejected("driven", f"{rec.request_id[:80]!r} has the driven prefix but no "
+                           "TASKS sequence (1 .. 2^63-1) and task sample id")  # fmt: skip
         elif self.driven_only:
-            raise _bad("driven", f"{rec.request_id} is not a task's request: a driven run "
-                       "trains its tasks only")  # fmt: skip
+            raise rejected("driven", f"{rec.request_id} is not a task's request: a driven run "
+                           "trains its tasks only")  # fmt: skip
         elif rec.num_generated < cap.min_num_tokens:
-            raise _bad(
+            raise rejected(
                 "too_short",
                 f"{rec.num_generated} generated rows < min_num_tokens {cap.min_num_tokens}",
             )
         elif rec.num_tokens > cap.max_num_tokens:
-            raise _bad("too_long", f"{rec.num_tokens} rows > max_num_tokens {cap.max_num_tokens}")
+            raise rejected(
+                "too_long", f"{rec.num_tokens} rows > max_num_tokens {cap.max_num_tokens}"
+            )
         if set(rec.features) != set(self._decls):
-            raise _bad(
+            raise rejected(
                 "features",
                 f"features {sorted(rec.features)}, the handshake says {sorted(self._decls)}",
             )
@@ -262,24 +264,24 @@ class Intake:
             try:
                 gen = record_generation(rec)
             except (ValueError, StoreError) as e:
-                raise _bad("features", str(e)) from None
+                raise rejected("features", str(e)) from None
         for name, spec in rec.features.items():
             decl = self._decls[name]
             want = decl.resolve(rec.num_tokens)
             if spec.name != name or tuple(spec.shape) != want or spec.dtype != decl.dtype:
-                raise _bad("features", f"{name}: {spec.name} {tuple(spec.shape)} {spec.dtype}, "
-                           f"expected {name} {want} {decl.dtype}")  # fmt: skip
+                raise rejected("features", f"{name}: {spec.name} {tuple(spec.shape)} "
+                               f"{spec.dtype}, expected {name} {want} {decl.dtype}")  # fmt: skip
             if spec.nbytes != math.prod(want) * _ITEMSIZE[spec.dtype]:
-                raise _bad(
+                raise rejected(
                     "features", f"{name}: nbytes {spec.nbytes} != {math.prod(want)} x {spec.dtype}"
                 )
             try:
                 parts = parse_key(spec.key, cap.store_id)
             except StoreError as e:
-                raise _bad("features", f"{name}: {e}") from None
+                raise rejected("features", f"{name}: {e}") from None
             if (parts.sample_id, parts.gen, parts.name) != (rec.sample_id, gen, name):
-                raise _bad("features", f"{name}: key {spec.key!r} is not "
-                           f"{rec.sample_id}/g{gen}/{name}")  # fmt: skip
+                raise rejected("features", f"{name}: key {spec.key!r} is not "
+                               f"{rec.sample_id}/g{gen}/{name}")  # fmt: skip
 
     def over_watermark(self) -> str | None:
         """The reason to shed now, or None."""
@@ -335,8 +337,9 @@ class Intake:
         try:
             return await asyncio.wait_for(self._admit(rec), self.cfg.live.publish_timeout_s)
         except asyncio.TimeoutError:
-            raise Rejection(503, "unavailable", "broker_unavailable",
-                            f"not published within {self.cfg.live.publish_timeout_s}s") from None  # fmt: skip
+            raise unavailable(
+                "broker_unavailable", f"not published within {self.cfg.live.publish_timeout_s}s"
+            ) from None
         finally:
             self._inflight -= 1
             self._inflight_bytes -= nbytes
@@ -345,18 +348,21 @@ class Intake:
         try:
             await asyncio.to_thread(self.store.adopt, rec.features)
         except FeatureMissing as e:
-            raise _bad("missing_keys", f"not in {self.capture.store_uri}: {e}") from None
+            raise rejected("missing_keys", f"not in {self.capture.store_uri}: {e}") from None
         except IntegrityError as e:
-            raise _bad("integrity", str(e)) from None
-        except StoreUnavailable as e:
-            raise Rejection(503, "unavailable", "store_unavailable", str(e)) from None
+            raise rejected("integrity", str(e)) from None
+        except (StoreUnavailable, StoreDenied, OSError) as e:  # the store's, not the record's
+            raise store_refusal(e) from None
         except StoreError as e:
-            raise _bad("features", str(e)) from None
+            raise rejected("features", str(e)) from None
         nbytes = sum(s.nbytes for s in rec.features.values())
         task_id, task_seq, epoch = f"live:{rec.request_id}", 0, 0
         generation = 0
         if driven_of(rec.request_id) is not None:
-            task = await check_driven(self.driven, rec, _bad)
+            try:
+                task = await check_driven(self.driven, rec, rejected)
+            except BusError as e:
+                raise bus_refusal(e) from None
             task_id, task_seq, epoch = task.task_id, driven_of(rec.request_id)[0], task.epoch
             generation = task.generation
         ref = SampleRef(
@@ -371,9 +377,9 @@ class Intake:
         try:
             ack = await self.run.publisher.publish(self.run.names.samples, ref)
         except RecordError as e:
-            raise _bad("oversize", str(e), 413) from None
+            raise rejected("oversize", str(e), 413) from None
         except BusError as e:
-            raise Rejection(503, "unavailable", "broker_unavailable", str(e)) from None
+            raise bus_refusal(e) from None
         if ack.duplicate:
             return RecordAnswer(status="duplicate", reason="duplicate", seq=ack.seq)
         self.shed.accepted_bytes_since += nbytes
@@ -444,7 +450,8 @@ def build_app(intake: Intake):
             return unauthorized()
         limit = intake.capture.max_record_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        size = parse_uint(declared)  # strict: h11 checks it, another server may not
+        if size is not None and size > limit:
             intake.metrics.count(413, "oversize")
             return JSONResponse(
                 RecordAnswer(status="rejected", reason="oversize",
@@ -464,6 +471,8 @@ def build_app(intake: Intake):
         return JSONResponse(answer.model_dump(), status_code=code, headers=headers)
 
     add_routes(app, intake, unauthorized)  # driven capture (`producers/live/driven.py`)
+
+    add_handlers(app, intake.metrics)  # a broker error no route mapped: 503; a bug: JSON 500
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

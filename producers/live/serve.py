@@ -10,13 +10,17 @@ The reference implementation of the capture-sink contract (`producers/live/sink.
 - Generation (`producers/live/generate.py`): KV-cache decoding on one worker thread, in waves of up to `live.serve_batch`
   requests (those waiting when a wave starts are prefilled and decoded together; a CPU
   reference server, not a continuous-batching engine). Greedy at `temperature: 0`, else
-  temperature / top-p sampling (seeded by `seed`, else by the request id). Stops at an EOS
+  temperature / top-p sampling (seeded by `seed`, an int64, else by the request id; top_p
+  keeps the likeliest token at least). Stops at an EOS
   token, a `stop` string or `max_tokens` (capped by `live.max_new_tokens` and the context).
 - Capture: the request id (`X-Request-Id`, else a fresh one) decides through
   `sink.wants(request_id)`; a captured request's forwards keep their aux-layer outputs (and
   the final norm's output when the handshake asks for it), one row per fed token, prefill
   and decode alike; after the response is complete the rows go to `sink.submit` (a bounded,
   non-blocking enqueue). Nothing of the capture can fail or slow a request beyond that.
+- Answers: 200, 400 (an OpenAI error naming the field: a request that cannot be generated is
+  refused before it joins a wave, where its failure would fail the others' requests too), 503
+  (overloaded). A 500 is a bug (`tests/test_live_fuzz.py` fuzzes every route for one).
 """
 
 from __future__ import annotations
@@ -89,13 +93,19 @@ class Server:
                 raise BadRequest("each message needs a role")
             content = m.get("content")
             if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+                content = "".join(texts) if all(isinstance(t, str) for t in texts) else None
             if not isinstance(content, str):
                 raise BadRequest("message content must be a string or text parts")
             turns.append({"role": m["role"], "content": content})
         if self.template is None:
             raise BadRequest("this target has no chat template: use /v1/completions")
-        return prompt_ids({"messages": turns}, self.tokenizer, self.template).tolist()
+        from jinja2 import TemplateError
+
+        try:
+            return prompt_ids({"messages": turns}, self.tokenizer, self.template).tolist()
+        except (TemplateError, ValueError) as e:  # no user turn; a template's raise_exception
+            raise BadRequest(f"the chat template refused the messages: {e}") from None
 
     def text_prompt(self, body: dict) -> list[int]:
         """A completion request's prompt: a string, a list of one string, or token ids.
@@ -135,11 +145,14 @@ class Server:
             raise BadRequest("max_tokens must be a positive integer")
         max_tokens = min(asked or self.gen.max_new_tokens, self.gen.max_new_tokens, room)
         seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not -(2**63) <= seed < 2**63):  # fmt: skip
+            raise BadRequest("seed must be an integer in [-2^63, 2^63)")
         return Job(
             request_id=request_id, prompt_ids=prompt, max_tokens=max_tokens,
             temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
             top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-            seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None,
+            seed=seed,
             stop=_stop_list(body.get("stop")),
         )  # fmt: skip
 

@@ -23,6 +23,7 @@ task's own (`<task_id>-e<epoch>`), so a retried request publishes under the same
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import time
 from typing import Literal
@@ -33,7 +34,7 @@ from specbus.core.contracts import DType, FeatureSpec
 CAPTURE_SCHEMA_VERSION = 1
 CONFIG_PATH = "/v1/spec-capture/config"
 RECORDS_PATH = "/v1/spec-capture/records"
-_ID = re.compile(r"^[A-Za-z0-9._:=+-]{1,128}$")
+_ID = re.compile(r"[A-Za-z0-9_:=+-][A-Za-z0-9._:=+-]{0,127}")  # no leading dot (a path)
 
 
 class Wire(BaseModel):
@@ -107,8 +108,10 @@ class CaptureRecord(Wire):
     @field_validator("sample_id")
     @classmethod
     def _sample_id(cls, v: str) -> str:
-        if not _ID.match(v):
-            raise ValueError(f"sample_id {v[:80]!r} is not [A-Za-z0-9._:=+-]{{1,128}}")
+        if not _ID.fullmatch(v):
+            raise ValueError(
+                f"sample_id {v[:80]!r} is not [A-Za-z0-9._:=+-]{{1,128}} (no leading dot)"
+            )
         return v
 
     @model_validator(mode="after")
@@ -138,6 +141,36 @@ def _digest(request_id: str) -> bytes:
     return hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).digest()
 
 
+# Stream sequences: the broker answers 408 to sequence 0 ("Empty Request") and to one that is
+# no uint64 ("Malformed Request"); specbus takes 1 .. 2^63-1 from a request (int64 everywhere).
+MAX_SEQ = 2**63 - 1
+_UINT = re.compile(r"0|[1-9][0-9]{0,18}")  # ASCII, canonical: no sign, space, "_", leading 0
+_SECONDS = re.compile(r"[0-9]{1,20}(\.[0-9]{1,20})?([eE][-+]?[0-9]{1,3})?")  # as str(float)
+
+
+def parse_uint(text: str | None, lo: int = 0, hi: int = MAX_SEQ) -> int | None:
+    """`text` as an int in `[lo, hi]` if it is canonical ASCII decimal digits, else None.
+    Strict on purpose: `str.isdigit` and `int` also take "²", "٣", " 1", "+1" and "1_0"."""
+    if text is None or not _UINT.fullmatch(text):
+        return None
+    n = int(text)
+    return n if lo <= n <= hi else None
+
+
+def parse_seq(text: str | None) -> int | None:
+    """A stream sequence (1 .. `MAX_SEQ`) from a request, else None (`parse_uint`)."""
+    return parse_uint(text, 1, MAX_SEQ)
+
+
+def parse_seconds(text: str | None) -> float | None:
+    """A non-negative finite duration from a request (ASCII, as `str(float)` writes it: no
+    sign, nan or inf), else None."""
+    if text is None or not _SECONDS.fullmatch(text):
+        return None
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
 DRIVEN_PREFIX = "specbus-task:"
 
 
@@ -147,13 +180,21 @@ def driven_rid(task_seq: int, sample_id: str) -> str:
 
 
 def driven_of(request_id: str) -> tuple[int, str] | None:
-    """(TASKS seq, sample id) of a driven request id, None for any other id."""
+    """(TASKS seq, sample id) of a driven request id, None for any other id (and for an id
+    with the prefix whose sequence is not a canonical 1 .. `MAX_SEQ`: `is_reserved`)."""
     if not request_id.startswith(DRIVEN_PREFIX):
         return None
     seq, _, sample_id = request_id[len(DRIVEN_PREFIX) :].partition(":")
-    if not seq.isdigit() or not _ID.match(sample_id):
+    n = parse_seq(seq)
+    if n is None or not _ID.fullmatch(sample_id):
         return None
-    return int(seq), sample_id
+    return n, sample_id
+
+
+def is_reserved(request_id: str) -> bool:
+    """A request id with the driven prefix that is not a valid driven id: the intake refuses
+    its record (422 `driven`) rather than take it for a serving request's."""
+    return request_id.startswith(DRIVEN_PREFIX) and driven_of(request_id) is None
 
 
 def capture_decision(request_id: str, rate: float) -> bool:
