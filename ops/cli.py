@@ -10,7 +10,8 @@
 
 Every subcommand takes the run config: `--config run.yaml`, dotted overrides as positional
 `key=value` words or `-o key=value` (`specbus status run=demo bus.ack_wait_s=30`), and
-`--url` for the broker (else `bus.url`, else the broker `specbus up` runs: see `resolve_url`).
+`--url` for the broker (else `bus.url`, else the run's own `specbus up`, else the machine's
+shared one: see `resolve_url`) and `--wait` to wait for a broker that does not answer yet.
 
 Subcommands live in a table of registrars (`REGISTRARS`): "module:function" strings, each
 function taking the subparsers object and adding its commands with `add_common` and
@@ -49,7 +50,16 @@ def add_common(p: argparse.ArgumentParser) -> None:
     """--config, --url, -o and positional key=value overrides (merged by `main`)."""
     p.add_argument("--config", "-c", default=None, help="run config YAML")
     p.add_argument(
-        "--url", default=None, help="broker URL (default: bus.url, else the one `specbus up` wrote)"
+        "--url",
+        default=None,
+        help="broker URL (default: bus.url, else this run's `specbus up`, else the machine's "
+        "shared one: a plain `specbus up`; never another run's)",
+    )
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="when no broker answers, wait for one (up to bus.connect_give_up_s, 120 s) "
+        "instead of failing at once (a named --url / bus.url is always waited for)",
     )
     p.add_argument(
         "-o",
@@ -74,25 +84,15 @@ def broker_dir(cfg: RunConfig) -> Path:
     return cfg.resolved_run_dir / "nats"
 
 
-def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
-    """--url, else `bus.url`, else the broker running on this run dir's store, else the
-    broker `specbus up` announced on this machine (whatever its run) if it runs, else where
-    either of them last ran (a restarted broker comes back on the same port)."""
-    if getattr(args, "url", None):
-        return args.url
-    if cfg.bus.url:
-        return cfg.bus.url
-    from specbus.ops.services.nats import announced, running_url
+def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str:
+    """The broker of this command, once it answers: `--url`, else `bus.url`, else this run's
+    broker (the `specbus up` on its run dir), else the machine's shared broker (a plain
+    `specbus up`), never another run's; one line says which and why. With none, or one that
+    does not answer, it says so at once and fails (`SpecbusError`) or, when asked to
+    (`--wait`, a named URL), waits for it. See `ops/discover.py`."""
+    from specbus.ops.discover import broker_url
 
-    own = broker_dir(cfg)
-    found = announced()
-    url = running_url(own) or (found and running_url(found["store_dir"]))
-    if url:
-        return url
-    url_file = own / URL_FILE
-    if url_file.exists():
-        return url_file.read_text().strip()
-    return found["url"] if found else None
+    return broker_url(args, cfg)
 
 
 # ---------------------------------------------------------------- specbus up / store

@@ -79,10 +79,10 @@ def read_metrics(path) -> list[dict]:
 
 def cmd_feed(args: argparse.Namespace) -> int:
     """`specbus feed`: publish the run's tasks (ops/produce.py)."""
+    cfg = config_of(args)
+    url = resolve_url(args, cfg)  # before the heavy imports: no broker is said at once
     from specbus.ops.produce import run_feeder
 
-    cfg = config_of(args)
-    url = resolve_url(args, cfg)
     ahead = 4 * cfg.bus.max_ack_pending
     shown = {"published": -1}
 
@@ -104,13 +104,14 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 def cmd_produce(args: argparse.Namespace) -> int:
     """`specbus produce`: one capture worker until the run is trained."""
+    cfg = config_of(args)
+    url = resolve_url(args, cfg)  # before the heavy imports: no broker is said at once
     from specbus.ops.produce import run_producer
 
-    cfg = config_of(args)
     stats = asyncio.run(
         run_producer(
             cfg,
-            bus_url=resolve_url(args, cfg),
+            bus_url=url,
             producer_id=args.id,
             exit_when_idle=args.exit_when_idle,
         )
