@@ -123,9 +123,14 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """`specbus train`: one trainer rank (ops/train.py), progress on rank 0."""
-    from specbus.ops.train import run_trainer
+    from specbus.consumers.recording import is_run_name
 
     cfg = config_of(args)
+    # A recording's directory needs no broker (nor looks for one); a recording run's name does.
+    needs_broker = not args.from_recording or is_run_name(args.from_recording)
+    url = resolve_url(args, cfg) if needs_broker else None
+    from specbus.ops.train import run_trainer
+
     if args.from_recording:  # W1: epochs over a recording (ops/offline.py)
         from specbus.ops.offline import run_recording_trainer
 
@@ -137,10 +142,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(format_row(row, total), flush=True)
         metrics.write(row)
 
-    url = resolve_url(args, cfg)
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"run {cfg.run}: training on {url}; waiting for the run's samples (from "
-              "`specbus produce`, tasks from `specbus feed`)", flush=True)  # fmt: skip
+        print(f"run {cfg.run}: {training_source(cfg, args.from_recording, url)}", flush=True)
     result = run_trainer(cfg, bus_url=url, resume=args.resume, on_log=on_log)
     if result is not None and int(os.environ.get("RANK", 0)) == 0:
         what = "training stopped" if result.stopped else "training done"
@@ -153,13 +156,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def training_source(cfg, recording: str | None, url: str | None) -> str:
+    """What a trainer rank trains from and waits for, for the line rank 0 starts with."""
+    if recording and url is None:
+        return (f"training {cfg.data.epochs} epoch(s) from the recording {recording} "
+                "(a directory: no broker needed)")  # fmt: skip
+    if recording:
+        return (
+            f"training from the recording run {recording!r} on {url} ({cfg.data.epochs} epoch(s))"
+        )
+    mode = cfg.deployment.mode
+    if mode == "live":
+        what = ("captured traffic: records the intake publishes (`specbus intake`, and "
+                "`specbus serve` or your own server capturing through it)")  # fmt: skip
+    elif mode == "colocated":
+        what = "the run's tasks (from `specbus feed`; each rank captures its own)"
+    elif cfg.target.engine == "sglang_server":
+        what = ("the run's samples (tasks from `specbus feed`, captured by your SGLang server "
+                "through `specbus intake`)")  # fmt: skip
+    else:
+        what = "the run's samples (from `specbus produce`, tasks from `specbus feed`)"
+    return f"training on {url}; waiting for {what}"
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
+    cfg = config_of(args)
+    url = resolve_url(args, cfg)  # before the heavy imports: no broker is said at once
     from specbus.ops.capture import run_capture
 
-    cfg = config_of(args)
-    marker = run_capture(
-        cfg, bus_url=resolve_url(args, cfg), feed=not args.no_feed, produce=not args.no_produce
-    )
+    marker = run_capture(cfg, bus_url=url, feed=not args.no_feed, produce=not args.no_produce)
     print(
         f"recording {cfg.run}: {marker['samples']} samples ({marker['dead_letters']} dead "
         f"letters), {marker['bytes'] / 2**20:.1f} MiB in {marker['store_uri']}"
