@@ -96,10 +96,23 @@ def cmd_feed(args: argparse.Namespace) -> int:
             print(f"run {cfg.run}: published {published} of {planned} tasks", flush=True)
             shown["published"] = published
 
-    print(f"run {cfg.run}: feeding {cfg.data.source} to {url}", flush=True)
+    print(f"run {cfg.run}: feeding {what_is_fed(cfg.data)} to {url}", flush=True)
     count = asyncio.run(run_feeder(cfg, bus_url=url, on_progress=on_progress))
     print(f"run {cfg.run}: {count} tasks fed (feed complete)")
     return 0
+
+
+def what_is_fed(data) -> str:
+    """The feed line's account of `data.limit` and `data.holdout` (core/data/datasets.py
+    `split_holdout`): the hold-out is the dataset's last records, taken before the limit
+    applies, so it never counts against the limit nor overlaps what is trained."""
+    what = f"the first {data.limit} records of {data.source}" if data.limit else data.source
+    if data.holdout:
+        what += (f" (data.holdout: the dataset's last {data.holdout} records are held back for "
+                 "evaluation, apart from data.limit)")  # fmt: skip
+    if data.epochs > 1:
+        what += f", {data.epochs} epochs"
+    return what
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
