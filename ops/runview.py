@@ -98,23 +98,27 @@ def row_label(s: dict[str, Any], now: float) -> str:
 
 
 def leftover(s: dict[str, Any], store: dict[str, Any] | None, purge: str) -> str | None:
-    """What a complete run left behind and the command that frees it; None when nothing is
-    left (or the run is not complete)."""
+    """What a complete run left behind and, where the store still holds bytes, the command
+    that frees them; None when nothing is left (or the run is not complete). A store read now
+    (`store_now`) decides; one this host cannot read (mooncake://, http://) is suspected of
+    holding the tensors of refs never trained."""
     if finished(s) is None:
         return None
     lag = (s.get("lag") or {}).get("trainers") or {}
-    parts = []
-    if lag.get("messages"):
-        parts.append(f"{lag['messages']} refs were never trained ({size(lag.get('bytes'))} of "
-                     "tensors by their refs)")  # fmt: skip
-    if store is not None and store["bytes"]:
-        if store["uri"].startswith("file://"):
-            return None  # a recording: persistent by design
-        parts.append(f"{store['uri']} still holds {size(store['bytes'])} ({store['samples']} sample(s)) now")  # fmt: skip
-    if not parts:
-        return None
-    return (f"the run is complete and {' and '.join(parts)}: `{purge}` frees the store once no "
-            "process of the run runs")  # fmt: skip
+    never = lag.get("messages") or 0
+    refs = (f"{never} refs were never trained (the run stopped before them: training.max_steps, "
+            "max_minutes, or a partial last window)") if never else ""  # fmt: skip
+    frees = f"`{purge}` frees it once no process of the run runs"
+    if store is None:
+        if not never:
+            return None
+        return (f"the run is complete and {refs}; if its store still holds their tensors "
+                f"({size(lag.get('bytes'))} by their refs), {frees}")  # fmt: skip
+    if store["uri"].startswith("file://") or not store["bytes"]:
+        # a recording is kept by design; an empty store needs nothing
+        return f"the run is complete and {refs}; its store holds none of their tensors" if never else None  # fmt: skip
+    held = f"{store['uri']} still holds {size(store['bytes'])} ({store['samples']} sample(s)) now"
+    return f"the run is complete{'; ' + refs if never else ''}; {held}: {frees}"
 
 
 def purge_command(args: Any) -> str:

@@ -195,3 +195,12 @@ def test_status_and_top_tell_live_from_last_known_values_after_the_run(
         in out
     ), out
     assert "left over" in out and "specbus purge --yes" in out, out
+
+    # Purged: the store holds nothing, so nothing more is suggested; the lag is explained.
+    assert main(["purge", "--yes", f"run={run_id}", f"store.uri={uri}"]) == 0
+    assert main(["status", *args]) == 0
+    out = capsys.readouterr().out
+    assert f"store (now)      {uri}: 0 B resident" in out, out
+    left = next(line for line in out.splitlines() if line.startswith("left over"))
+    assert "2 refs were never trained" in left and "holds none of their tensors" in left, left
+    assert "purge" not in left, left
