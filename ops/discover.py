@@ -2,8 +2,9 @@
 
 `find_broker(args, cfg)` (no connection made) picks, in order:
 1. `--url`, else `bus.url`: the broker named;
-2. this run's broker: the `specbus up` holding the run's store dir (`<run_dir>/nats`) now;
-   when none holds it but one did (`<run_dir>/nats/url`), that one, known to be stopped;
+2. this run's broker: the `specbus up` holding the run's store dir (`<run_dir>/nats`) now,
+   else one started with this very config file (and run) on another `--store-dir`; when none
+   runs but one did (`<run_dir>/nats/url`), that one, known to be stopped;
 3. only for a run that never had a broker of its own: the machine's shared broker, a plain
    `specbus up` (no config: the default run, one node, no auth) announced on this machine.
 Any other broker running here (another run's `specbus up`, a cluster) is never used unless
@@ -80,6 +81,13 @@ def find_broker(args: argparse.Namespace, cfg: RunConfig) -> Found:
     others = [r for r in announced() if Path(r["store_dir"]) != own]
     if url := running_url(own):
         return Found(url, "own", f"this run's broker: `specbus up` on {own}", True, own, others)
+    config = str(Path(args.config).resolve()) if getattr(args, "config", None) else None
+    mine = [r for r in others if config and r.get("config") == config and r.get("run") == cfg.run]
+    if mine:  # started with this very config file, on another store dir (`--store-dir`)
+        pick = mine[-1]
+        why = f"this run's broker: `specbus up --config {args.config}` on {pick['store_dir']}"
+        rest = [r for r in others if r is not pick]
+        return Found(pick["url"], "own", why, True, Path(pick["store_dir"]), rest)
     try:
         last = (own / URL_FILE).read_text().strip()
     except OSError:

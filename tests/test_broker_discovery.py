@@ -1,6 +1,7 @@
 """Which broker a command uses without `--url` (ops/discover.py), and what it says when none
 answers, with real processes: `python -m specbus.ops.cli up` (one node or a 3-node cluster),
-`feed` and `status` as a user runs them, each test with its own announcement state dir.
+`feed` and `status` as a user runs them (in-process `main` where timing and log lines are
+checked), each test with its own announcement state dir.
 
 - a broker the run did not start (another run's `specbus up`, a cluster) is never used unless
   named (`--url`); the command fails at once naming it, and names the `specbus up` to run;
@@ -79,28 +80,32 @@ def test_feed_never_publishes_to_a_cluster_another_run_started(tmp_path, tiny_ta
         _reap(nodes)
 
 
-def test_another_runs_broker_is_not_used_the_shared_one_is_said(tmp_path, run_id):
+def test_another_runs_broker_is_not_used_the_shared_one_is_said(
+    tmp_path, run_id, monkeypatch, capsys, caplog
+):
     """A run with no broker of its own uses neither another run's `specbus up` nor anything
     but the machine's shared broker (a plain `specbus up`), and says so."""
+    monkeypatch.setenv("SPECBUS_STATE_DIR", str(tmp_path / "state"))
     run = [f"run={run_id}", f"run_dir={tmp_path / 'x'}"]
     theirs, their_url, their_server = start_up(tmp_path, "--port", "0", run="theirs")
     shared = None
     seen = [their_server]
     try:
-        rc, out, took = cli(tmp_path, "status", *run)
-        assert rc == 2, out
-        assert f"no broker for run {run_id!r}" in out and f"specbus up {' '.join(run)}" in out, out
-        assert their_url in out and "of run 'theirs'" in out, out  # named, not used
-        assert took < 30, took
+        assert main(["status", *run]) == 2
+        err = capsys.readouterr().err
+        assert f"no broker for run {run_id!r}" in err and f"specbus up {' '.join(run)}" in err
+        assert f"{their_url} (`specbus up` of run 'theirs'" in err, err  # named, not used
 
         # A plain `specbus up` (no config: the machine's shared broker) serves the run.
         shared = Proc(tmp_path, "up", "--port", "0", "--store-dir", str(tmp_path / "shared"))
         shared_url = shared.expect(r"ready at (nats://127\.0\.0\.1:\d+)").group(1)
         shared.expect(READY)
-        rc, out, _ = cli(tmp_path, "status", *run)
-        assert rc == 1 and f"run {run_id} @ {shared_url}" in out, out  # not declared there yet
-        assert "WARNING" in out and "the machine's shared broker" in out, out
-        assert their_url not in out.split("WARNING", 1)[1].splitlines()[0], out
+        with caplog.at_level(logging.INFO, logger="specbus"):
+            assert main(["status", *run]) == 1  # not declared there yet
+        assert f"run {run_id} @ {shared_url}" in capsys.readouterr().out
+        said = [r for r in caplog.records if f"broker {shared_url}" in r.getMessage()]
+        assert said and said[0].levelno == logging.WARNING, caplog.text
+        assert "the machine's shared broker" in said[0].getMessage(), caplog.text
     finally:
         if shared is not None:
             stop(shared)
@@ -183,3 +188,29 @@ def test_a_named_url_is_waited_for_with_a_clear_line_then_used(
             if up is not None:
                 stop(up)
             _reap(seen)
+
+
+def test_a_broker_started_with_the_same_config_elsewhere_is_this_runs(
+    tmp_path, run_id, monkeypatch, capsys, caplog
+):
+    """`specbus up --config C --store-dir D` serves C's run: commands with C find it though it
+    is not on the run dir's store; the same run name from another config file does not."""
+    monkeypatch.setenv("SPECBUS_STATE_DIR", str(tmp_path / "state"))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"run: {run_id}\nrun_dir: {tmp_path / 'run'}\n")
+    up = Proc(tmp_path, "up", "--config", str(config), "--store-dir", str(tmp_path / "d"),
+              "--port", "0")  # fmt: skip
+    try:
+        url = up.expect(r"ready at (nats://127\.0\.0\.1:\d+)").group(1)
+        up.expect(READY)
+        with caplog.at_level(logging.INFO, logger="specbus"):
+            assert main(["status", "--config", str(config)]) == 0
+        assert f"run {run_id} @ {url}" in capsys.readouterr().out
+        assert f"this run's broker: `specbus up --config {config}`" in caplog.text
+        other = tmp_path / "other.yaml"
+        other.write_text(config.read_text())
+        assert main(["status", "--config", str(other)]) == 2
+        err = capsys.readouterr().err
+        assert f"no broker for run {run_id!r}" in err and url in err, err
+    finally:
+        stop(up)
