@@ -1,7 +1,8 @@
 """A connection to the broker: NATS core + JetStream, with reconnect, quiet errors and auth.
 
 `await connect(cfg, url, name=)` returns a `Bus`: a broker that does not answer yet is waited
-for up to `cfg.connect_give_up_s` (`BusError` after; refused credentials fail at once), then a
+for up to `cfg.connect_give_up_s`, said at the first refusal and every 15 s (`BusError` after;
+refused credentials fail at once), then a
 lost broker is reconnected to forever; client errors are one line each; auth (user/password,
 token, creds file, NKey seed file, TLS, mutual TLS) comes from the config (`ConfigError` for
 unusable settings); `url` may list several servers, comma-separated (a cluster: the client
@@ -103,6 +104,7 @@ class _QuietErrors:
         self.auth_failed = False  # the server refused the credentials
         self.denials = Denials(f"connection {name!r}")
         self.tls_error: ssl.SSLError | None = None  # the first connection's handshake failed
+        self.refused: OSError | None = None  # the first connection's first refusal
         self.bus: Bus | None = None
 
     def _away(self, e: Exception) -> bool:
@@ -121,6 +123,8 @@ class _QuietErrors:
         self.auth_failed = self.auth_failed or refused
         if isinstance(e, ssl.SSLError) and self.bus is None:
             self.tls_error = e
+        elif isinstance(e, OSError) and self.bus is None and self.refused is None:
+            self.refused = e  # said at once by the first connection (`_first_connection`)
         line = f"{type(e).__name__}: {e}".strip()
         if self.denials.add(str(e)):
             log.error("nats[%s] %s", self.name, line)
@@ -147,9 +151,10 @@ class _QuietErrors:
         log.info("nats[%s] reconnected", self.name)
 
 
-async def _connect_once(options: dict, quiet: _QuietErrors) -> NATS:
+async def _connect_once(options: dict, quiet: _QuietErrors, tick=None) -> NATS:
     """`nats.connect`, but a failed TLS handshake (a certificate the other side refuses) is
-    a `BusError` at once: nats-py reports it to the error callback and then waits forever."""
+    a `BusError` at once: nats-py reports it to the error callback and then waits forever.
+    `tick()` is called every 50 ms meanwhile (nats-py retries a refused server inside)."""
     task = asyncio.ensure_future(nats.connect(**options))
     while not task.done():
         await asyncio.wait({task}, timeout=0.05)
@@ -159,37 +164,57 @@ async def _connect_once(options: dict, quiet: _QuietErrors) -> NATS:
                 await task
             e = quiet.tls_error
             raise BusError(f"TLS handshake with the broker failed: {type(e).__name__}: {e}") from e
+        if tick is not None:
+            tick()
     return task.result()
 
 
+PROGRESS_S = 15.0  # a line this often while a first connection waits for the broker
+
+
 async def _first_connection(url: str, options: dict, quiet: _QuietErrors, give_up_s: float) -> NATS:
-    """Connect, retrying a broker that does not answer yet for up to `give_up_s` (one WARNING
-    line at the first failure, one when connected). Refused credentials and bad options fail
-    at once: retrying cannot fix them."""
-    deadline = time.monotonic() + give_up_s
-    waiting_since = None
+    """Connect, retrying a broker that does not answer yet for up to `give_up_s`: one WARNING
+    line as soon as a server refuses (what was tried, how to start a broker, until when), one
+    every `PROGRESS_S` while it waits, one when connected. Refused credentials and bad
+    options fail at once: retrying cannot fix them."""
+    started = time.monotonic()
+    deadline = started + give_up_s
+    until = time.strftime("%H:%M:%S", time.localtime(time.time() + give_up_s))
+    said: list[float] = []  # when the waiting lines were logged
+
+    def tick(error: BaseException | None = None) -> None:
+        error = error or quiet.refused
+        if error is None or quiet.auth_failed:
+            return
+        if not said:
+            log.warning(
+                "broker at %s not reachable yet (%s: %s); retrying until %s "
+                "(bus.connect_give_up_s=%g). No broker running? Start one with `specbus up`",
+                url, type(error).__name__, error, until, give_up_s,
+            )  # fmt: skip
+            said.append(time.monotonic())
+        elif time.monotonic() - said[-1] >= PROGRESS_S:
+            log.warning("still waiting for the broker at %s: %.0f s so far, until %s",
+                        url, time.monotonic() - started, until)  # fmt: skip
+            said.append(time.monotonic())
+
     while True:
         try:
-            nc = await _connect_once(options, quiet)
+            nc = await _connect_once(options, quiet, tick)
         except Exception as e:
             retryable = isinstance(e, (NoServersError, OSError, asyncio.TimeoutError))
             if not retryable or quiet.auth_failed or time.monotonic() >= deadline:
-                waited = f" after {time.monotonic() - waiting_since:.0f}s" if waiting_since else ""
+                waited = f" after {time.monotonic() - started:.0f}s" if said else ""
                 why = " (Authorization Violation: the broker refused these credentials)"
                 raise BusError(
                     f"cannot connect to the broker at {url}{waited}: {type(e).__name__}: {e}"
                     + (why if quiet.auth_failed else "")
                 ) from e
-            if waiting_since is None:
-                waiting_since = time.monotonic()
-                log.warning(
-                    "broker at %s not reachable yet (%s); retrying until %s (bus.connect_give_up_s=%g)",
-                    url, type(e).__name__, time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - time.monotonic())), give_up_s,
-                )  # fmt: skip
+            tick(e)
             await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
             continue
-        if waiting_since is not None:
-            log.warning("connected to %s after %.1fs", url, time.monotonic() - waiting_since)
+        if said:
+            log.warning("connected to %s after %.1fs", url, time.monotonic() - started)
         return nc
 
 

@@ -10,7 +10,8 @@
 
 Every subcommand takes the run config: `--config run.yaml`, dotted overrides as positional
 `key=value` words or `-o key=value` (`specbus status run=demo bus.ack_wait_s=30`), and
-`--url` for the broker (else `bus.url`, else the broker `specbus up` runs: see `resolve_url`).
+`--url` for the broker (else `bus.url`, else the run's own `specbus up`, else the machine's
+shared one: see `resolve_url`) and `--wait` to wait for a broker that does not answer yet.
 
 Subcommands live in a table of registrars (`REGISTRARS`): "module:function" strings, each
 function taking the subparsers object and adding its commands with `add_common` and
@@ -26,11 +27,13 @@ import importlib
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from specbus.core.config import RunConfig, load_config
 from specbus.core.errors import SpecbusError
+from specbus.ops.runview import size
 
 log = logging.getLogger("specbus")
 
@@ -49,7 +52,16 @@ def add_common(p: argparse.ArgumentParser) -> None:
     """--config, --url, -o and positional key=value overrides (merged by `main`)."""
     p.add_argument("--config", "-c", default=None, help="run config YAML")
     p.add_argument(
-        "--url", default=None, help="broker URL (default: bus.url, else the one `specbus up` wrote)"
+        "--url",
+        default=None,
+        help="broker URL (default: bus.url, else this run's `specbus up`, else the machine's "
+        "shared one: a plain `specbus up`; never another run's)",
+    )
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="when no broker answers, wait for one (up to bus.connect_give_up_s, 120 s) "
+        "instead of failing at once (a named --url / bus.url is always waited for)",
     )
     p.add_argument(
         "-o",
@@ -74,25 +86,15 @@ def broker_dir(cfg: RunConfig) -> Path:
     return cfg.resolved_run_dir / "nats"
 
 
-def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str | None:
-    """--url, else `bus.url`, else the broker running on this run dir's store, else the
-    broker `specbus up` announced on this machine (whatever its run) if it runs, else where
-    either of them last ran (a restarted broker comes back on the same port)."""
-    if getattr(args, "url", None):
-        return args.url
-    if cfg.bus.url:
-        return cfg.bus.url
-    from specbus.ops.services.nats import announced, running_url
+def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str:
+    """The broker of this command, once it answers: `--url`, else `bus.url`, else this run's
+    broker (the `specbus up` on its run dir), else the machine's shared broker (a plain
+    `specbus up`), never another run's; one line says which and why. With none, or one that
+    does not answer, it says so at once and fails (`SpecbusError`) or, when asked to
+    (`--wait`, a named URL), waits for it. See `ops/discover.py`."""
+    from specbus.ops.discover import broker_url
 
-    own = broker_dir(cfg)
-    found = announced()
-    url = running_url(own) or (found and running_url(found["store_dir"]))
-    if url:
-        return url
-    url_file = own / URL_FILE
-    if url_file.exists():
-        return url_file.read_text().strip()
-    return found["url"] if found else None
+    return broker_url(args, cfg)
 
 
 # ---------------------------------------------------------------- specbus up / store
@@ -113,16 +115,17 @@ def cmd_store(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- specbus status
 def cmd_status(args: argparse.Namespace) -> int:
     """`specbus status`: the run's broker state; exit 1 when the run is not declared."""
-    from specbus.bus.status import run_status
-
     cfg = config_of(args)
-    status = asyncio.run(
-        _with_bus(cfg, resolve_url(args, cfg), lambda bus: run_status(bus, cfg.run))
-    )
+    url = resolve_url(args, cfg)
+    from specbus.ops.runview import purge_command, store_now
+    from specbus.ops.top import snapshot
+
+    status = asyncio.run(_with_bus(cfg, url, lambda bus: snapshot(bus, cfg.run)))
+    status["store_now"] = store_now(cfg.store)
     if args.json:
         print(json.dumps(status, indent=2, default=str))
     else:
-        print(format_status(status))
+        print(format_status(status, purge=purge_command(args)))
     return 0 if status["declared"] else 1
 
 
@@ -136,30 +139,30 @@ async def _with_bus(cfg: RunConfig, url: str | None, work) -> Any:
         await bus.close()
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+def format_status(
+    s: dict[str, Any], purge: str = "specbus purge --yes", now: float | None = None
+) -> str:
+    """`run_status`'s dict (plus the trainers' last log row, `progress`, and the store read
+    now, `store_now`) as the lines `specbus status` prints: what is read now is headed "now",
+    the trainers' row "last known, as of" its time (ops/runview.py)."""
+    from specbus.ops.runview import clock, leftover, row_label
 
-
-def format_status(s: dict[str, Any]) -> str:
-    """`run_status`'s dict as the lines `specbus status` prints."""
-    lines = [f"run {s['run']} @ {s['url']}"]
+    now = time.time() if now is None else now
+    done = (s.get("kv") or {}).get("train_complete")
+    lines = [f"run {s['run']} @ {s['url']}  (now {time.strftime('%H:%M:%S', time.localtime(now))})"]
     if not s["declared"]:
         lines.append(
             "  not declared on this broker (run `specbus up`, or start a feeder/producer/trainer)"
         )
-    lines.append("streams")
+    lines.append("streams (now)")
     for name, st in s["streams"].items():
         if st is None:
             lines.append(f"  {name:<34} missing")
         else:
             lines.append(
-                f"  {name:<34} {st['messages']:>8} msgs {_size(st['bytes']):>10}  seq {st['first_seq']}..{st['last_seq']}"
+                f"  {name:<34} {st['messages']:>8} msgs {size(st['bytes']):>10}  seq {st['first_seq']}..{st['last_seq']}"
             )
-    lines.append("consumers")
+    lines.append("consumers (now)")
     for group, c in s["consumers"].items():
         if c is None:
             lines.append(f"  {group:<10} missing")
@@ -170,30 +173,36 @@ def format_status(s: dict[str, Any]) -> str:
             f"waiting pulls {c['waiting']}  ack floor {c['ack_floor_seq']}  "
             f"(ack_wait {c['ack_wait_s']:g}s, max_deliver {c['max_deliver']}, max_ack_pending {c['max_ack_pending']}{start})"
         )
-    lines.append("lag")
+        if done is not None and c["ack_pending"] and not c["waiting"]:
+            lines.append(f"  {'':<10} (in flight: leases of processes of a complete run; they "
+                         f"come back as pending after ack_wait {c['ack_wait_s']:g}s)")  # fmt: skip
+    lines.append("lag (now)")
     for group, lag in s["lag"].items():
         if lag is None:
             continue
-        size = (
+        of_tensors = (
             ""
             if lag["bytes_method"] == "empty"
-            else f", {_size(lag['bytes'])} of tensors ({lag['bytes_method']})"
+            else f", {size(lag['bytes'])} of tensors ({lag['bytes_method']})"
         )
         lines.append(
-            f"  {group:<10} {lag['messages']} messages ({lag['pending']} pending + {lag['ack_pending']} in flight){size}"
+            f"  {group:<10} {lag['messages']} messages ({lag['pending']} pending + {lag['ack_pending']} in flight){of_tensors}"
         )
     kv = s["kv"]
     if kv is not None:
-        lines.append("markers")
+        lines.append("markers (now)")
         lines.append(
             f"  manifest        {'missing' if kv['manifest'] is None else ', '.join(kv['manifest'])}"
         )
         lines.append(
             f"  feed complete   {'no' if kv['feed_complete'] is None else str(kv['feed_complete']) + ' tasks'}"
         )
-        lines.append(
-            f"  train complete  {'no' if kv['train_complete'] is None else json.dumps(kv['train_complete'])}"
-        )
+        if done is None:
+            lines.append("  train complete  no")
+        else:
+            at = f" at {clock(done['time'])}" if "time" in done else ""
+            shown = json.dumps({k: v for k, v in done.items() if k != "time"})
+            lines.append(f"  train complete  {shown}{at}")
         lines.append(
             f"  checkpoint      {'none' if kv['checkpoint'] is None else json.dumps(kv['checkpoint'])}"
         )
@@ -202,16 +211,36 @@ def format_status(s: dict[str, Any]) -> str:
             f"dead letters     {s['dead_letters']}"
             + (" (specbus dead)" if s["dead_letters"] else "")
         )
+    p = s.get("progress")
+    if p is not None:
+        lines.append(f"trainers ({row_label(s, now)})")
+        row = f"  step {int(p.get('step', 0))}"
+        if "loss" in p:
+            row += f"  loss {p['loss']:.3f}"
+        if "samples_per_s" in p:
+            row += f"  {p['samples_per_s']:.1f} samples/s"
+        if "store_bytes" in p:
+            row += f"  store {size(p['store_bytes'])} resident then (peak {size(p.get('store_peak_bytes'))})"
+        lines.append(row)
+    store = s.get("store_now")
+    if store is not None:
+        lines.append(
+            f"store (now)      {store['uri']}: {size(store['bytes'])} resident, {store['samples']} sample(s)"
+        )
+    if hint := leftover(s, store, purge):
+        lines.append(f"left over        {hint}")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- specbus top
 def cmd_top(args: argparse.Namespace) -> int:
     """`specbus top`: a live view of the run (ops/top.py); Ctrl-C ends it."""
+    from specbus.ops.runview import purge_command
     from specbus.ops.top import watch
 
     cfg = config_of(args)
-    work = lambda bus: watch(bus, cfg.run, interval_s=args.interval, once=args.once)  # noqa: E731
+    work = lambda bus: watch(bus, cfg.run, interval_s=args.interval, once=args.once,  # noqa: E731
+                             store=cfg.store, purge=purge_command(args))  # fmt: skip
     try:
         return asyncio.run(_with_bus(cfg, resolve_url(args, cfg), work))
     except KeyboardInterrupt:

@@ -5,7 +5,8 @@
 the cluster without `--url`), starts `N` nodes (`ops/services/cluster.py`: `n1`..`nN` under
 the store dir, ports pinned in `cluster.json`), declares the run as the admin user with
 `bus.replicas` replicas (3 on a 3-node cluster when the config says 1: set `bus.replicas: 3`
-in the run config so that every process declares the same), announces the URL list, and
+in the run config so that every process declares the same), announces the URL list (for
+the run it was started for only: never the machine's shared broker), and
 restarts a node that dies on its ports and store dir (it rejoins and catches up); Ctrl-C or
 SIGTERM stop every node by PID.
 
@@ -106,7 +107,9 @@ class ClusterUp:
         self.cluster.start()
         url = self.cluster.url
         self.lock.update(self._record())
-        announce(url, self.store_dir)
+        from specbus.ops.up import about_broker
+
+        announce(url, self.store_dir, **about_broker(args, self.cfg, len(self.cluster.nodes)))
         if not args.no_declare:
             asyncio.run(_declare(bus_cfg, url, self.cfg.run))
         pids = ", ".join(f"{n.name} pid {n.pid}" for n in self.cluster.nodes)

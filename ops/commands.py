@@ -79,10 +79,10 @@ def read_metrics(path) -> list[dict]:
 
 def cmd_feed(args: argparse.Namespace) -> int:
     """`specbus feed`: publish the run's tasks (ops/produce.py)."""
+    cfg = config_of(args)
+    url = resolve_url(args, cfg)  # before the heavy imports: no broker is said at once
     from specbus.ops.produce import run_feeder
 
-    cfg = config_of(args)
-    url = resolve_url(args, cfg)
     ahead = 4 * cfg.bus.max_ack_pending
     shown = {"published": -1}
 
@@ -96,21 +96,35 @@ def cmd_feed(args: argparse.Namespace) -> int:
             print(f"run {cfg.run}: published {published} of {planned} tasks", flush=True)
             shown["published"] = published
 
-    print(f"run {cfg.run}: feeding {cfg.data.source} to {url}", flush=True)
+    print(f"run {cfg.run}: feeding {what_is_fed(cfg.data)} to {url}", flush=True)
     count = asyncio.run(run_feeder(cfg, bus_url=url, on_progress=on_progress))
     print(f"run {cfg.run}: {count} tasks fed (feed complete)")
     return 0
 
 
+def what_is_fed(data) -> str:
+    """The feed line's account of `data.limit` and `data.holdout` (core/data/datasets.py
+    `split_holdout`): the hold-out is the dataset's last records, taken before the limit
+    applies, so it never counts against the limit nor overlaps what is trained."""
+    what = f"the first {data.limit} records of {data.source}" if data.limit else data.source
+    if data.holdout:
+        what += (f" (data.holdout: the dataset's last {data.holdout} records are held back for "
+                 "evaluation, apart from data.limit)")  # fmt: skip
+    if data.epochs > 1:
+        what += f", {data.epochs} epochs"
+    return what
+
+
 def cmd_produce(args: argparse.Namespace) -> int:
     """`specbus produce`: one capture worker until the run is trained."""
+    cfg = config_of(args)
+    url = resolve_url(args, cfg)  # before the heavy imports: no broker is said at once
     from specbus.ops.produce import run_producer
 
-    cfg = config_of(args)
     stats = asyncio.run(
         run_producer(
             cfg,
-            bus_url=resolve_url(args, cfg),
+            bus_url=url,
             producer_id=args.id,
             exit_when_idle=args.exit_when_idle,
         )
@@ -122,9 +136,14 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """`specbus train`: one trainer rank (ops/train.py), progress on rank 0."""
-    from specbus.ops.train import run_trainer
+    from specbus.consumers.recording import is_run_name
 
     cfg = config_of(args)
+    # A recording's directory needs no broker (nor looks for one); a recording run's name does.
+    needs_broker = not args.from_recording or is_run_name(args.from_recording)
+    url = resolve_url(args, cfg) if needs_broker else None
+    from specbus.ops.train import run_trainer
+
     if args.from_recording:  # W1: epochs over a recording (ops/offline.py)
         from specbus.ops.offline import run_recording_trainer
 
@@ -136,10 +155,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(format_row(row, total), flush=True)
         metrics.write(row)
 
-    url = resolve_url(args, cfg)
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"run {cfg.run}: training on {url}; waiting for the run's samples (from "
-              "`specbus produce`, tasks from `specbus feed`)", flush=True)  # fmt: skip
+        print(f"run {cfg.run}: {training_source(cfg, args.from_recording, url)}", flush=True)
     result = run_trainer(cfg, bus_url=url, resume=args.resume, on_log=on_log)
     if result is not None and int(os.environ.get("RANK", 0)) == 0:
         what = "training stopped" if result.stopped else "training done"
@@ -152,13 +169,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def training_source(cfg, recording: str | None, url: str | None) -> str:
+    """What a trainer rank trains from and waits for, for the line rank 0 starts with."""
+    if recording and url is None:
+        return (f"training {cfg.data.epochs} epoch(s) from the recording {recording} "
+                "(a directory: no broker needed)")  # fmt: skip
+    if recording:
+        return (
+            f"training from the recording run {recording!r} on {url} ({cfg.data.epochs} epoch(s))"
+        )
+    mode = cfg.deployment.mode
+    if mode == "live":
+        what = ("captured traffic: records the intake publishes (`specbus intake`, and "
+                "`specbus serve` or your own server capturing through it)")  # fmt: skip
+    elif mode == "colocated":
+        what = "the run's tasks (from `specbus feed`; each rank captures its own)"
+    elif cfg.target.engine == "sglang_server":
+        what = ("the run's samples (tasks from `specbus feed`, captured by your SGLang server "
+                "through `specbus intake`)")  # fmt: skip
+    else:
+        what = "the run's samples (from `specbus produce`, tasks from `specbus feed`)"
+    return f"training on {url}; waiting for {what}"
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
+    cfg = config_of(args)
+    url = resolve_url(args, cfg)  # before the heavy imports: no broker is said at once
     from specbus.ops.capture import run_capture
 
-    cfg = config_of(args)
-    marker = run_capture(
-        cfg, bus_url=resolve_url(args, cfg), feed=not args.no_feed, produce=not args.no_produce
-    )
+    marker = run_capture(cfg, bus_url=url, feed=not args.no_feed, produce=not args.no_produce)
     print(
         f"recording {cfg.run}: {marker['samples']} samples ({marker['dead_letters']} dead "
         f"letters), {marker['bytes'] / 2**20:.1f} MiB in {marker['store_uri']}"

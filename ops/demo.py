@@ -147,6 +147,16 @@ def prepare_target(model: str, cache_dir: str | Path | None, log: Path, *, strea
     return target_dir
 
 
+def budget_progress(elapsed: float, budget_s: float | None, info: str) -> tuple[float, str]:
+    """The training bar's position and info at `elapsed` seconds of a `budget_s` time budget.
+    The budget runs from the trainers' first fetch, so past it the last step and its
+    checkpoint are still to come: the bar says so at 100% (no ETA) rather than sitting at
+    "99%, ETA 0:01" (measured: 15 s there)."""
+    if budget_s and elapsed >= budget_s:
+        return budget_s, f"time budget used: finishing the last step and its checkpoint | {info}"
+    return elapsed, info
+
+
 def _train(procs: Launcher, cfg: RunConfig, trainers: list, logs: Path) -> int:
     """Wait for the trainer ranks with a progress bar over the time budget; 0, or 1 when a
     child failed (named, with its log)."""
@@ -168,10 +178,8 @@ def _train(procs: Launcher, cfg: RunConfig, trainers: list, logs: Path) -> int:
                         f"tau {r.get('sim_accept_len', float('nan')):.2f} | "
                         f"{r.get('samples_per_s', 0) * len(trainers):.1f} samples/s | "
                         f"wait {r.get('data_wait_frac', 0):.0%}")  # fmt: skip
-            elapsed = time.monotonic() - started
-            # the budget runs from the trainers' first fetch: past it, the last step and its
-            # checkpoint are still to come
-            p.update(min(elapsed, 0.99 * budget_s) if budget_s else elapsed, info=info)
+            done, info = budget_progress(time.monotonic() - started, budget_s, info)
+            p.update(done, info=info)
             time.sleep(0.5)
     bad = procs.failed()
     if bad:
@@ -258,9 +266,10 @@ def eval_threads() -> int:
 
 
 def summary(cfg: RunConfig, args: argparse.Namespace, report, export_dir: Path,
-            times: dict[str, float], *, url_was_embedded: bool) -> str:  # fmt: skip
+            times: dict[str, float], *, url_was_embedded: bool, traffic=None) -> str:  # fmt: skip
     """The lines the demo ends with: what ran, throughput, acceptance, where things are, what
-    to try next."""
+    to try next. A live run (`deployment.mode: live`, `specbus demo --live`) says it trained
+    from served traffic, with `traffic`'s first line (an `ops.traffic.TrafficReport`)."""
     from specbus.ops.commands import METRICS_FILE, read_metrics
 
     run_dir = cfg.resolved_run_dir
@@ -271,12 +280,18 @@ def summary(cfg: RunConfig, args: argparse.Namespace, report, export_dir: Path,
     rate = sum(r.get("samples_per_s", 0) for r in steps) / max(len(steps), 1)
     wait = sum(r.get("data_wait_frac", 0) for r in steps) / max(len(steps), 1)
     split = ", ".join(f"{k} {v:.0f}s" for k, v in times.items() if k != "total")
+    live = cfg.deployment.mode == "live"
+    if live:
+        ran = (f"{cfg.strategy.name} draft for {cfg.target.model} from served traffic "
+               f"(`specbus serve` capturing, the intake, {args.trainers} trainer rank(s)): ")  # fmt: skip
+    else:
+        ran = (f"{cfg.strategy.name} draft for {cfg.target.model} on {cfg.data.source}: "
+               f"{args.producers} producer(s), {args.trainers} trainer rank(s), ")  # fmt: skip
     lines = [
         "",
-        f"== specbus demo: done in {times.get('total', 0) / 60:.1f} min ({split})",
-        f"ran       {cfg.strategy.name} draft for {cfg.target.model} on {cfg.data.source}: "
-        f"{args.producers} producer(s), {args.trainers} trainer rank(s), "
-        f"{final.get('steps', '?')} steps, {final.get('samples', '?')} samples",
+        f"== specbus demo{' --live' if live else ''}: done in "
+        f"{times.get('total', 0) / 60:.1f} min ({split})",
+        f"ran       {ran}{final.get('steps', '?')} steps, {final.get('samples', '?')} samples",
         # each rank logs its own rate; in lockstep every rank trains the same share
         f"training  {rate * args.trainers:.2f} samples/s over {args.trainers} rank(s) "
         f"({rate:.2f} per rank), data wait {wait:.0%} of step time (mean over "
@@ -288,15 +303,24 @@ def summary(cfg: RunConfig, args: argparse.Namespace, report, export_dir: Path,
         f"ckpts     {cfg.training.checkpoint_dir or run_dir / 'checkpoints'}",
         f"logs      {logs} (metrics: {logs / METRICS_FILE})",
     ]
+    if traffic is not None:
+        lines.insert(4, "users     " + traffic.summary().splitlines()[0].removeprefix("traffic: "))
     tb = Path(cfg.resolved_tensorboard_dir)
     if tb.is_dir():  # written by rank 0 (ops/observe.py) when tensorboard is installed
         lines.append(f"board     tensorboard --logdir {tb}")
     config = run_dir / "config.yaml"
-    lines += [
-        "next      specbus demo --minutes 10                    # a longer run, a better draft",
-        f"          specbus export --config {config} --checkpoint best --out DIR",
-        "          the pieces by hand: README.md, 'The pieces by hand' (examples/short-run.yaml)",
-    ]
+    if live:
+        lines += [
+            "next      specbus demo --live --minutes 10             # a longer run, a better draft",
+            f"          specbus export --config {config} --checkpoint best --out DIR",
+            "          your own server or SGLang: docs/live.md ('Your own server'), docs/sglang.md",
+        ]
+    else:
+        lines += [
+            "next      specbus demo --minutes 10                    # a longer run, a better draft",
+            f"          specbus export --config {config} --checkpoint best --out DIR",
+            "          the pieces by hand: README.md, 'The pieces by hand' (examples/short-run.yaml)",
+        ]
     if url_was_embedded:
         lines.append(f"          specbus up --config {config} & specbus status --config {config}")
     return "\n".join(lines)

@@ -7,7 +7,9 @@ process, the traffic driver (the `openai` client replaying GSM8K questions at a 
 minus the held-back ones). Training ends at `--minutes` (the trainers' time budget: a live
 run has no end of data); then traffic stops, the server and the intake stop, and, as in
 `specbus demo`, the acceptance length of the untrained and the trained draft is measured on
-held-back prompts and the trained draft is exported for SGLang. Logs in `<run_dir>/logs/`.
+held-back prompts, the trained draft is exported for SGLang, and it ends with the same summary
+block (ops/demo.py `summary`: what ran, the traffic, throughput, acceptance, where things are,
+what to try next). Logs in `<run_dir>/logs/`.
 
 Ctrl-C / SIGTERM stops every child by PID (the children also die with the demo, even on
 kill -9: parent-death signal).
@@ -18,14 +20,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 import threading
 import time
 
 import torch
 from specbus.core.config import RunConfig, build_config, dump_config
-from specbus.ops.demo import STOP_TIMEOUT_S, _remove_abandoned_shm, demo_config, prepare_target
+from specbus.ops.demo import (
+    STOP_TIMEOUT_S,
+    _remove_abandoned_shm,
+    demo_config,
+    eval_threads,
+    prepare_target,
+    summary,
+)
 from specbus.ops.launch import QUIET_THREADS, Launcher
 from specbus.ops.services.common import exit_code_interruptible, free_port, shielded
 from specbus.ops.services.nats import NatsServer
@@ -74,12 +82,15 @@ def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness probe
     started = time.time()
+    t_started = time.monotonic()
+    times: dict[str, float] = {}
     cfg = live_demo_config(args)
     run_dir = cfg.resolved_run_dir
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"specbus demo --live: run {cfg.run} in {run_dir} (logs in {logs})", flush=True)
     target_dir = prepare_target(cfg.target.model, None, logs / "target.log")
+    times["target"] = time.monotonic() - t_started
     print(
         f"target {cfg.target.model} ready in {time.time() - started:.1f}s ({target_dir})",
         flush=True,
@@ -152,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
             print(traffic_box["report"].summary(), flush=True)
         else:
             print(f"traffic failed: {traffic_box.get('error')}", file=sys.stderr, flush=True)
+        times["training"] = time.monotonic() - t_started - times["target"]
         print(f"training finished in {time.time() - started:.0f}s", flush=True)
         if not any((run_dir / "checkpoints").glob("step-*")):
             print(f"no training step was taken; see {logs}", file=sys.stderr)
@@ -175,14 +187,18 @@ def _run(args: argparse.Namespace) -> int:
     from specbus.ops.export import export_checkpoint
     from specbus.ops.progress import phase
 
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.set_num_threads(eval_threads())  # the trainers and the server are gone
     # the same replayed measurement as `specbus demo` (ops/evaluate.py); fewer, shorter
     # held-back prompts by default, since a live run trains fewer steps
+    t0 = time.monotonic()
     report = compare_drafts(cfg, num_prompts=args.eval_prompts or 6,
                             max_new_tokens=args.eval_tokens or 40,
                             live_check=args.eval_live, phase=phase)  # fmt: skip
+    times["evaluation"] = time.monotonic() - t0
     print(report.table(), flush=True)
     out = export_checkpoint(cfg, "latest", run_dir / "export")
-    print(f"exported the trained draft for SGLang: {out}", flush=True)
-    print(f"specbus demo --live: {time.time() - started:.0f}s in all", flush=True)
+    times["total"] = time.monotonic() - t_started
+    # the same closing block as `specbus demo`: what ran, throughput, acceptance, where things are
+    print(summary(cfg, args, report, out, times, url_was_embedded=server is not None,
+                  traffic=traffic_box.get("report")), flush=True)  # fmt: skip
     return 0

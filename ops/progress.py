@@ -68,7 +68,12 @@ class Phase:
         parts = [f"{self.description}: "]
         if self.total:
             fraction = min(self.done / self.total, 1.0)
-            parts.append(f"{_count(self.done)}/{_count(self.total)} {self.unit} ({fraction:.0%})")
+            if self.unit == "%":  # a percentage already: "62%", not "62/100 % (62%)"
+                parts.append(f"{fraction:.0%}")
+            else:
+                parts.append(
+                    f"{_count(self.done)}/{_count(self.total)} {self.unit} ({fraction:.0%})"
+                )
             if 0 < fraction < 1:
                 parts.append(f", ETA {_duration(elapsed * (1 - fraction) / fraction)}")
         else:
@@ -110,14 +115,15 @@ def phase(description: str, total: float | None = None, unit: str = "",
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        TaskProgressColumn,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
 
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn(unit), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-               TextColumn("{task.fields[info]}")]  # fmt: skip
+    done = [TaskProgressColumn()] if unit == "%" else [MofNCompleteColumn(), TextColumn(unit)]
+    columns = [TextColumn("{task.description}"), BarColumn(), *done, TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}")]  # fmt: skip
     with Progress(*columns, console=Console(file=stream), transient=False) as bar:
         p = Phase(description, total, unit, bar=bar, stream=stream)
         yield p

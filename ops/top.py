@@ -1,9 +1,12 @@
 """`specbus top`: a live view of a run, refreshed in place.
 
 Each refresh reads the broker (`bus.status.run_status`: streams, consumer groups, lag, markers,
-dead letters) and the trainers' last log row from the run's KV (step, loss, steps/s,
-samples/s, data wait, store residency as rank 0 sees it). On a terminal the view is redrawn
-in place (rich `Live`); otherwise one block of plain lines per refresh. `--once` prints one.
+dead letters: live) and the trainers' last log row from the run's KV (step, loss, steps/s,
+samples/s, data wait, store residency as rank 0 saw it: last known, shown "as of" its time),
+plus the store's residency read now where this host can (ops/runview.py) and, for a run
+marked complete, what it left and the `specbus purge` that frees it. On a terminal the view
+is redrawn in place (rich `Live`); otherwise one block of plain lines per refresh. `--once`
+prints one.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 from specbus.bus.connection import Bus
 from specbus.bus.status import run_status
 from specbus.bus.topology import open_kv
+from specbus.core.config import StoreConfig
 from specbus.ops.observe import samples_rate
+from specbus.ops.runview import clock, leftover, row_label, size, store_now
 
 
 async def snapshot(bus: Bus, run: str) -> dict[str, Any]:
@@ -27,44 +32,41 @@ async def snapshot(bus: Bus, run: str) -> dict[str, Any]:
     return status
 
 
-def _size(n: float | None) -> str:
-    if n is None or n != n:  # NaN: unknown
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _trainers_line(p: dict[str, Any] | None, now: float) -> str:
+def _trainers_lines(s: dict[str, Any], now: float) -> list[str]:
+    p = s.get("progress")
     if p is None:
-        return "progress   no trainer log row yet"
+        return ["progress   no trainer log row yet"]
     parts = [f"step {int(p.get('step', 0))}"]
     for key, fmt in (("loss", "loss {:.3f}"), ("sim_accept_len", "tau {:.2f}"),
                      ("steps_per_s", "{:.2f} steps/s"), ("samples_per_s", None),
                      ("tokens_per_s", "{:.0f} tok/s"), ("data_wait_frac", "wait {:.0%}")):  # fmt: skip
         if key in p:
             parts.append(fmt.format(p[key]) if fmt else samples_rate(p))
-    if "time" in p:
-        parts.append(f"{max(now - p['time'], 0):.0f}s ago")
-    return "progress   " + " | ".join(parts)
+    return [f"progress   {row_label(s, now)}:", "           " + " | ".join(parts)]
 
 
-def render(s: dict[str, Any], now: float | None = None) -> list[str]:
-    """The view's lines for one `snapshot`."""
+def render(
+    s: dict[str, Any], now: float | None = None, purge: str = "specbus purge --yes"
+) -> list[str]:
+    """The view's lines for one `snapshot` (plus `store_now`, the store read now, when the
+    caller added it): the broker's numbers are live, the trainers' last log row is shown
+    "as of" its time (ops/runview.py)."""
     now = time.time() if now is None else now
-    lines = [f"specbus top - run {s['run']} @ {s['url']}  {time.strftime('%H:%M:%S')}"]
+    lines = [f"specbus top - run {s['run']} @ {s['url']}  {time.strftime('%H:%M:%S', time.localtime(now))}"]  # fmt: skip
     if not s["declared"]:
         lines.append("  not declared on this broker yet")
     kv, p = s.get("kv") or {}, s.get("progress")
     feed = kv.get("feed_complete")
     done = kv.get("train_complete")
+    if done is None:
+        training = "running (or not started)"
+    else:
+        training = "complete" + (f" at {clock(done['time'])}" if "time" in done else "")
     lines.append(
         f"run        feed {'complete, ' + str(feed) + ' tasks' if feed is not None else 'in progress'}"
-        f" | training {'complete' if done else 'running'}"
+        f" | training {training}"
     )
-    lines.append(_trainers_line(p, now))
+    lines += _trainers_lines(s, now)
     lines.append(f"{'group':<10} {'lag':>7} {'pending':>8} {'in flight':>10} "
                  f"{'redelivered':>12} {'ack floor':>10} {'lag bytes':>11}")  # fmt: skip
     for group, c in s["consumers"].items():
@@ -75,30 +77,45 @@ def render(s: dict[str, Any], now: float | None = None) -> list[str]:
         lines.append(
             f"{group:<10} {lag['messages'] if lag else 0:>7} {c['pending']:>8} "
             f"{c['ack_pending']:>10} {c['redelivered']:>12} {c['ack_floor_seq']:>10} "
-            f"{_size(lag['bytes'] if lag else 0):>11}"
+            f"{size(lag['bytes'] if lag else 0):>11}"
         )
+    store = s.get("store_now")
+    if store is not None:
+        lines.append(f"store      now {size(store['bytes'])} resident in {store['uri']} "
+                     f"({store['samples']} sample(s))")  # fmt: skip
     if p is not None and "store_bytes" in p:
         lines.append(
-            f"store      {_size(p['store_bytes'])} resident (peak {_size(p.get('store_peak_bytes'))})"
+            f"store      {size(p['store_bytes'])} resident (peak {size(p.get('store_peak_bytes'))}) "
+            f"at the trainers' last log row ({row_label(s, now).split(' (')[0]})"
         )
-    else:
+    elif store is None:
         lines.append("store      residency unknown (no trainer log row yet)")
     dead = s.get("dead_letters")
     lines.append(
         f"dead       {'?' if dead is None else dead}" + (" (specbus dead)" if dead else "")
     )
+    if hint := leftover(s, store, purge):
+        lines.append(f"left over  {hint}")
     return lines
 
 
-async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None) -> int:
-    """Refresh the view every `interval_s` until Ctrl-C (or once). Returns the exit code:
+async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None,
+                store: StoreConfig | None = None, purge: str = "specbus purge --yes") -> int:  # fmt: skip
+    """Refresh the view every `interval_s` until Ctrl-C (or once); `store`: the run's store,
+    read now each refresh where this host can (`runview.store_now`). Returns the exit code:
     1 when the run is not declared on a single refresh, else 0."""
     out = out or sys.stdout
     live = None if once else _live(out)
+
+    async def lines() -> tuple[dict[str, Any], str]:
+        s = await snapshot(bus, run)
+        s["store_now"] = store_now(store) if store is not None else None
+        return s, "\n".join(render(s, purge=purge))
+
     if live is None:  # plain lines: one block per refresh
         while True:
-            s = await snapshot(bus, run)
-            print("\n".join(render(s)), file=out, flush=True)
+            s, text = await lines()
+            print(text, file=out, flush=True)
             if once:
                 return 0 if s["declared"] else 1
             print(file=out)
@@ -107,7 +124,7 @@ async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None) 
 
     with live:
         while True:
-            live.update(Text("\n".join(render(await snapshot(bus, run)))), refresh=True)
+            live.update(Text((await lines())[1]), refresh=True)
             await asyncio.sleep(interval_s)
 
 

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -302,7 +303,7 @@ def finish(
                     rank, result.steps, result.checkpoint)  # fmt: skip
     elif rank == 0:
         summary = {"steps": result.steps, "samples": result.samples,
-                   "checkpoint": result.checkpoint}  # fmt: skip
+                   "checkpoint": result.checkpoint, "time": time.time()}  # fmt: skip
         loop.call(run.kv.mark_train_complete(summary))
 
 

@@ -12,8 +12,9 @@
   the server down with it, never an orphan. A server that dies on its own is restarted on the
   same port and store dir (`--no-restart`: exit 1 instead); three failed starts in a row end
   `specbus up` with exit 1;
-- it announces its URL for this machine (`ops.services.nats.announce`): commands of any run
-  find it without `--url`;
+- it announces itself on this machine (`ops.services.nats.announce`: its URL, the run and
+  config it serves): commands of that run find it without `--url`, and a plain `specbus up`
+  (no config) is the machine's shared broker (ops/discover.py);
 - SIGINT/SIGTERM stop what it runs, by PID, and exit 0.
 
 `specbus store` (foreground) owns mooncake_master + a store node on `<run_dir>/mooncake`: the
@@ -75,6 +76,22 @@ def mooncake_dir(cfg: RunConfig) -> Path:
     return cfg.resolved_run_dir / "mooncake"
 
 
+def about_broker(args: argparse.Namespace, cfg: RunConfig, nodes: int = 1) -> dict[str, Any]:
+    """What a broker `specbus up` starts serves, for its announcement: the run and config it
+    was started for; `shared` for a plain `specbus up` (no config, the default run, one node,
+    no auth or TLS): the machine's broker that commands of a run with no broker of its own
+    use (ops/discover.py). Any other broker serves its own run only."""
+    secured = bool(getattr(args, "auth", None) or getattr(args, "tls", None))
+    return {
+        "run": cfg.run,
+        "config": str(Path(args.config).resolve()) if args.config else None,
+        "nodes": nodes,
+        "auth": bool(getattr(args, "auth", None)),
+        "tls": bool(getattr(args, "tls", None)),
+        "shared": args.config is None and cfg.run == "default" and nodes == 1 and not secured,
+    }
+
+
 def config_argv(args: argparse.Namespace) -> list[str]:
     """The run-config arguments of this command, for a child `specbus` command."""
     return (["--config", str(args.config)] if args.config else []) + list(args.overrides)
@@ -123,7 +140,7 @@ class Up:
             ) from e
         self.server = server_cfg.model_copy(update={"port": self._port()}).build(lock=self.lock)
         self.server.start()
-        announce(self.server.url, self.store_dir)
+        announce(self.server.url, self.store_dir, **about_broker(args, self.cfg))
         if args.store == "mooncake":
             self._start_store()
         if not args.no_declare:
@@ -133,10 +150,11 @@ class Up:
         print(f"nats-server ready at {url} (pid {self.server.pid}, store {self.store_dir}{sync})", flush=True)  # fmt: skip
         if not args.no_declare:
             print(f"run {self.cfg.run!r} declared: streams, consumers, KV bucket", flush=True)
-        print(
-            f"commands of any run on this machine find it; elsewhere: --url {url} (bus.url={url})",
-            flush=True,
-        )
+        if about_broker(args, self.cfg)["shared"]:
+            found = "commands of any run with no broker of its own on this machine find it"
+        else:
+            found = f"commands of run {self.cfg.run!r} on this machine find it"
+        print(f"{found}; other runs and hosts: --url {url} (bus.url={url})", flush=True)
         print("Ctrl-C to stop", flush=True)
         return self._supervise()
 

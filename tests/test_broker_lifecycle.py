@@ -199,10 +199,11 @@ def test_a_second_up_on_a_store_dir_in_use_is_refused(tmp_path, monkeypatch, cap
         assert "is in use" in out and "not starting a second nats-server" in out, out
         assert f"pid {up.pid}" in out and f"server pid {server.pid}" in out and url in out, out
 
-        # Any run's commands on this machine find the broker `specbus up` runs.
+        # Another run's commands do not use it (it serves run lc), but name it (issue 34).
         monkeypatch.setenv("SPECBUS_STATE_DIR", str(tmp_path / "state"))
-        assert main(["status", "run=other", f"run_dir={tmp_path / 'other'}"]) == 1
-        assert f"run other @ {url}" in capsys.readouterr().out
+        assert main(["status", "run=other", f"run_dir={tmp_path / 'other'}"]) == 2
+        err = capsys.readouterr().err
+        assert "no broker for run 'other'" in err and f"{url} (`specbus up` of run 'lc'" in err
     finally:
         up.proc.send_signal(signal.SIGINT)
         assert up.wait() == 0

@@ -138,3 +138,69 @@ def test_purge_removes_every_object_of_a_gone_run_and_asks_first(tmp_path, run_i
     assert main(["purge", "--yes", *overrides]) == 0
     assert "8192 bytes freed" in capsys.readouterr().out
     assert not any((tmp_path / "shm").rglob("hidden_states*"))
+
+
+def test_status_and_top_tell_live_from_last_known_values_after_the_run(
+    nats_server, run_id, bus_cfg, tmp_path, capsys
+):
+    """Issue 34: after a run, `status` and `top` showed refs in flight, lagging refs and "55.4
+    MiB resident" from the trainers' last log row while the store held far less, and nothing
+    said what was stale or suggested `specbus purge`. A run as the trainers leave it: marked
+    complete, its last log row 5 minutes old, 2 refs never trained, its shm store still
+    holding one sample."""
+    import time
+
+    import torch
+    from specbus.core.store import open_store
+
+    uri = f"shm://{tmp_path / 'shm'}"
+    store = open_store(uri, keep_on_close=True)
+    try:
+        store.put("s0", {"hidden_states": torch.ones(1024)})  # 4 KiB left behind
+    finally:
+        store.close()
+    ended = time.time() - 300
+
+    async def setup():
+        bus, topo = await open_run(nats_server.url, bus_cfg, run_id)
+        await Publisher(bus).publish_many(
+            topo.names.samples, [make_ref(run_id, i, 1 << 20) for i in range(2)]
+        )
+        await topo.kv.mark_feed_complete(2)
+        await topo.kv.put_progress({"step": 100, "loss": 1.5, "samples_per_s": 3.0,
+                                    "store_bytes": 55.4 * 2**20, "store_peak_bytes": 60 * 2**20,
+                                    "time": ended})  # fmt: skip
+        await topo.kv.mark_train_complete({"steps": 100, "samples": 400, "time": ended + 5})
+        await bus.close()
+
+    asyncio.run(setup())
+    args = ["--url", nats_server.url, f"run={run_id}", f"store.uri={uri}"]
+    assert main(["status", *args]) == 0
+    out = capsys.readouterr().out
+    as_of = time.strftime("%H:%M:%S", time.localtime(ended))
+    assert "streams (now)" in out and "lag (now)" in out, out
+    assert f"trainers (last known, as of {as_of} (5 min ago; the run's final row" in out, out
+    assert "store 55.4 MiB resident then" in out, out
+    assert f"store (now)      {uri}: 4.0 KiB resident, 1 sample(s)" in out, out
+    left = next(line for line in out.splitlines() if line.startswith("left over"))
+    assert "2 refs were never trained" in left and "still holds 4.0 KiB" in left, left
+    assert f"specbus purge --yes run={run_id} store.uri={uri}" in left, left
+
+    assert main(["top", "--once", *args]) == 0
+    out = capsys.readouterr().out
+    assert f"progress   last known, as of {as_of}" in out and "training complete at" in out, out
+    assert f"store      now 4.0 KiB resident in {uri}" in out, out
+    assert (
+        f"55.4 MiB resident (peak 60.0 MiB) at the trainers' last log row (last known, as of {as_of}"
+        in out
+    ), out
+    assert "left over" in out and "specbus purge --yes" in out, out
+
+    # Purged: the store holds nothing, so nothing more is suggested; the lag is explained.
+    assert main(["purge", "--yes", f"run={run_id}", f"store.uri={uri}"]) == 0
+    assert main(["status", *args]) == 0
+    out = capsys.readouterr().out
+    assert f"store (now)      {uri}: 0 B resident" in out, out
+    left = next(line for line in out.splitlines() if line.startswith("left over"))
+    assert "2 refs were never trained" in left and "holds none of their tensors" in left, left
+    assert "purge" not in left, left

@@ -33,16 +33,27 @@ def test_an_unreachable_broker_fails_after_the_connect_give_up_with_one_line_err
     assert len(warnings) == 2 and "not reachable yet" in warnings[1], warnings
 
 
-def test_a_process_started_during_an_outage_waits_for_the_broker(tmp_path, caplog):
+def test_a_process_started_during_an_outage_waits_for_the_broker(tmp_path, caplog, monkeypatch):
     """A producer restarted while the broker is down (issue 12: a restart during a 60 s
-    outage exited 2) connects once the broker is back, within bus.connect_give_up_s."""
+    outage exited 2) connects once the broker is back, within bus.connect_give_up_s; the wait
+    is said at the first refusal (under 5 s: issue 34), with how to start a broker, and then
+    with a progress line (every 15 s; 0.3 s here)."""
+    import specbus.bus.connection as connection
+
+    monkeypatch.setattr(connection, "PROGRESS_S", 0.3)
     server = NatsServer(tmp_path / "nats")
     cfg = BusConfig(connect_timeout_s=0.5, reconnect_wait_s=0.1, connect_give_up_s=60)
 
     async def body():
+        t0 = time.monotonic()
         connecting = asyncio.create_task(connect(cfg, server.url, name="late"))
         while not any("not reachable yet" in r.getMessage() for r in caplog.records):
             assert not connecting.done(), connecting  # still waiting, not failed
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - t0 < 5.0
+        assert "specbus up" in caplog.text
+        while "still waiting for the broker" not in caplog.text:
+            assert not connecting.done(), connecting
             await asyncio.sleep(0.05)
         await asyncio.to_thread(server.start)  # the broker comes up after its client
         bus = await asyncio.wait_for(connecting, 30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import time
 
 import pytest
@@ -75,6 +76,64 @@ def test_plain_progress_lines(tmp_path):
     assert lines[-1].startswith("decoding: done in ")
 
 
+def test_a_percentage_reads_as_one_and_an_overrun_budget_says_what_is_left():
+    """Issue 34: "62/100 % (62%)", and the training bar at "178/180 s (99%), ETA 0:01" for the
+    15 s the last step and its checkpoint took."""
+    from specbus.ops.demo import budget_progress
+    from specbus.ops.progress import phase
+
+    out = io.StringIO()
+    with phase("preparing target", 100, "%", stream=out, every_s=0) as p:
+        p.update(62, info="reading")
+    assert re.match(r"preparing target: 62%, ETA \d+:\d\d, \d+:\d\d elapsed \| reading$",
+                    out.getvalue().splitlines()[1])  # fmt: skip
+
+    assert budget_progress(100.0, 180.0, "step 9") == (100.0, "step 9")
+    done, info = budget_progress(195.0, 180.0, "step 12")
+    assert done == 180.0 and info.startswith("time budget used: finishing the last step")
+    out = io.StringIO()
+    with phase("training", 180, "s", stream=out, every_s=0) as p:
+        p.update(done, info=info)
+    line = out.getvalue().splitlines()[1]
+    assert line.startswith("training: 180/180 s (100%), ") and "ETA" not in line, line
+
+
+def test_the_trainer_says_what_it_waits_for_in_each_mode():
+    """Issue 34: every trainer said it waited for `specbus produce` / `specbus feed`, a
+    recording's trainer and `demo --live`'s included, where neither runs."""
+    from specbus.core.config import build_config
+    from specbus.ops.commands import training_source
+
+    url = "nats://127.0.0.1:4222"
+    plain = build_config({}, [])
+    assert "from `specbus produce`, tasks from `specbus feed`" in training_source(plain, None, url)
+    live = build_config({"deployment": {"mode": "live"}}, [])
+    said = training_source(live, None, url)
+    assert "captured traffic" in said and "specbus intake" in said
+    assert "specbus produce" not in said and "specbus feed" not in said
+    said = training_source(plain, "/data/rec1", None)
+    assert "recording /data/rec1 (a directory: no broker needed)" in said and "nats" not in said
+    assert f"recording run 'rec1' on {url}" in training_source(plain, "rec1", url)
+
+
+def test_the_holdout_is_apart_from_the_limit_and_the_feed_line_says_so():
+    """Issue 34: examples/short-run.yaml fed 200 of 200 tasks with `holdout: 50`, and nothing
+    said whether the hold-out came out of `limit`. It does not: the hold-out is the dataset's
+    last records, the limit counts what is trained, and the two never overlap."""
+    from specbus.core.config import build_config
+    from specbus.core.data.datasets import split_holdout
+    from specbus.ops.commands import what_is_fed
+
+    records = [{"i": i} for i in range(300)]
+    train, held = split_holdout(records, 50, 200)
+    assert train == records[:200] and held == records[250:]
+    cfg = build_config({"data": {"source": "gsm8k", "limit": 200, "holdout": 50}}, [])
+    assert what_is_fed(cfg.data) == (
+        "the first 200 records of gsm8k (data.holdout: the dataset's last 50 records are held "
+        "back for evaluation, apart from data.limit)"
+    )
+
+
 def test_the_summary_says_what_ran_and_where_things_are(tmp_path):
     import argparse
     import json
@@ -104,6 +163,20 @@ def test_the_summary_says_what_ran_and_where_things_are(tmp_path):
     text = summary(cfg, args, Comparison(report(1.0), report(1.25), 3), tmp_path / "export",
                    {"total": 1}, url_was_embedded=True)  # fmt: skip
     assert f"tensorboard --logdir {tmp_path / 'tb'}" in text
+
+    # `demo --live` ends with the same block (issue 34: it ended with none), saying it trained
+    # from served traffic and what the users saw
+    from specbus.ops.traffic import TrafficReport
+
+    live = build_config({"run": "s", "run_dir": str(tmp_path), "deployment": {"mode": "live"}}, [])
+    traffic = TrafficReport(sent=40, ok=40, completion_tokens=2560, wall_s=60.0)
+    text = summary(live, args, Comparison(report(1.0), report(1.25), 3), tmp_path / "export",
+                   {"target": 3, "training": 200, "evaluation": 30, "total": 233},
+                   url_was_embedded=True, traffic=traffic)  # fmt: skip
+    assert "== specbus demo --live: done in 3.9 min" in text
+    assert "from served traffic" in text and "producer" not in text
+    assert "users     40 sent, 40 ok, errors: none" in text
+    assert "untrained 1.000 -> trained 1.250" in text and "specbus demo --live --minutes 10" in text
 
 
 def test_conversion_steps_report_forward_and_replace_transformers_tensor_bar():
@@ -147,14 +220,14 @@ def test_target_preparation_shows_progress_with_eta(tmp_path, capfd):
     assert lines[0] == f"preparing target {SMOLLM2}..."
     assert re.fullmatch(rf"preparing target {SMOLLM2}: done in \d+:\d\d \| {re.escape(str(path))}",
                         lines[-1])  # fmt: skip
-    line = re.compile(rf"preparing target {SMOLLM2}: ([\d.]+)/100 % \((\d+)%\)(, ETA \d+:\d\d)?"
+    line = re.compile(rf"preparing target {SMOLLM2}: (\d+)%(, ETA \d+:\d\d)?"
                       r", \d+:\d\d elapsed \| (.+)")  # fmt: skip
     parsed = [line.fullmatch(text) for text in lines[1:-1]]
     assert all(parsed), [t for t, m in zip(lines[1:-1], parsed, strict=True) if not m][:3]
     done = [float(m.group(1)) for m in parsed]
     assert done == sorted(done) and done[-1] == 100
-    assert all(m.group(3) for m in parsed if 0 < float(m.group(1)) < 100)  # an ETA while under way
-    steps = [m.group(4) for m in parsed]
+    assert all(m.group(2) for m in parsed if 0 < float(m.group(1)) < 100)  # an ETA while under way
+    steps = [m.group(3) for m in parsed]
     assert steps.count("de-quantising the tensors") > 200  # one line per tensor (272)
     assert set(steps) >= {"reading the tokenizer", "reading the weights", "writing safetensors"}
     captured = capfd.readouterr()

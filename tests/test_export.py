@@ -1,6 +1,8 @@
 """SGLang EAGLE3 export: exact tensor names, config fields, refusal, loader round trip."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -73,6 +75,19 @@ def test_export_writes_exactly_the_sglang_names_and_config(tmp_path):
     assert (config["vocab_size"], config["draft_vocab_size"]) == (40, 24)
     assert config["rope_theta"] == 10000.0 and config["rms_norm_eps"] == 1e-5
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
+
+
+def test_the_export_is_readable_like_any_file_the_user_writes(tmp_path):
+    """Issue 34: model.safetensors came out 0600 (safetensors' own temp file) in a 0700
+    directory (mkdtemp): an SGLang server running as another user could not read it."""
+    umask = os.umask(0o022)
+    try:
+        out = export_draft(draft(), tmp_path / "draft")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    for name in ("config.json", "model.safetensors"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name
 
 
 def test_round_trip_restores_weights_and_outputs(tmp_path):

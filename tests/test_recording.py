@@ -182,3 +182,38 @@ def test_an_unknown_recording_is_named(tmp_path, tiny_target, nats_server, run_i
     cluster.start("trainer-0", "train", "--from-recording", "nothing-here")
     assert cluster.wait("trainer-0")["trainer-0"] != 0
     assert "not a complete recording" in cluster.log("trainer-0")
+
+
+@pytest.mark.slow
+def test_a_recording_directory_trains_with_no_broker_running(tmp_path, recording):
+    """Issue 34: `specbus train --from-recording DIR` looked for a broker (here the run's own,
+    stopped: its url file names a port nobody serves) and said it waited for samples from
+    `specbus produce` and tasks from `specbus feed`. A directory needs no broker: none is looked
+    for, and rank 0 says what it trains from."""
+    import os
+    import subprocess
+    import sys
+
+    from specbus.core.config import build_config, dump_config
+    from specbus.ops.services.common import free_port
+
+    _, cfg, rec = recording
+    tree = cfg.model_dump(mode="json")
+    tree.update(run="offline", run_dir=str(tmp_path / "run"))
+    tree["bus"]["url"] = None
+    config = tmp_path / "offline.yaml"
+    config.write_text(dump_config(build_config(tree, [])))
+    stopped = tmp_path / "run" / "nats"
+    stopped.mkdir(parents=True)
+    (stopped / "url").write_text(f"nats://127.0.0.1:{free_port()}\n")
+    env = {**os.environ, "SPECBUS_STATE_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "specbus.ops.cli", "train", "--config", str(config),
+         "--from-recording", str(rec), "training.max_steps=3"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert f"from the recording {rec} (a directory: no broker needed)" in out, out
+    assert "specbus produce" not in out and "training on" not in out, out
+    assert "training done: 3 steps" in out, out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,9 @@ def test_put_in_one_process_get_in_another(mooncake_services, store_id):
     assert torch.equal(got["m"], torch.arange(9) % 2 == 0)
     _, err = child.communicate("\n", timeout=60)  # the writer exits: its sample stays (node-owned)
     assert child.returncode == 0, err
+    # Mooncake's own glog lines ("I1202 10:00:00.1 123 client_metric.cpp:102] ...") stay out
+    # of the user's console (issue 34; core/store/mooncake_client.quiet_native_log)
+    assert not re.search(r"^[IWEF]\d{4} |InitGoogleLogging", err, re.M), err
     assert torch.equal(here.get(specs)["h"], got["h"])
     here.release(specs)
     with pytest.raises(FeatureMissing):

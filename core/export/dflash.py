@@ -24,15 +24,13 @@ markov_rank > 0) or without a confidence head (SGLang builds one and requires it
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from specbus.core.errors import ExportError
+from specbus.core.export.sglang import write_draft_dir
 from specbus.core.models.dflash import DFlashConfig, DFlashDraft
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -163,19 +161,7 @@ def export_dflash(draft: DFlashDraft, out_dir: str | Path, dtype: str = "bfloat1
         k: (v.to(_DTYPES[dtype]) if v.is_floating_point() else v).contiguous()
         for k, v in state.items()
     }
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return write_draft_dir(out_dir, hf, tensors)
 
 
 def load_dflash_export(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraft:

@@ -56,13 +56,25 @@ def export_state_dict(
         raise ExportError(
             f"d2t must be int64 and t2d bool, got {tensors['d2t'].dtype} / {tensors['t2d'].dtype}"
         )
+    return write_draft_dir(out_dir, config.to_hf_dict() | {"torch_dtype": dtype}, tensors)
+
+
+def write_draft_dir(out_dir: str | Path, hf_config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write `config.json` and `model.safetensors` to a temp sibling, then rename it into place
+    (replacing an older export). Files are 0644 and the directory 0755 under the usual umask,
+    like any file the user writes: `mkdtemp` makes the directory 0700 and safetensors the file
+    0600, which left an export other users (an SGLang server's account) could not read."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
-        hf = config.to_hf_dict() | {"torch_dtype": dtype}
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for path in tmp.iterdir():
+            path.chmod(0o666 & ~umask)
+        tmp.chmod(0o777 & ~umask)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)

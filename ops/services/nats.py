@@ -15,6 +15,9 @@ Lifecycle guarantees:
   owner, which stops it by PID;
 - a stable address: `<store_dir>/url` records where the server of this store dir listens;
   `specbus up` reuses that port on every restart (`pinned_port`);
+- announced: `specbus up` records each broker it runs in the per-user state dir
+  (`announce`: the run and config it was started for, whether it is the machine's shared
+  one); which broker a command uses is decided in `ops/discover.py`;
 - durability (`sync`): nats-server's default writes JetStream data to the OS at once and
   fsyncs every 2 minutes; `sync="always"` fsyncs every write (survives a power loss, costs
   throughput: `python -m specbus.ops.bench.bus`). Neither makes consumer state synchronous: a
@@ -24,6 +27,7 @@ Lifecycle guarantees:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -219,7 +223,7 @@ def running_url(store_dir: str | Path) -> str | None:
     return holder.get("url") if holder else None
 
 
-# ---------------------------------------------------------------- the announced broker
+# ---------------------------------------------------------------- the announced brokers
 def state_dir() -> Path:
     """Per-user state: `$SPECBUS_STATE_DIR`, else `$XDG_STATE_HOME/specbus`, else
     `~/.local/state/specbus`."""
@@ -229,25 +233,41 @@ def state_dir() -> Path:
     return Path(base) / "specbus"
 
 
-def announce(url: str, store_dir: str | Path) -> None:
-    """Record the broker `specbus up` runs, so commands of any run on this machine find it."""
-    path = state_dir() / "broker.json"
+def _announcement(store_dir: str | Path) -> Path:
+    key = hashlib.sha1(str(Path(store_dir).resolve()).encode()).hexdigest()[:16]
+    return state_dir() / "brokers" / f"{key}.json"
+
+
+def announce(url: str, store_dir: str | Path, **about: Any) -> None:
+    """Record a broker `specbus up` runs on this machine, with what it serves (`about`: `run`,
+    `config`, `nodes`, `auth`, `tls`, `shared`), one record per store dir. Commands read the
+    records (`announced`) to name the brokers they do not use, and use the `shared` one (a
+    plain `specbus up`) only when their run has no broker of its own (`ops/discover.py`)."""
+    path = _announcement(store_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".broker.{os.getpid()}.{time.monotonic_ns()}")
-    tmp.write_text(json.dumps({"url": url, "store_dir": str(Path(store_dir).resolve())}))
+    record = {"url": url, "store_dir": str(Path(store_dir).resolve()), "pid": os.getpid(),
+              "started": time.time(), **about}  # fmt: skip
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+    tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
 
-def announced() -> dict[str, Any] | None:
-    """The last announced broker (`url`, `store_dir`), whether it runs now or not."""
-    try:
-        return json.loads((state_dir() / "broker.json").read_text())
-    except (OSError, ValueError):
-        return None
+def announced() -> list[dict[str, Any]]:
+    """The announced brokers that run now (their store dir is held), oldest first; `url` is
+    the one the holder records now. A record whose broker is gone is skipped (a crashed
+    `specbus up` leaves it; the next start on that store dir replaces it)."""
+    found = []
+    for path in sorted((state_dir() / "brokers").glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        url = record.get("store_dir") and running_url(record["store_dir"])
+        if url:
+            found.append({**record, "url": url})
+    return sorted(found, key=lambda r: r.get("started", 0))
 
 
 def withdraw(store_dir: str | Path) -> None:
-    """Forget the announcement if it is still this store dir's (a clean stop)."""
-    found = announced()
-    if found and found.get("store_dir") == str(Path(store_dir).resolve()):
-        (state_dir() / "broker.json").unlink(missing_ok=True)
+    """Forget the announcement of this store dir's broker (a clean stop)."""
+    _announcement(store_dir).unlink(missing_ok=True)
