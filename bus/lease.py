@@ -30,7 +30,7 @@ from specbus.bus.outage import NoAnswer, is_transient, ride, send
 from specbus.bus.publisher import Publisher
 from specbus.bus.pull import Puller
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Group, Names
-from specbus.core.contracts import MAX_RECORD_BYTES, PromptTask, Record, SampleRef
+from specbus.core.contracts import PromptTask, Record, SampleRef
 from specbus.core.errors import BusError, BusNotFound, ConfigError, RecordError
 
 log = logging.getLogger("specbus.bus")
@@ -48,7 +48,7 @@ def parse_record(cls: type[Record], data: bytes) -> Record:
     Raises `RecordError` with the same reasons as `Record.from_bytes` (oversize, garbage,
     schema, invalid): a failure is re-run through `from_bytes` to classify it.
     """
-    if len(data) > MAX_RECORD_BYTES:
+    if len(data) > cls.max_bytes:
         return cls.from_bytes(data)  # raises oversize
     try:
         return cls.model_validate_json(data)

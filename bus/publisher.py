@@ -20,7 +20,7 @@ from nats.js.errors import NotFoundError
 from specbus.bus import headers as H
 from specbus.bus.connection import Bus
 from specbus.bus.outage import NoAnswer, ride
-from specbus.core.contracts import MAX_RECORD_BYTES, Record
+from specbus.core.contracts import Record
 from specbus.core.errors import BusRejected, RecordError
 from specbus.core.telemetry import span
 
@@ -50,14 +50,32 @@ class _NoResponders(Exception):
 
 
 def encode(record: Record) -> bytes:
-    """The record's wire bytes (the same JSON `Record.to_bytes` writes, serialised in Rust)."""
+    """The record's wire bytes (the same JSON `Record.to_bytes` writes, serialised in Rust);
+    `RecordError(reason="oversize")` beyond its class's `max_bytes`."""
     data = record.__pydantic_serializer__.to_json(record)
-    if len(data) > MAX_RECORD_BYTES:
+    if len(data) > record.max_bytes:
         raise RecordError(
-            f"{type(record).__name__} is {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte limit",
+            f"{type(record).__name__} is {len(data)} bytes, over the {record.max_bytes}-byte limit",
             reason="oversize",
         )
     return data
+
+
+def check_payload_sizes(bus: Bus, items: list[tuple[str, bytes, dict[str, str]]]) -> None:
+    """`RecordError(reason="oversize")` if a message (payload and headers) is over the broker's
+    `max_payload` (from its INFO): nothing of `items` is sent then. A broker that refuses what
+    the record limits allow (a stock nats-server's 1 MiB) needs `max_payload` raised in its
+    config; `specbus up` and the cluster set 8 MiB."""
+    limit = bus.nc.max_payload
+    for subject, payload, hdrs in items:
+        size = len(payload) + sum(len(k) + len(v) + 4 for k, v in hdrs.items()) + 12
+        if size > limit:
+            raise RecordError(
+                f"a message of {size} bytes to {subject} is over the broker's max_payload of "
+                f"{limit} bytes: raise max_payload in the nats-server config (specbus up and "
+                f"the cluster set 8 MiB)",
+                reason="oversize",
+            )
 
 
 def common_headers(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -161,7 +179,10 @@ class Publisher:
             _, pending = await asyncio.wait(pending, timeout=min(remaining, 0.25))
 
     async def publish_payloads(self, items: list[tuple[str, bytes, dict[str, str]]]) -> list[Ack]:
-        """Publish (subject, payload, headers) triples; headers must hold `Nats-Msg-Id`."""
+        """Publish (subject, payload, headers) triples; headers must hold `Nats-Msg-Id`.
+        `RecordError(reason="oversize")` before anything is sent if one is over the broker's
+        `max_payload` (`check_payload_sizes`)."""
+        check_payload_sizes(self.bus, items)
         await self._start()
         acks: list[Ack | None] = [None] * len(items)
         for start in range(0, len(items), self.window):

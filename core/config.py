@@ -15,14 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from specbus.core.errors import ConfigError
 from specbus.core.registry import ENGINES, MODES, STORES, STRATEGIES
 
@@ -214,6 +207,11 @@ class StrategyConfig(Section):
     mask_token_id: int | None = Field(None, ge=0)  # None: the target's pad, else eos token
     anchor_seed: int = 0  # anchors are drawn from a generator seeded by (this, step, rank)
     chunk_blocks: int = Field(128, ge=0)  # blocks per logits chunk (0: all at once)
+    # EAGLE3, long context (docs/eagle3.md): a batch longer than chunk_tokens forms its teacher,
+    # loss and eager attention that many positions at a time; from checkpoint_tokens tokens per
+    # micro-batch (B * L) its TTT steps are recomputed in the backward. None: never.
+    chunk_tokens: int | None = Field(4096, ge=1)
+    checkpoint_tokens: int | None = Field(65536, ge=1)
     domino: DominoConfig = DominoConfig()
     dspark: DSparkConfig = DSparkConfig()
 

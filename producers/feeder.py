@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from specbus.bus.publisher import check_payload_sizes, encode
 from specbus.bus.replay import last
 from specbus.bus.run import RunBus
 from specbus.bus.subjects import PRODUCERS
 from specbus.core.config import DataConfig, RunConfig
 from specbus.core.contracts import Manifest, ManifestTarget, PromptTask, VocabTable
 from specbus.core.data.datasets import load_source, split_holdout
-from specbus.core.data.tokenize import TokenizedSample, tokenize_records
+from specbus.core.data.tokenize import SampleTooLong, TokenizedSample, tokenize_records
 from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
 from specbus.core.errors import ConfigError, RecordError
 from specbus.core.models.target import (
@@ -62,8 +63,21 @@ def _has_tokenizer(path: Path) -> bool:
     )
 
 
+def max_tokens_of(cfg: RunConfig, info: TargetInfo) -> tuple[int, str]:
+    """The run's longest sample and the setting that bounds it: `data.max_length`, or the
+    target's context when that is shorter (`target.context_length`, else its config's
+    `max_position_embeddings`)."""
+    context = cfg.target.context_length or info.max_position_embeddings
+    if cfg.data.max_length <= context:
+        return cfg.data.max_length, "data.max_length"
+    key = "target.context_length" if cfg.target.context_length else "the target's context"
+    return context, key
+
+
 def prepare(cfg: RunConfig) -> Prepared:
-    """Load, split, tokenise; build the vocab mapping. Raises ConfigError on unusable data."""
+    """Load, split, tokenise; build the vocab mapping. Raises ConfigError on unusable data,
+    `SampleTooLong` (before anything is fed) for records over the run's maximum
+    (`max_tokens_of`): a long record is refused, never cut."""
     path = resolve_target_dir(cfg.target.model)
     info = load_target_info(path, name=cfg.target.model)
     tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None
@@ -73,7 +87,11 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise ConfigError(
             f"target {cfg.target.model!r} has no tokenizer: data.source must be pre-tokenised (input_ids)"
         )
-    samples = tokenize_records(train, tokenizer, cfg.data)
+    max_tokens, key = max_tokens_of(cfg, info)
+    try:
+        samples = tokenize_records(train, tokenizer, cfg.data, max_tokens=max_tokens, key=key)
+    except SampleTooLong as e:
+        raise SampleTooLong(e.over, e.max_tokens, key, f"data.source {cfg.data.source!r}") from e
     if not samples:
         raise ConfigError(
             f"data.source {cfg.data.source!r}: no record has a supervised (assistant) token"
@@ -153,6 +171,13 @@ def build_manifest(
     )
 
 
+def _task(run: str, sample: TokenizedSample, epoch: int, index: int) -> PromptTask:
+    return PromptTask(
+        task_id=f"t{index}", run_id=run, epoch=epoch, index=index,
+        input_ids=tuple(sample.input_ids.tolist()), loss_mask=tuple(sample.loss_mask.tolist()),
+    )  # fmt: skip
+
+
 async def _resume_point(run: RunBus) -> tuple[int, int] | None:
     """(epoch, task index) of the last dataset task in TASKS, or None if there is none."""
     stored = await last(run.bus, run.names.tasks_stream, run.names.tasks)
@@ -181,6 +206,8 @@ async def feed(
     published, returns at once once the feed is complete. Raises `ConfigError` when the run
     already has a manifest of another plan. `on_progress(published, planned, waiting)` after
     each batch and every ~10 s while held back (`waiting`: the producers' lag then, else None).
+    `RecordError(reason="oversize")` before anything is written when the longest task is over
+    the broker's `max_payload`.
     """
     kv = run.kv
     done = await kv.feed_complete()
@@ -192,6 +219,12 @@ async def feed(
         raise ConfigError(
             f"run {run.run!r} already has a manifest of another plan ({existing.plan_hash} != "
             f"{manifest.plan_hash}): use another run name, or the original data/strategy settings"
+        )
+    if prepared.samples:  # the longest task must fit the broker before anything is sent
+        longest = max(range(len(prepared.samples)), key=lambda i: len(prepared.samples[i]))
+        probe = _task(run.run, prepared.samples[longest], 0, longest)
+        check_payload_sizes(
+            run.bus, [(run.names.tasks, encode(probe), {"Nats-Msg-Id": probe.msg_id})]
         )
     if existing is None:
         await kv.put_manifest(manifest)
@@ -218,19 +251,7 @@ async def feed(
                     report(total, planned, lag)
                     told = time.monotonic()
                 await asyncio.sleep(0.2)
-            tasks = []
-            for index in order[lo : lo + batch]:
-                s = prepared.samples[index]
-                tasks.append(
-                    PromptTask(
-                        task_id=f"t{index}",
-                        run_id=run.run,
-                        epoch=epoch,
-                        index=index,
-                        input_ids=tuple(s.input_ids.tolist()),
-                        loss_mask=tuple(s.loss_mask.tolist()),
-                    )
-                )
+            tasks = [_task(run.run, prepared.samples[i], epoch, i) for i in order[lo : lo + batch]]
             # one trace per published batch: its tasks' headers carry it to their captures
             with span("feed", attributes={"run": run.run, "epoch": epoch, "tasks": len(tasks)}):
                 await run.publisher.publish_many(run.names.tasks, tasks)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -54,3 +56,16 @@ def test_the_compile_limit_is_raised_above_dynamos_default():
         assert dynamo.recompile_limit == RECOMPILE_LIMIT >= 32
     finally:
         dynamo.recompile_limit = before
+
+
+@pytest.mark.slow
+def test_long_context_bench_reports_every_length_and_the_check(tmp_path):
+    """The sweep (long paths and checkpointing below their GPU thresholds), the check of the
+    long paths against the plain one, and the memory slope, on the tiny target."""
+    out = tmp_path / "long.json"
+    _bench("long_context", "--tiny", "--stages", "sweep", "--seqs", "128,256", "--check", "128",
+           "--chunk-tokens", "64", "--checkpoint-tokens", "256", "--ttt", "2", "--out", str(out))  # fmt: skip
+    sweep = json.loads(out.read_text())["sweep"]
+    assert sweep["check"]["loss_rel"] < 1e-5 and sweep["check"]["grad_rel_max"] < 1e-4
+    assert [sweep[s]["checkpointed"] for s in ("128", "256")] == [False, True]
+    assert all(sweep[s]["chunked"] and sweep[s]["tokens_per_s"] > 0 for s in ("128", "256"))

@@ -67,7 +67,7 @@ def test_trace_context_rides_in_headers(nats_server, run_id, bus_cfg):
 def test_oversize_batch_is_rejected_before_anything_is_sent(nats_server, run_id, bus_cfg):
     async def body():
         bus, topo = await open_run(nats_server.url, bus_cfg, run_id)
-        huge = PromptTask(task_id="big", run_id=run_id, input_ids=tuple(range(100_000)))
+        huge = PromptTask(task_id="big", run_id=run_id, input_ids=tuple(range(1_100_000)))
         small = PromptTask(task_id="small", run_id=run_id, input_ids=(1, 2))
         with pytest.raises(RecordError) as e:
             await Publisher(bus).publish_many(topo.names.tasks, [small, huge])

@@ -3,7 +3,14 @@ import orjson
 import pytest
 import torch
 from pydantic import ValidationError
-from specbus.core.contracts import MAX_RECORD_BYTES, FeatureSpec, PromptTask, Provenance, SampleRef
+from specbus.core.contracts import (
+    MAX_RECORD_BYTES,
+    MAX_TASK_BYTES,
+    FeatureSpec,
+    PromptTask,
+    Provenance,
+    SampleRef,
+)
 from specbus.core.errors import RecordError
 
 
@@ -55,11 +62,11 @@ def test_a_tensor_smuggled_into_the_wire_bytes_is_rejected():
         (b"\xff\xfe garbage", "garbage"),
         (b"[1, 2]", "garbage"),
         (
-            orjson.dumps({"schema_version": 2, "task_id": "t", "run_id": "r", "text": "hi"}),
+            orjson.dumps({"schema_version": 3, "task_id": "t", "run_id": "r", "text": "hi"}),
             "schema",
         ),
         (orjson.dumps({"schema_version": 1, "task_id": "t", "run_id": "r"}), "invalid"),
-        (b" " * (MAX_RECORD_BYTES + 1), "oversize"),
+        (b" " * (MAX_TASK_BYTES + 1), "oversize"),
     ],
 )
 def test_bad_bytes_raise_record_error_with_a_reason(raw, reason):
@@ -70,8 +77,53 @@ def test_bad_bytes_raise_record_error_with_a_reason(raw, reason):
 
 def test_oversize_record_refused_at_write():
     with pytest.raises(RecordError) as e:
-        PromptTask(task_id="t", run_id="r", input_ids=tuple(range(100_000))).to_bytes()
+        PromptTask(task_id="t", run_id="r", input_ids=tuple(range(1_100_000))).to_bytes()
     assert e.value.reason == "oversize"
+    with pytest.raises(RecordError) as e:
+        make_ref(store_uri="mem://" + "x" * MAX_RECORD_BYTES).to_bytes()
+    assert e.value.reason == "oversize"
+
+
+def test_a_128k_token_task_travels_packed_in_under_a_stock_brokers_megabyte():
+    ids = tuple(range(3, 131_075))
+    mask = (0,) * 1000 + (1,) * (len(ids) - 1000)
+    task = PromptTask(task_id="t", run_id="r", input_ids=ids, loss_mask=mask)
+    data = task.to_bytes()
+    assert len(data) < 1 << 20  # a stock nats-server's max_payload
+    wire = orjson.loads(data)
+    assert wire["schema_version"] == 2
+    assert isinstance(wire["input_ids"], str) and isinstance(wire["loss_mask"], str)
+    back = PromptTask.from_bytes(data)
+    assert back == task and back.input_ids == ids and back.loss_mask == mask
+    assert PromptTask.model_validate_json(data) == task  # the lease's happy path
+
+
+def test_a_version_1_task_is_read_and_written_back_as_version_2():
+    old = orjson.dumps({"schema_version": 1, "task_id": "t", "run_id": "r", "epoch": 1,
+                        "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]})  # fmt: skip
+    task = PromptTask.from_bytes(old)
+    assert task.input_ids == (5, 6, 7) and task.loss_mask == (0, 1, 1)
+    assert task.schema_version == 2 and task.msg_id == "r:t:e1:g0"
+    assert orjson.loads(task.to_bytes())["schema_version"] == 2
+    assert PromptTask.from_bytes(task.to_bytes()) == task
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"input_ids": "AAA"}, "not base64"),
+        ({"input_ids": "AAAAAAA="}, "whole number of int32"),
+        ({"input_ids": "/////w=="}, "negative"),
+        ({"input_ids": "BQAAAA==", "loss_mask": "Ag=="}, "past the last token"),
+        ({"input_ids": "BQAAAA==", "loss_mask": "AQI="}, "do not hold"),
+        ({"text": "hi", "loss_mask": "AQ=="}, "needs input_ids"),
+    ],
+)
+def test_a_corrupt_packed_task_is_invalid(fields, words):
+    raw = orjson.dumps({"schema_version": 2, "task_id": "t", "run_id": "r", **fields})
+    with pytest.raises(RecordError, match=words) as e:
+        PromptTask.from_bytes(raw)
+    assert e.value.reason == "invalid"
 
 
 def test_nbytes_must_add_up_and_masks_must_be_binary():

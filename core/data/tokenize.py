@@ -10,7 +10,8 @@ Semantics (SpecForge 0.2.0 `GeneralParser`): roles are normalised (human->user,
 gpt->assistant); a leading system message is kept, else the template's default system prompt
 (if any) is prepended; leading non-user turns are dropped; the conversation is cut at the
 first turn out of order. The rendered text is tokenised without special tokens, truncated to
-`max_length`. Every assistant span — text after the assistant header up to and including the
+`max_length` (None: not truncated; the feeder refuses a record over the run's maximum instead,
+`tokenize_records(..., max_tokens=)`). Every assistant span — text after the assistant header up to and including the
 end-of-turn marker (or the end of text) — is located by regex and mapped to token indices by
 tokenising the text prefix before/after it; `last_turn_only` keeps only the last span.
 
@@ -91,12 +92,18 @@ def _assistant_pattern(template: ChatTemplate) -> re.Pattern[str]:
 
 
 def tokenize_text(
-    text: str, tokenizer, template: ChatTemplate, *, max_length: int, last_turn_only: bool = False
+    text: str,
+    tokenizer,
+    template: ChatTemplate,
+    *,
+    max_length: int | None,
+    last_turn_only: bool = False,
 ) -> TokenizedSample:
-    """Tokenise a rendered conversation and mask its assistant spans."""
-    input_ids = tokenizer(text, max_length=max_length, truncation=True, add_special_tokens=False)[
-        "input_ids"
-    ]
+    """Tokenise a rendered conversation and mask its assistant spans (cut to `max_length`
+    tokens unless None)."""
+    input_ids = tokenizer(
+        text, max_length=max_length, truncation=max_length is not None, add_special_tokens=False
+    )["input_ids"]
     input_ids = torch.tensor(input_ids, dtype=torch.long)
     loss_mask = torch.zeros(len(input_ids), dtype=torch.long)
     matches = list(_assistant_pattern(template).finditer(text))
@@ -111,8 +118,10 @@ def tokenize_text(
     return TokenizedSample(input_ids, loss_mask)
 
 
-def _encode(tokenizer, text: str, max_length: int) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False, truncation=True, max_length=max_length)
+def _encode(tokenizer, text: str, max_length: int | None) -> list[int]:
+    return tokenizer.encode(
+        text, add_special_tokens=False, truncation=max_length is not None, max_length=max_length
+    )
 
 
 def tokenize_record(
@@ -120,10 +129,11 @@ def tokenize_record(
     tokenizer,
     template: ChatTemplate,
     *,
-    max_length: int,
+    max_length: int | None,
     last_turn_only: bool = False,
 ) -> TokenizedSample:
-    """Turn one record of any accepted shape into a `TokenizedSample` (<= max_length tokens)."""
+    """Turn one record of any accepted shape into a `TokenizedSample` (<= max_length tokens;
+    None: the whole record)."""
     if "input_ids" in record:
         ids = torch.as_tensor(record["input_ids"], dtype=torch.long).flatten()[:max_length]
         mask = record.get("loss_mask")
@@ -170,21 +180,48 @@ def prompt_ids(record: dict[str, Any], tokenizer, template: ChatTemplate) -> tor
 
 
 def tokenize_records(
-    records: list[dict[str, Any]], tokenizer, data: DataConfig
+    records: list[dict[str, Any]],
+    tokenizer,
+    data: DataConfig,
+    *,
+    max_tokens: int | None = None,
+    key: str = "data.max_length",
 ) -> list[TokenizedSample]:
     """Tokenise with `data.chat_template` (else the tokenizer's own, detected); drops samples
     with fewer than 2 supervised tokens (collate zeroes each sample's last loss position).
-    Raises `ConfigError` for a record of no known shape."""
+    Records are cut to `data.max_length` tokens, unless `max_tokens` is given: then they are
+    tokenised whole and one longer than `max_tokens` raises `SampleTooLong` (naming the
+    record, its length and `key`, the setting that bounds it). Raises `ConfigError` for a
+    record of no known shape."""
     from specbus.core.data.templates import detect_template, get_template
 
     if data.chat_template:
         template = get_template(data.chat_template)
     else:  # pre-tokenised records need no template (a weights-only target has no tokenizer)
         template = detect_template(tokenizer) if tokenizer is not None else None
+    cut = data.max_length if max_tokens is None else None
     samples = [
-        tokenize_record(
-            r, tokenizer, template, max_length=data.max_length, last_turn_only=data.last_turn_only
-        )
+        tokenize_record(r, tokenizer, template, max_length=cut, last_turn_only=data.last_turn_only)
         for r in records
     ]
+    if max_tokens is not None:
+        over = [(i, len(s)) for i, s in enumerate(samples) if len(s) > max_tokens]
+        if over:
+            raise SampleTooLong(over, max_tokens, key)
     return [s for s in samples if int(s.loss_mask.sum()) >= 2]
+
+
+class SampleTooLong(ConfigError):
+    """Records longer than the run's maximum: `over` lists (record index, tokens); `source`
+    names where the records come from."""
+
+    def __init__(self, over: list[tuple[int, int]], max_tokens: int, key: str, source: str = ""):
+        index, length = over[0]
+        where = f" of {source}" if source else ""
+        more = f" (and {len(over) - 1} more over it)" if len(over) > 1 else ""
+        super().__init__(
+            f"record {index}{where} has {length} tokens, over the run's maximum of "
+            f"{max_tokens} ({key}){more}: refused, nothing was fed; raise {key} or shorten "
+            "the record"
+        )
+        self.over, self.max_tokens, self.key, self.source = over, max_tokens, key, source

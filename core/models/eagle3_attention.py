@@ -6,8 +6,10 @@ causally (+ key padding) to the step-0 keys; at step K > 0 to the same step-0 ke
 each step 1..K, only the key at its own position. `_ttt_eager` reproduces SpecForge's
 sdpa-backend arithmetic exactly; `_ttt_flex` (the CUDA default) uses flex attention with every
 step's BlockMask built once per forward at the tile level (`ttt_block_masks`;
-`block_mask_from_tiles` is shared with the DFlash family). Decoding (`DecodeCache`) is plain
-causal attention over a growing KV cache.
+`block_mask_from_tiles` is shared with the DFlash family). A long sequence on the eager path
+(`TTTCache.block`) is attended `block` queries at a time, each block recomputed in the
+backward (`_ttt_eager_blocked`): O(L * block) memory instead of the dense L x L mask and
+probabilities. Decoding (`DecodeCache`) is plain causal attention over a growing KV cache.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class TTTCache:
 
     `key_padding_BL` is the batch attention mask (1 = real token). `mask_BNLL` (eager) is the
     additive causal+padding mask of step 0, built lazily once per forward; `block_masks`
-    (flex) the BlockMask of every step, built once per forward (`ttt_block_masks`).
+    (flex) the BlockMask of every step, built once per forward (`ttt_block_masks`). `block`
+    (eager): attend this many queries at a time when the sequence is longer (no L x L mask).
     """
 
     key_padding_BL: torch.Tensor
@@ -36,11 +39,21 @@ class TTTCache:
     values: list[torch.Tensor] = field(default_factory=list)
     mask_B1LL: torch.Tensor | None = None
     block_masks: list[Any] | None = None
+    block: int | None = None
 
     @property
     def step(self) -> int:
         """The TTT step the next forward computes (0 first)."""
         return len(self.keys)
+
+    def upto(self, step: int) -> TTTCache:
+        """A cache holding the keys/values of steps `0..step-1` only (the same tensors, the same
+        masks): a checkpointed step runs on it, at its forward and at its recomputation."""
+        return TTTCache(
+            key_padding_BL=self.key_padding_BL, attention=self.attention,
+            keys=self.keys[:step], values=self.values[:step], mask_B1LL=self.mask_B1LL,
+            block_masks=self.block_masks, block=self.block,
+        )  # fmt: skip
 
 
 @dataclass
@@ -73,9 +86,11 @@ def step0_mask(key_padding_BL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 def _ttt_eager(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
     """SpecForge's sdpa-backend arithmetic: scores vs step-0 keys + one diagonal per earlier step."""
+    seq = q_BNLD.shape[2]
+    if cache.block is not None and seq > cache.block:
+        return _ttt_eager_blocked(q_BNLD, cache, cache.block)
     scale = math.sqrt(q_BNLD.shape[-1])
     k0, v0 = cache.keys[0], cache.values[0]
-    seq = q_BNLD.shape[2]
     if cache.mask_B1LL is None:
         cache.mask_B1LL = step0_mask(cache.key_padding_BL, q_BNLD.dtype)
     scores = torch.matmul(q_BNLD, k0.transpose(2, 3)) / scale + cache.mask_B1LL
@@ -86,6 +101,89 @@ def _ttt_eager(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
     for i, v in enumerate(cache.values[1:], start=1):
         out = out + probs[..., seq + i - 1, None] * v
     return out
+
+
+def _eager_rows(q_BNcD, pad_Bh, lo: int, k0_BNhD, v0_BNhD, diag_keys, diag_values):
+    """`_ttt_eager` for the queries at `lo..lo+c-1` (`hi` = lo + c): the step-0 keys up to
+    the last of them (`k0/v0[:, :, :hi]`, `pad[:, :hi]`: later keys are masked anyway), the
+    earlier steps' keys/values at the queries' own positions (`[:, :, lo:hi]`)."""
+    scale = math.sqrt(q_BNcD.shape[-1])
+    hi = lo + q_BNcD.shape[2]
+    dtype = q_BNcD.dtype
+    rows = torch.arange(lo, hi, device=q_BNcD.device)
+    allowed = (torch.arange(hi, device=q_BNcD.device)[None] <= rows[:, None])[None, None]
+    allowed = allowed & pad_Bh[:, None, None, :].bool()
+    # masked scores set to min (the dense path adds min: both give exact zeros after softmax)
+    scores = torch.matmul(q_BNcD, k0_BNhD.transpose(2, 3)) / scale
+    scores = scores.masked_fill(~allowed, torch.finfo(dtype).min)
+    diag = [((q_BNcD * k).sum(-1) / scale)[..., None] for k in diag_keys]
+    scores = torch.cat([scores, *diag], dim=-1) if diag else scores
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    out = torch.matmul(probs[..., :hi], v0_BNhD)
+    for i, v in enumerate(diag_values, start=1):
+        out = out + probs[..., hi + i - 1, None] * v
+    return out
+
+
+def _block_inputs(q, pad, keys, values, lo: int, hi: int):
+    return (q[:, :, lo:hi], pad[:, :hi], lo, keys[0][:, :, :hi], values[0][:, :, :hi],
+            [k[:, :, lo:hi] for k in keys[1:]], [v[:, :, lo:hi] for v in values[1:]])  # fmt: skip
+
+
+class _BlockedTTTAttention(torch.autograd.Function):
+    """`_ttt_eager` `block` queries at a time; the backward recomputes each block's
+    probabilities (nothing of them is kept): memory O(L * block), never an L x L tensor.
+    The same function as the dense path (masked keys add exact zeros), summed in another
+    order."""
+
+    @staticmethod
+    def forward(ctx, block: int, pad_BL, q_BNLD, steps: int, *keys_values):
+        keys, values = keys_values[:steps], keys_values[steps:]
+        seq = q_BNLD.shape[2]
+        outs = [
+            _eager_rows(*_block_inputs(q_BNLD, pad_BL, keys, values, lo, min(lo + block, seq)))
+            for lo in range(0, seq, block)
+        ]
+        ctx.save_for_backward(pad_BL, q_BNLD, *keys_values)
+        ctx.block, ctx.steps = block, steps
+        return torch.cat(outs, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad_BNLD):
+        pad, q, *keys_values = ctx.saved_tensors
+        steps, seq = ctx.steps, q.shape[2]
+        keys, values = keys_values[:steps], keys_values[steps:]
+        grad_q = torch.zeros_like(q)
+        grad_k = [torch.zeros_like(k) for k in keys]
+        grad_v = [torch.zeros_like(v) for v in values]
+        for lo in range(0, seq, ctx.block):
+            hi = min(lo + ctx.block, seq)
+            with torch.enable_grad():
+                qb, pb, _, k0, v0, dk, dv = _block_inputs(q, pad, keys, values, lo, hi)
+                leaves = [t.detach().requires_grad_(True) for t in (qb, k0, v0, *dk, *dv)]
+                qb, k0, v0 = leaves[:3]
+                dk, dv = leaves[3 : 2 + steps], leaves[2 + steps :]
+                out = _eager_rows(qb, pb, lo, k0, v0, dk, dv)
+                g = torch.autograd.grad(out, leaves, grad_BNLD[:, :, lo:hi])
+            grad_q[:, :, lo:hi] = g[0]
+            grad_k[0][:, :, :hi] += g[1]
+            grad_v[0][:, :, :hi] += g[2]
+            for s in range(1, steps):
+                grad_k[s][:, :, lo:hi] += g[2 + s]
+                grad_v[s][:, :, lo:hi] += g[1 + steps + s]
+        return None, None, grad_q, None, *grad_k, *grad_v
+
+
+def _ttt_eager_blocked(q_BNLD: torch.Tensor, cache: TTTCache, block: int) -> torch.Tensor:
+    """`_ttt_eager` through `_BlockedTTTAttention` (its doc); step 0 of a batch without
+    padding is plain causal attention: torch's SDPA (a fused kernel, O(L) memory)."""
+    if len(cache.keys) == 1 and bool(cache.key_padding_BL.bool().all()):
+        return F.scaled_dot_product_attention(
+            q_BNLD, cache.keys[0], cache.values[0], is_causal=True
+        )
+    return _BlockedTTTAttention.apply(
+        block, cache.key_padding_BL, q_BNLD, len(cache.keys), *cache.keys, *cache.values
+    )
 
 
 TILE = 128  # flex attention's BLOCK_SIZE (query and key tiles)

@@ -20,11 +20,13 @@ cache, the same function at inference positions).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from specbus.core.errors import ConfigError
 from specbus.core.models.eagle3_attention import (  # noqa: F401  (part of this module's API)
     TILE,
@@ -399,26 +401,59 @@ class LlamaEagle3Draft(nn.Module):
         attention_mask_BL: torch.Tensor,
         ttt_length: int = 7,
         attention: str = "eager",
-    ) -> list[torch.Tensor]:
+        *,
+        block: int | None = None,
+        checkpoint: bool = False,
+        head: Callable[..., Any] | None = None,
+    ) -> Any:
         """Unroll `ttt_length` TTT steps; returns each step's logits `[B, L, Vd]`.
 
         `input_ids_BL` are the ids the first step embeds (already shifted by one against the
         aux features); they shift left by one more after every step. One forward call covers
         all steps so DDP/FSDP wrappers see a single forward per backward.
+
+        Long sequences: `block` attends that many queries at a time on the eager path (no
+        L x L tensor); `checkpoint` recomputes each step in the backward (only its inputs,
+        output and keys/values are kept); `head(hiddens, norm_weight, eps, lm_head_weight)`
+        replaces the logits: it gets every step's pre-norm hidden state and returns what the
+        forward returns (the chunked loss, `core/strategies/eagle3_long.py`, which never holds
+        a step's `[B, L, Vd]` logits).
         """
         position_ids = torch.arange(input_ids_BL.shape[1], device=input_ids_BL.device)[None]
-        hidden = self.project(hidden_states_BL3H.to(self.fc.weight.dtype))
-        cache = TTTCache(key_padding_BL=attention_mask_BL, attention=attention)
+        aux = hidden_states_BL3H
+        if not torch.is_autocast_enabled(aux.device.type):  # autocast casts it itself
+            aux = aux.to(self.fc.weight.dtype)
+        hidden = self.project(aux)
+        cache = TTTCache(key_padding_BL=attention_mask_BL, attention=attention, block=block)
         if attention == "flex":  # every step's block mask, once per forward
             cache.block_masks = ttt_block_masks(attention_mask_BL, ttt_length)
-        logits = []
+        outputs = []
         ids = input_ids_BL
         for k in range(ttt_length):
-            hidden = self.backbone(self.embed(ids), hidden, position_ids, cache)
-            logits.append(self.compute_logits(hidden))
+            emb = self.embed(ids)
+            if checkpoint and torch.is_grad_enabled():
+                hidden, key, value = torch.utils.checkpoint.checkpoint(
+                    self._step, emb, hidden, position_ids, cache, k, use_reentrant=False
+                )
+                cache.keys.append(key)
+                cache.values.append(value)
+            else:
+                hidden = self.backbone(emb, hidden, position_ids, cache)
+            outputs.append(hidden if head is not None else self.compute_logits(hidden))
             if k < ttt_length - 1:
                 ids = shift_left(ids)
-        return logits
+        if head is not None:
+            return head(outputs, self.norm.weight, self.norm.variance_epsilon, self.lm_head.weight)
+        return outputs
+
+    def _step(self, emb_BLH, hidden_BLH, position_ids_BL, cache: TTTCache, step: int):
+        """TTT step `step` on a cache of the earlier steps only (nothing is mutated, so its
+        recomputation in the backward is the same function): (hidden, its keys, its values)."""
+        view = cache.upto(step)
+        hidden = self.backbone(emb_BLH, hidden_BLH, position_ids_BL, view)
+        if cache.mask_B1LL is None:
+            cache.mask_B1LL = view.mask_B1LL  # the dense step-0 mask, built once per forward
+        return hidden, view.keys[-1], view.values[-1]
 
 
 def shift_left(x: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from specbus.core.strategies.base import (
     TrainBatch,
     pad_right,
 )
+from specbus.core.strategies.eagle3_long import TTTHead, long_teacher
 from torch import nn
 
 
@@ -206,10 +207,16 @@ def eagle3_ttt_loss(
     step_weight: float = 0.8,
     attention: str = "eager",
     fused: bool = False,
+    chunk: int | None = None,
+    checkpoint: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """The EAGLE3 TTT objective (module docstring). Pure: reads `model`, writes nothing.
     `fused`: each step's loss and acceptance rate through `_FusedStepLoss` (the CUDA path;
     the same function, rounded differently), else the reference's arithmetic.
+    `chunk`: a sequence longer than this takes the long-context path
+    (`core/strategies/eagle3_long.py`: the teacher and the loss `chunk` positions at a time,
+    the eager attention `chunk` queries at a time); `checkpoint`: every TTT step recomputed in
+    the backward. Both compute the same function as the plain path.
 
     `model` is the draft or a DDP/FSDP wrapper of it (called once). Returns the weighted loss
     (grad flows to the draft's trainable parameters only) and detached per-step metrics:
@@ -217,6 +224,12 @@ def eagle3_ttt_loss(
     sim_accept_len.
     """
     draft = unwrap(model)
+    batch, seq = input_ids_BL.shape
+    if chunk is not None and seq > chunk:
+        return _long_ttt_loss(
+            model, draft, input_ids_BL, attention_mask_BL, loss_mask_BL, hidden_states_BL3H,
+            target_BLH, lm_head_VH, ttt_length, step_weight, attention, fused, chunk, checkpoint,
+        )  # fmt: skip
     with torch.no_grad():
         input_ids = shift_left(input_ids_BL)
         target_hidden = shift_left(target_BLH)
@@ -226,10 +239,10 @@ def eagle3_ttt_loss(
             target_logits, draft.t2d, loss_mask, ttt_length, draft_columns(draft)
         )
         del target_logits
-    batch, seq = input_ids.shape
     step_logits = model(
-        input_ids, hidden_states_BL3H, attention_mask_BL, ttt_length=ttt_length, attention=attention
-    )
+        input_ids, hidden_states_BL3H, attention_mask_BL, ttt_length=ttt_length,
+        attention=attention, checkpoint=checkpoint,
+    )  # fmt: skip
     position_mask = teacher.position_mask_BL1
     losses, metrics = [], {}
     for k, logits in enumerate(step_logits):
@@ -262,13 +275,44 @@ def eagle3_ttt_loss(
         position_mask = shift_left(position_mask)
         loss_mask = shift_left(loss_mask)
     loss = sum(step_weight**k * p for k, p in enumerate(losses))
+    return loss, _totals(metrics, loss, batch, seq, ttt_length)
+
+
+def _totals(metrics: Metrics, loss: torch.Tensor, batch: int, seq: int, ttt_length: int):
     metrics["loss"] = loss.detach()
     metrics["loss_denom"] = torch.tensor(float(batch * seq))
     # tau = sum_k prod_{j<=k} acc_j, kept on device (no host sync per step)
     metrics["sim_accept_len"] = (
         torch.stack([metrics[f"acc_{k}"] for k in range(ttt_length)]).cumprod(0).sum()
     )
-    return loss, metrics
+    return metrics
+
+
+def _long_ttt_loss(model, draft, input_ids_BL, attention_mask_BL, loss_mask_BL,
+                   hidden_states_BL3H, target_BLH, lm_head_VH, ttt_length, step_weight,
+                   attention, fused, chunk, checkpoint):  # fmt: skip
+    """`eagle3_ttt_loss` through `eagle3_long` (its doc): the same loss and metrics."""
+    batch, seq = input_ids_BL.shape
+    loss_mask = loss_mask_BL[..., None]
+    teacher = long_teacher(
+        shift_left(target_BLH), lm_head_VH, draft.t2d, draft_columns(draft), loss_mask, chunk
+    )
+    head = TTTHead(teacher, loss_mask, draft.d2t, step_weight, chunk, fused)
+    loss, stats = model(
+        shift_left(input_ids_BL), hidden_states_BL3H, attention_mask_BL, ttt_length=ttt_length,
+        attention=attention, block=chunk, checkpoint=checkpoint, head=head,
+    )  # fmt: skip
+    metrics: Metrics = {}
+    dtype = loss.dtype
+    for k in range(ttt_length):
+        ploss, correct, denom, accepted, supervised = stats[k].unbind()
+        metrics[f"ploss_{k}"] = ploss.to(dtype)
+        denom = denom.float()  # the plain path's dtypes: a long count clamped to a float
+        metrics[f"acc_{k}"] = correct.to(torch.long) / denom
+        metrics[f"correct_{k}"] = correct.to(torch.long)
+        metrics[f"denom_{k}"] = denom
+        metrics[f"acceptance_rate_{k}"] = (accepted / supervised.clamp_min(1e-8)).to(dtype)
+    return loss, _totals(metrics, loss, batch, seq, ttt_length)
 
 
 class Eagle3Strategy:
@@ -416,7 +460,15 @@ class Eagle3Strategy:
             step_weight=self.cfg.step_weight,
             attention=self.resolve_attention(device, t["input_ids"].shape[1]),
             fused=self.fused(batch),
+            chunk=self.cfg.chunk_tokens,
+            checkpoint=self.checkpoint(batch),
         )
+
+    def checkpoint(self, batch: TrainBatch) -> bool:
+        """Whether the TTT steps are recomputed in the backward: from `checkpoint_tokens`
+        positions per micro-batch (B * L, padding included: what the activations hold)."""
+        limit = self.cfg.checkpoint_tokens
+        return limit is not None and batch.tensors["input_ids"].numel() >= limit
 
     @staticmethod
     def fused(batch: TrainBatch) -> bool:

@@ -11,6 +11,8 @@
 #   BENCH_ARGS="--steps 24" bash ops/bench/gpu.sh
 #   BENCH=multi bash ops/bench/gpu.sh     # on 2+ GPUs: ops/bench/gpu_multi.py
 #   GPU_TESTS=0 BENCH=dflash BENCH_ARGS="--runs dspark:512-4096" bash ops/bench/gpu.sh
+#   GPU_TESTS=0 BENCH=long bash ops/bench/gpu.sh
+#                                         # long context, 2k..128k (ops/bench/long_context.py)
 #                                         # DSpark colocated, mixed lengths (ops/bench/gpu_dflash.py)
 #   GPU_TESTS=0 BENCH=perf bash ops/bench/gpu.sh
 #                                         # the draft-step performance call (docs/benchmarks.md):
@@ -100,6 +102,12 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, 
   cp "$PERF/summary.txt" "$OUT/"; pack
   echo "total $(( $(date +%s) - started ))s"
   exit 0
+elif [ "${BENCH:-pipeline}" = long ]; then  # long context: ops/bench/long_context.py
+  # the floor probe at the same lengths: a copy of shared/bench/floor.py whose length loop reads
+  # $FLOOR_SEQS and stops at the first out-of-memory (.gpu/floor_long.py; none: no floor stage)
+  floor=.gpu/floor_long.py
+  timeout "${BENCH_TIMEOUT:-900}" python3 -m specbus.ops.bench.long_context \
+    $( [ -f "$floor" ] && echo --floor "$floor" ) --out "$OUT/long_context.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 elif [ "${BENCH:-pipeline}" = multi ]; then  # several GPUs: ops/bench/gpu_multi.py
   timeout "${BENCH_TIMEOUT:-420}" python3 -m specbus.ops.bench.gpu_multi --out "$OUT/gpu_multi.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

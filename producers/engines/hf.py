@@ -1,7 +1,8 @@
 """The `hf` target engine: a transformers causal LM on CPU or GPU, forward hooks on the aux layers.
 
 Sequences are captured `capture_batch` at a time, right-padded (causal attention: the real
-positions never see the padding, and the padding is sliced off before a sample is built).
+positions never see the padding, and the padding is sliced off before a sample is built); one
+longer than `SOLO_TOKENS` is captured alone (`batches`: no `[B, 1, L, L]` padding mask).
 The aux features are the outputs of the contract's decoder layers (0-based), concatenated in
 contract order; the final feature is the base model's post-norm last hidden state (the
 lm_head is not run: the trainer recomputes logits from it).
@@ -95,6 +96,29 @@ def _maybe_tokenizer(path):
     return load_tokenizer(path)
 
 
+SOLO_TOKENS = 8192
+
+
+def batches(lengths: list[int], size: int) -> list[tuple[int, int]]:
+    """(start, stop) of each forward's sequences, in order: up to `size` at a time, but a
+    sequence longer than `SOLO_TOKENS` alone. A padded batch needs a `[B, 1, L, L]` mask (and
+    attention kernels that take one): 8 GiB at 64k tokens; a sequence alone needs none (the
+    causal kernel), and fills the GPU by itself."""
+    spans, start = [], 0
+    for i, n in enumerate(lengths):
+        if n > SOLO_TOKENS:
+            if start < i:
+                spans.append((start, i))
+            spans.append((i, i + 1))
+            start = i + 1
+        elif i + 1 - start == size:
+            spans.append((start, i + 1))
+            start = i + 1
+    if start < len(lengths):
+        spans.append((start, len(lengths)))
+    return spans
+
+
 class HFEngine:
     """A frozen HF target capturing EAGLE3/DFlash-style features."""
 
@@ -162,12 +186,11 @@ class HFEngine:
         started = time.perf_counter()
         out_device = torch.device(device) if device is not None else torch.device("cpu")
         samples: list[dict[str, torch.Tensor]] = []
-        for start in range(0, len(input_ids), self.cfg.capture_batch):
+        for start, stop in batches([len(ids) for ids in input_ids], self.cfg.capture_batch):
             chunk = [
-                torch.as_tensor(ids, dtype=torch.long).flatten()
-                for ids in input_ids[start : start + self.cfg.capture_batch]
+                torch.as_tensor(ids, dtype=torch.long).flatten() for ids in input_ids[start:stop]
             ]
-            masks = None if loss_masks is None else loss_masks[start : start + len(chunk)]
+            masks = None if loss_masks is None else loss_masks[start:stop]
             samples.extend(self._capture_chunk(chunk, masks, contract, out_device))
         self.last_capture_s = time.perf_counter() - started
         return samples

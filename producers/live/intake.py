@@ -249,9 +249,9 @@ class Intake:
                 f"{rec.num_generated} generated rows < min_num_tokens {cap.min_num_tokens}",
             )
         elif rec.num_tokens > cap.max_num_tokens:
-            raise rejected(
-                "too_long", f"{rec.num_tokens} rows > max_num_tokens {cap.max_num_tokens}"
-            )
+            raise rejected("too_long", f"sample {rec.sample_id} has {rec.num_tokens} rows, over the run's "
+                           f"maximum of {cap.max_num_tokens} (max_num_tokens: live.max_num_tokens, "
+                           "else data.max_length)")  # fmt: skip
         if set(rec.features) != set(self._decls):
             raise rejected(
                 "features",

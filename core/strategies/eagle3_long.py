@@ -1,0 +1,223 @@
+"""EAGLE3 at long context: the teacher and the TTT loss a chunk of positions at a time.
+
+Shape legend (eagle3.py's): B batch, L sequence, H hidden, V target vocab, Vd draft vocab,
+K TTT steps, c positions of a chunk.
+
+The plain path (eagle3.py) holds, per micro-batch, the target's logits over the whole
+vocabulary (`[B, L, V]`, bf16 and an fp32 copy), the teacher's two distributions over the
+draft vocabulary (`[B, L+K, Vd]` fp32 each) and every step's draft logits with their
+gradient (`[B, L, Vd]` each, kept until the backward): ~1.7 MB per token on a Qwen3-8B-shaped
+target with a 32k draft vocabulary and 7 steps, the bulk of its memory at 16k tokens. Here:
+
+- `LongTeacher`: the target's logits are formed `chunk` positions at a time and reduced at
+  once to what the loss reads: their draft-vocabulary columns in the logits' own dtype (the
+  values the plain path softmaxes: nothing is rounded), the log-sum-exp over the whole
+  vocabulary and the argmax ids. The two distributions are rebuilt per chunk (`rows`).
+- `TTTHead` (the draft's `head=`): each step's loss, metrics and gradients w.r.t. the step's
+  hidden state, the final norm's weight and the lm_head's weight, `chunk` positions at a time
+  in the forward (`_ChunkedTTTLoss`); the backward only scales what the forward kept (one
+  `[B, L, H]` per step, one `[Vd, H]`, one `[H]`). No `[B, L, Vd]` tensor outlives a chunk.
+
+Both compute the plain path's functions, reference and fused arithmetic alike; only the order
+of the sums over positions differs (tests/test_eagle3_long.py: values and gradients on a tiny
+model, in float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from specbus.core.models.kernels import compiled, rms_norm
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (fp64 stays fp64 for exact tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def shifted(x_BL: torch.Tensor, k: int, lo: int, hi: int, value=0) -> torch.Tensor:
+    """Positions `lo..hi-1` of `x` shifted left by `k` (`shift_left` k times, or the teacher's
+    padding): `x[:, lo+k : hi+k]`, `value` past the end."""
+    seq = x_BL.shape[1]
+    part = x_BL[:, min(lo + k, seq) : min(hi + k, seq)]
+    pad = (hi - lo) - part.shape[1]
+    if not pad:
+        return part
+    widths = (0, 0) * (x_BL.dim() - 2) + (0, pad)
+    return F.pad(part, widths, value=value)
+
+
+@dataclass(frozen=True)
+class LongTeacher:
+    """The TTT teacher, kept as the target's draft-column logits (module doc)."""
+
+    draft_logits_BLVd: torch.Tensor  # the target's logits at the draft columns, their dtype
+    lse_BL1: torch.Tensor  # log-sum-exp of the target's logits over the whole vocabulary
+    target_ids_BL: torch.Tensor  # the target's argmax (full vocabulary)
+    position_mask_BL1: torch.Tensor  # loss_mask * t2d[argmax]
+
+    def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target_p, target_p_on_draft) of teacher rows `lo..hi-1` as `compute_teacher` pads
+        them: rows past L are uniform / zero."""
+        seq, vd = self.draft_logits_BLVd.shape[1:]
+        logits = upcast(self.draft_logits_BLVd[:, min(lo, seq) : min(hi, seq)])
+        target_p = torch.softmax(logits, dim=2)
+        on_draft = torch.exp(logits - self.lse_BL1[:, min(lo, seq) : min(hi, seq)])
+        pad = (hi - lo) - logits.shape[1]
+        if pad:
+            target_p = F.pad(target_p, (0, 0, 0, pad), value=1 / vd)
+            on_draft = F.pad(on_draft, (0, 0, 0, pad), value=0.0)
+        return target_p, on_draft
+
+
+@torch.no_grad()
+def long_teacher(
+    target_hidden_BLH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    t2d_V: torch.Tensor,
+    draft_ids_Vd: torch.Tensor,
+    loss_mask_BL1: torch.Tensor,
+    chunk: int,
+) -> LongTeacher:
+    """`compute_teacher` of `lm_head(target_hidden)` (the shifted final hidden state), the
+    logits formed `chunk` positions at a time (module doc)."""
+    batch, seq, _ = target_hidden_BLH.shape
+    device = target_hidden_BLH.device
+    draft_logits = torch.empty(
+        (batch, seq, draft_ids_Vd.numel()), dtype=lm_head_VH.dtype, device=device
+    )
+    lse = torch.empty((batch, seq, 1), dtype=upcast(lm_head_VH[:1, :1]).dtype, device=device)
+    ids = torch.empty((batch, seq), dtype=torch.long, device=device)
+    for lo in range(0, seq, chunk):
+        hi = min(lo + chunk, seq)
+        logits = F.linear(target_hidden_BLH[:, lo:hi].to(lm_head_VH.dtype), lm_head_VH)
+        full = upcast(logits)
+        ids[:, lo:hi] = full.argmax(-1)
+        lse[:, lo:hi] = torch.logsumexp(full, dim=-1, keepdim=True)
+        draft_logits[:, lo:hi] = logits.index_select(-1, draft_ids_Vd)
+        del logits, full
+    position_mask = t2d_V[ids][..., None].int() * loss_mask_BL1
+    return LongTeacher(draft_logits, lse, ids, position_mask)
+
+
+@compiled
+def chunk_terms(logits_BcVd, target_p_BcVd, position_mask_Bc1, on_draft_BcVd, inv_count):
+    """`ttt_step_terms` of a chunk (compiled on CUDA): its share of the step loss (summed over
+    its positions, times `inv_count` = 1 / (B * L), a 0-dim tensor: a float would be baked
+    into the compiled graph, one per length), its acceptance sum, and d loss / d logits."""
+    logp = torch.log_softmax(upcast(logits_BcVd), dim=2)
+    weight = position_mask_Bc1 * target_p_BcVd
+    ploss = -torch.sum(weight * logp, 2).sum() * inv_count
+    prob = logp.exp()
+    per_token = torch.minimum(on_draft_BcVd, prob.to(on_draft_BcVd.dtype))
+    mask = position_mask_Bc1.squeeze(-1).to(per_token.dtype)
+    accepted = (per_token.sum(-1) * mask).sum()
+    grad_logp = weight * (-inv_count)
+    grad = grad_logp - prob * grad_logp.sum(-1, keepdim=True)
+    return ploss, accepted, grad
+
+
+def _reference_terms(logits, target_p, position_mask, on_draft, inv_count: float):
+    """The reference arithmetic of a chunk (`step_loss`, `acceptance_rate`): its loss share
+    (differentiable) and its acceptance sum."""
+    logp = torch.log_softmax(upcast(logits), dim=2)
+    ploss = -torch.sum(position_mask * (target_p * logp), 2).sum() * inv_count
+    with torch.no_grad():
+        draft_p = torch.softmax(upcast(logits), dim=-1).to(on_draft.dtype)
+        per_token = torch.minimum(on_draft, draft_p).sum(-1)
+        accepted = (per_token * position_mask.squeeze(-1).to(per_token.dtype)).sum()
+    return ploss, accepted
+
+
+@dataclass
+class TTTHead:
+    """The draft's `head=` at long context: the weighted TTT loss of every step's hidden state,
+    `chunk` positions at a time (module doc). Call returns `(loss, stats_K5)`: per step
+    ploss, correct, denom, accepted sum, supervised count (detached)."""
+
+    teacher: LongTeacher
+    loss_mask_BL1: torch.Tensor
+    d2t_Vd: torch.Tensor
+    step_weight: float
+    chunk: int
+    fused: bool
+
+    def __call__(self, hiddens, norm_weight, eps, lm_head_weight):
+        return _ChunkedTTTLoss.apply(self, norm_weight, lm_head_weight, eps, *hiddens)
+
+
+class _ChunkedTTTLoss(torch.autograd.Function):
+    """Forward: loss, metrics and every gradient, chunk by chunk (`TTTHead`); backward: the
+    kept gradients times the incoming one."""
+
+    @staticmethod
+    def forward(ctx, head: TTTHead, norm_w, head_w, eps: float, *hiddens):
+        batch, seq = hiddens[0].shape[:2]
+        inv_count = 1.0 / (batch * seq)
+        acc_dtype = upcast(norm_w.detach()[:1]).dtype
+        grad_norm = torch.zeros(norm_w.shape, dtype=acc_dtype, device=norm_w.device)
+        grad_head = torch.zeros(head_w.shape, dtype=acc_dtype, device=head_w.device)
+        grad_hidden = [torch.empty_like(h) for h in hiddens]
+        total = torch.zeros((), dtype=acc_dtype, device=norm_w.device)
+        stats = torch.zeros((len(hiddens), 5), dtype=torch.float64, device=norm_w.device)
+        for k, hidden in enumerate(hiddens):
+            weight_k = head.step_weight**k
+            for lo in range(0, seq, head.chunk):
+                hi = min(lo + head.chunk, seq)
+                terms = _chunk(head, k, lo, hi, hidden, norm_w, head_w, eps, inv_count, weight_k)
+                ploss, accepted, correct, (g_hidden, g_norm, g_head) = terms
+                grad_hidden[k][:, lo:hi] = g_hidden
+                grad_norm += g_norm
+                grad_head += g_head
+                total += weight_k * ploss
+                stats[k, 0] += ploss.double()
+                stats[k, 1] += correct.double()
+                stats[k, 3] += accepted.double()
+            lm = shifted(head.loss_mask_BL1, k, 0, seq)
+            pm = shifted(head.teacher.position_mask_BL1, k, 0, seq)
+            stats[k, 2] = lm.sum().double().clamp_min(1e-6)
+            stats[k, 4] = pm.sum().double()
+        ctx.save_for_backward(grad_norm, grad_head, *grad_hidden)
+        ctx.dtypes = (norm_w.dtype, head_w.dtype)
+        ctx.mark_non_differentiable(stats)
+        return total, stats
+
+    @staticmethod
+    def backward(ctx, g_loss, _):
+        grad_norm, grad_head, *grad_hidden = ctx.saved_tensors
+        norm_dtype, head_dtype = ctx.dtypes
+        return (
+            None, (grad_norm * g_loss).to(norm_dtype), (grad_head * g_loss).to(head_dtype), None,
+            *[(g * g_loss).to(g.dtype) for g in grad_hidden],
+        )  # fmt: skip
+
+
+def _chunk(head: TTTHead, k, lo, hi, hidden, norm_w, head_w, eps, inv_count, weight_k):
+    """One chunk of step `k`: (loss share, acceptance sum, correct count, gradients of the
+    weighted loss share w.r.t. the chunk's hidden state, the norm and lm_head weights)."""
+    target_p, on_draft = head.teacher.rows(lo + k, hi + k)
+    pm = shifted(head.teacher.position_mask_BL1, k, lo, hi)
+    lm = shifted(head.loss_mask_BL1, k, lo, hi).squeeze(-1)
+    with torch.enable_grad():
+        h = hidden[:, lo:hi].detach().requires_grad_(True)
+        nw = norm_w.detach().requires_grad_(True)
+        hw = head_w.detach().requires_grad_(True)
+        logits = F.linear(rms_norm(h, nw, eps), hw)
+        if head.fused:
+            count = torch.full((), inv_count, dtype=upcast(logits[:0]).dtype, device=h.device)
+            terms = chunk_terms(logits.detach(), target_p, pm, on_draft, count)
+            ploss, accepted, grad = terms  # the gradient is formed here: no graph through them
+            grads = torch.autograd.grad(
+                logits, (h, nw, hw), grad_outputs=(grad * weight_k).to(logits.dtype)
+            )
+        else:
+            ploss, accepted = _reference_terms(logits, target_p, pm, on_draft, inv_count)
+            weight = torch.tensor(weight_k, dtype=ploss.dtype, device=ploss.device)
+            grads = torch.autograd.grad(ploss, (h, nw, hw), grad_outputs=weight)
+    with torch.no_grad():
+        pred = logits.argmax(-1)
+        ids = shifted(head.teacher.target_ids_BL, k, lo, hi)
+        correct = ((pred + head.d2t_Vd[pred] == ids) * lm).sum()
+    return ploss.detach(), accepted, correct, grads

@@ -1,0 +1,331 @@
+"""Long-context benchmark: EAGLE3 on the Qwen3-8B-shaped random target, one GPU, lengths up to
+the first that fails (docs/benchmarks.md, "Long context").
+
+Stages (`--stages`, in this order):
+- `pipeline`: colocated runs through real processes at `--pipeline-seqs` (`gpu_pipeline.run_mode`:
+  `specbus feed` + `specbus train` with the hf engine swapped for the random target): the
+  trainer's steady samples/s and tokens/s, its peak allocated/reserved CUDA memory;
+- `sweep`: one process, the target built once; first (`--check L`) the long-context paths
+  against the plain one on one batch of L tokens (relative differences of the loss, metrics
+  and gradients: rounding only); then every length of `--seqs` ascending until one fails
+  (out of memory): per sample, capture (hf engine, features left on the GPU, as
+  colocated) -> collate -> one optimizer step (bf16 autocast, fp32 master weights, the run's
+  default strategy settings: the long-context paths above `strategy.chunk_tokens`, TTT
+  steps checkpointed from `strategy.checkpoint_tokens`); samples/s, tokens/s, capture and
+  step seconds, peak allocated/reserved memory (of the whole loop and of the capture alone),
+  and the slope of the peak per 1k tokens between consecutive lengths;
+- `floor`: the bare floor probe (`--floor FILE`, a copy of the steering folder's floor.py,
+  lengths from `$FLOOR_SEQS`) in a process of its own, as the baseline.
+
+    python -m specbus.ops.bench.long_context --out $OUT/long_context.json --floor .gpu/floor.py
+    python -m specbus.ops.bench.long_context --tiny --seqs 256,512,1024 --pipeline-seqs 512  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from specbus.ops.bench.gpu_pipeline import config_for, run_mode
+from specbus.ops.bench.random_target import QWEN3_8B, TINY, random_engine, write_data, write_target
+
+SEQS = "2048,4096,8192,16384,32768,65536,131072"
+
+
+def steps_for(seq: int) -> tuple[int, int]:
+    """(optimizer steps, warm-up steps) of a pipeline run: ~40 s of steady steps at most."""
+    if seq <= 4096:
+        return 24, 8
+    if seq <= 16384:
+        return 12, 4
+    return (6, 2) if seq <= 32768 else (4, 1)
+
+
+def reps_for(seq: int) -> int:
+    """Timed samples per length in the sweep (after one warm-up sample)."""
+    return 4 if seq <= 16384 else 2 if seq <= 65536 else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep: one process, every length
+
+
+def sweep(target: Path, seqs: list[int], args) -> dict:
+    from specbus.core.config import DraftConfig, StrategyConfig, TargetConfig, TrainingConfig
+    from specbus.core.data.vocab import build_vocab_mapping, count_tokens
+    from specbus.core.models.target import load_target_heads
+    from specbus.core.strategies.base import StepContext, build_strategy
+    from specbus.core.training import build_optimizer, train_step
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    engine = random_engine(TargetConfig(model=str(target), device=device.type, capture_batch=1,
+                                        context_length=max(seqs)))  # fmt: skip
+    heads = load_target_heads(target)
+    strategy_cfg = StrategyConfig(
+        ttt_length=args.ttt, draft=DraftConfig(draft_vocab_size=args.draft_vocab),
+        **({"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {}),
+        **({"checkpoint_tokens": args.checkpoint_tokens} if args.checkpoint_tokens else {}),
+    )  # fmt: skip
+    strategy = build_strategy(strategy_cfg, engine.info, heads=heads)
+    contract = strategy.feature_contract(engine.info)
+    g = torch.Generator().manual_seed(2)
+    vocab_ids = torch.randint(3, engine.info.vocab_size, (65536,), generator=g)
+    vocab = build_vocab_mapping(count_tokens([(vocab_ids, torch.ones_like(vocab_ids))]),
+                                args.draft_vocab, engine.info.vocab_size)  # fmt: skip
+    draft = strategy.build_model(engine.info, heads, vocab).to(device)
+    optimizer = build_optimizer(draft, TrainingConfig())
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    rows: dict[str, dict] = {}
+    if args.check:
+        rows["check"] = check(engine, strategy, draft, contract, args.check)
+        print("check", json.dumps(rows["check"]), flush=True)
+    for seq in seqs:
+        ids = torch.randint(3, engine.info.vocab_size, (seq,), generator=g)
+        mask = torch.cat([torch.zeros(seq // 4), torch.ones(seq - seq // 4)]).long()
+        row: dict = {"checkpointed": strategy_cfg.checkpoint_tokens is not None
+                     and seq >= strategy_cfg.checkpoint_tokens,
+                     "chunked": strategy_cfg.chunk_tokens is not None
+                     and seq > strategy_cfg.chunk_tokens}  # fmt: skip
+        try:
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if cuda else 0
+            times = {"capture": [], "step": []}
+            for i in range(1 + reps_for(seq)):
+                sync()
+                t0 = time.perf_counter()
+                features = engine.capture([ids], [mask], contract, device=device)
+                sync()
+                t1 = time.perf_counter()
+                if i == 0 and cuda:
+                    row["capture_peak_alloc_gib"] = (
+                        torch.cuda.max_memory_allocated() - base
+                    ) / 2**30
+                batch = strategy.collate(features, seq).to(device)
+                train_step(strategy, draft, [batch], optimizer, None, grad_clip=0.5,
+                           step=StepContext(i, 100), autocast_dtype=torch.bfloat16 if cuda else None)  # fmt: skip
+                sync()
+                t2 = time.perf_counter()
+                del features, batch
+                if i:  # the first sample compiles the kernels of this length
+                    times["capture"].append(t1 - t0)
+                    times["step"].append(t2 - t1)
+            capture_s, step_s = (
+                statistics.median(times["capture"]),
+                statistics.median(times["step"]),
+            )
+            row.update(capture_s=capture_s, step_s=step_s, samples_per_s=1 / (capture_s + step_s),
+                       tokens_per_s=seq / (capture_s + step_s))  # fmt: skip
+            if cuda:
+                row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        except torch.OutOfMemoryError as e:
+            row["error"] = f"out of memory: {str(e)[:300]}"
+        except RuntimeError as e:  # a CUDA failure other than the allocator's
+            row["error"] = repr(e)[:600]
+        rows[str(seq)] = row
+        print("sweep", seq, json.dumps(row), flush=True)
+        if "error" in row:
+            break
+    add_slopes(rows)
+    engine.close()
+    return rows
+
+
+def check(engine, strategy, draft, contract, seq: int) -> dict:
+    """The long-context paths against the plain one on this device, at `seq` tokens (chunks
+    of seq/4, every TTT step checkpointed): relative differences of the loss, the metrics and
+    each parameter's gradient (bf16 autocast, fused loss on CUDA: rounding only)."""
+    import copy
+
+    from specbus.core.strategies.base import StepContext
+
+    cuda = engine.device.type == "cuda"
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, engine.info.vocab_size, (seq,), generator=g)
+    mask = (torch.rand(seq, generator=g) > 0.2).long()
+    features = engine.capture([ids], [mask], contract, device=engine.device)
+    batch = strategy.collate(features, seq).to(engine.device)
+    out, original = {}, strategy.cfg
+    for name, chunk, ckpt in (("plain", None, None), ("long", seq // 4, 1)):
+        model = copy.deepcopy(draft)
+        strategy.cfg = strategy.cfg.model_copy(update={"chunk_tokens": chunk,
+                                                       "checkpoint_tokens": ckpt})  # fmt: skip
+        with torch.autocast(engine.device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss, metrics = strategy.forward_loss(model, batch, StepContext(0, 100))
+        loss.backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        out[name] = (
+            loss.detach().float(),
+            {k: torch.as_tensor(v).double() for k, v in metrics.items()},
+            grads,
+        )
+    strategy.cfg = original
+    (lp, mp, gp), (ll, ml, gl) = out["plain"], out["long"]
+    rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
+    report = {"seq": seq, "loss_rel": rel(ll, lp), "grad_rel_max": max(rel(gl[n], gp[n]) for n in gp),
+              "metric_abs_max": max(float((ml[k] - mp[k]).abs()) for k in mp if "correct" not in k)}  # fmt: skip
+    report["grad_rel"] = {n: round(rel(gl[n], gp[n]), 6) for n in gp}
+    return report
+
+
+def add_slopes(rows: dict[str, dict]) -> None:
+    """`slope_gib_per_1k`: the peak's growth per 1k tokens since the previous length."""
+    prev = None
+    for seq, row in rows.items():
+        if seq == "check" or "peak_alloc_gib" not in row:
+            continue
+        if prev is not None:
+            row["slope_gib_per_1k"] = (row["peak_alloc_gib"] - prev[1]) / (
+                (int(seq) - prev[0]) / 1024
+            )
+        prev = (int(seq), row["peak_alloc_gib"])
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline: real processes
+
+
+def pipeline(target: Path, seqs: list[int], args, work: Path, vocab: int) -> dict:
+    rows = {}
+    for seq in seqs:
+        steps, warmup = steps_for(seq)
+        args.steps, args.warmup = (3, 1) if args.tiny else (steps, warmup)
+        args.log_every = 1 if seq > 16384 or args.tiny else 2
+        data = write_data(work / f"data-{seq}.jsonl", args.steps * args.micro_batch + 4, seq, vocab)
+        run = f"long-{seq}-{uuid.uuid4().hex[:6]}"
+        cfg = config_for(run, work, target, data, seq, "colocated", args)
+        t0 = time.perf_counter()
+        try:
+            rows[str(seq)] = run_mode(cfg, work, "colocated", args.warmup, args.timeout)
+        except Exception as e:  # keep the other lengths' figures
+            rows[str(seq)] = {"error": str(e)[-3000:]}
+        rows[str(seq)]["wall_s"] = time.perf_counter() - t0
+        print("pipeline", seq, json.dumps(rows[str(seq)], default=str), flush=True)
+    return rows
+
+
+def floor(path: Path, seqs: list[int], timeout_s: float) -> dict:
+    """The floor probe at `seqs` (`$FLOOR_SEQS`), its output lines."""
+    env = {**os.environ, "FLOOR_SEQS": ",".join(str(s) for s in seqs)}
+    try:
+        out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True,
+                             text=True, timeout=timeout_s)  # fmt: skip
+        text, code = out.stdout + out.stderr[-2000:], out.returncode
+    except subprocess.TimeoutExpired as e:
+        text, code = (
+            (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""),
+            "timeout",
+        )
+    print(text, flush=True)
+    return {
+        "exit": code,
+        "lines": [ln for ln in text.splitlines() if ln.startswith(("L=", "target"))],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--stages", default="pipeline,sweep,floor")
+    ap.add_argument("--seqs", default=SEQS, help="the sweep's lengths, ascending")
+    ap.add_argument("--pipeline-seqs", default="4096,32768,65536")
+    ap.add_argument("--floor", type=Path, default=None, help="the floor probe script")
+    ap.add_argument("--floor-seqs", default="2048,4096,8192,16384,32768,65536")
+    ap.add_argument("--floor-timeout", type=float, default=150.0)
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="strategy.chunk_tokens")
+    ap.add_argument("--checkpoint-tokens", type=int, default=None)
+    ap.add_argument("--check", type=int, default=4096,
+                    help="compare the long-context paths with the plain one at this length first (0: no)")  # fmt: skip
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--colocated-prefetch", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per pipeline run")
+    ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    stages = args.stages.split(",")
+    work = Path(tempfile.mkdtemp(prefix="specbus-long-"))
+    overrides = {**TINY, "max_position_embeddings": 131072} if args.tiny else {
+        "max_position_embeddings": 131072}  # fmt: skip
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = write_target(work / "target", overrides, device=device)
+    vocab = (TINY if args.tiny else QWEN3_8B)["vocab_size"]
+    args.draft_vocab = min(args.draft_vocab, vocab)
+    report: dict = {"args": {k: str(v) for k, v in vars(args).items()},
+                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                    "torch": torch.__version__}  # fmt: skip
+
+    def save():
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1, default=str))
+
+    for stage in stages:
+        t0 = time.perf_counter()
+        if stage == "pipeline":
+            seqs = [int(s) for s in args.pipeline_seqs.split(",") if s]
+            report["pipeline"] = pipeline(target, seqs, args, work, vocab)
+        elif stage == "sweep":
+            report["sweep"] = sweep(target, [int(s) for s in args.seqs.split(",")], args)
+        elif stage == "floor" and args.floor is not None:
+            seqs = [int(s) for s in args.floor_seqs.split(",")]
+            report["floor"] = floor(args.floor, seqs, args.floor_timeout)
+        print(f"stage {stage} done in {time.perf_counter() - t0:.0f}s", flush=True)
+        save()
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    print(f"\n=== {report['device']} (torch {report['torch']})")
+    print(f"{'seq':>7} {'samples/s':>9} {'tokens/s':>9} {'capture s':>9} {'step s':>7} "
+          f"{'alloc GiB':>9} {'resv GiB':>8} {'capture GiB':>11} {'GiB/1k':>7} ckpt")  # fmt: skip
+    for seq, r in (report.get("sweep") or {}).items():
+        if seq == "check":
+            print(f"check at {r['seq']}: loss rel {r['loss_rel']:.2e}, grad rel max "
+                  f"{r['grad_rel_max']:.2e}, metrics abs max {r['metric_abs_max']:.2e}")  # fmt: skip
+            continue
+        if "error" in r:
+            print(f"{seq:>7} FAILED {r['error'][:200]}")
+            continue
+        print(f"{seq:>7} {r['samples_per_s']:>9.3f} {r['tokens_per_s']:>9.0f} {r['capture_s']:>9.2f} "
+              f"{r['step_s']:>7.2f} {r.get('peak_alloc_gib', float('nan')):>9.1f} "
+              f"{r.get('peak_reserved_gib', float('nan')):>8.1f} "
+              f"{r.get('capture_peak_alloc_gib', float('nan')):>11.1f} "
+              f"{r.get('slope_gib_per_1k', float('nan')):>7.2f} {r['checkpointed']}")  # fmt: skip
+    for seq, r in (report.get("pipeline") or {}).items():
+        if "error" in r:
+            print(f"pipeline {seq:>7} FAILED {r['error'][-300:]}")
+            continue
+        mem = r.get("train_mem", {})
+        print(f"pipeline {seq:>7} colocated {r['samples_per_s']:.3f} samples/s "
+              f"{r['tokens_per_s']:.0f} tokens/s, step {r['step_ms']:.0f} ms, capture "
+              f"{r.get('capture_frac', float('nan')):.2f}, peak "
+              f"{mem.get('peak_allocated_gib', float('nan')):.1f} / "
+              f"{mem.get('peak_reserved_gib', float('nan')):.1f} GiB")  # fmt: skip
+    for line in (report.get("floor") or {}).get("lines", []):
+        print("floor", line)
+
+
+if __name__ == "__main__":
+    main()
