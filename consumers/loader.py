@@ -3,10 +3,13 @@
 One loader per trainer rank. On the bus loop it prefetches `need * (1 + prefetch)` items and
 heartbeats their leases; `next_window()` returns a `Window` of exactly `micro_batch *
 accumulation` items once every rank holds one (consumers/lockstep.py), after gathering the
-candidates and filtering them against the ledger (`plan_round`), or None at the end of the data
-or on a stop; `commit(window)` records, acks, then releases (a live source holds the tensors
-until `checkpointed()`, after the next checkpoint). It owns the `Ledger` (a `Stateful`).
-docs/architecture.md, "Exactly once into the model" and "Lockstep".
+candidates and filtering them against the ledger (`plan_round`); at the end of the data, one
+ragged `Window` of what every rank still holds (fewer items, none on some ranks, weighted so
+that the step is the mean over the samples it trains); then None (also on a stop or a spent
+time budget, after giving back what it holds). `commit(window)` records, acks, then releases
+(a live source holds the tensors until `checkpointed()`, after the next checkpoint). It owns
+the `Ledger` (a `Stateful`). docs/architecture.md, "Exactly once into the model" and
+"Lockstep".
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specbus.consumers.ledger import Key, Ledger, plan_round
-from specbus.consumers.lockstep import Decision, Status, agree, gather_objects, rank
+from specbus.consumers.lockstep import (
+    Decision,
+    Status,
+    agree,
+    broadcast_object,
+    gather_objects,
+    ragged_shape,
+    rank,
+)
 from specbus.consumers.loop_thread import LoopThread
 from specbus.core.errors import BrokerUnavailable, BusError
 from specbus.core.source import Item, Source, Upstream
@@ -34,10 +45,13 @@ log = logging.getLogger("specbus.loader")
 class Window:
     """One optimizer step's data on this rank: its items, their collated micro-batches, every rank's
     keys of the step (recorded at commit) and their store bytes, and how long the rank waited
-    for it."""
+    for it. `weights`: the factor on each micro-batch's loss (None: 1/len(micro_batches), a
+    full window); a ragged last window sets them (0.0: a pad micro-step that only keeps the
+    ranks' collectives in step, `lockstep.ragged_shape`), and may hold no item at all."""
 
     items: list[Item]
     micro_batches: list[Any]
+    weights: list[float] | None = None
     keys: list[Key] = field(default_factory=list)  # every rank's items of this step
     nbytes: int = 0  # store bytes of every rank's items of this step (the same on every rank)
     wait_s: float = 0.0  # time next_window() blocked (data-wait)
@@ -53,7 +67,9 @@ class Loader:
     `heartbeat_s`; `stop_after_s` ends the data after that long; `stop` (set by a signal) stops
     every rank at the next step; `hold_limit_bytes`: the source holds committed tensors until
     a checkpoint (live mode), and `checkpoint_due` says so once the windows committed since
-    the last one hold this many store bytes (None: never)."""
+    the last one hold this many store bytes (None: never); `equal_micro_steps`: every rank
+    runs as many micro-steps in the ragged last step (a sharded draft: FSDP's forward and
+    backward are collectives)."""
 
     def __init__(
         self,
@@ -72,6 +88,7 @@ class Loader:
         stop: threading.Event | None = None,
         report_wait_s: float = 30.0,
         hold_limit_bytes: int | None = None,
+        equal_micro_steps: bool = False,
     ):
         self.source, self.loop, self.collate = source, loop, collate
         self.ledger = ledger if ledger is not None else Ledger()
@@ -85,6 +102,7 @@ class Loader:
         self.poll_s, self.fetch_timeout_s, self.heartbeat_s = poll_s, fetch_timeout_s, heartbeat_s
         self.report_wait_s = report_wait_s
         self.hold_limit_bytes = hold_limit_bytes
+        self.equal_micro_steps = equal_micro_steps
         # store bytes of every rank's windows committed since the last `checkpointed()`, from
         # the lockstep gather: the same on every rank
         self.held_bytes = 0
@@ -181,7 +199,8 @@ class Loader:
     # -- training-thread side --------------------------------------------------------
     def next_window(self) -> Window | None:
         """Block until every rank holds a full window of items not yet trained (returned), the
-        data is over (None) or a stop was asked for (None, `stopped` set)."""
+        data is over (the ragged window of what this rank still holds, then None), the time
+        budget is spent (None) or a stop was asked for (None, `stopped` set)."""
         t0 = time.perf_counter()
         reported = t0
         while True:
@@ -202,23 +221,23 @@ class Loader:
             upstream = self._upstream
             if self.stop.is_set():
                 status = Status.STOPPING
-            elif out_of_time:
-                status = Status.ENDED
+            elif out_of_time:  # ends like max_steps: what is held is given back, not trained
+                status = Status.EXPIRED
             elif len(self._held) >= self.need:
                 status = Status.FULL
             elif upstream.done and self._ready.empty():
                 status = Status.ENDED
             else:
                 status = Status.WAITING
-            held = 0 if out_of_time else len(self._held) + self._ready.qsize()
+            held = len(self._held) + self._ready.qsize()
             decision = agree(
                 status, held, self.need,
-                # an ended rank's view of the broker; a time budget ends regardless
-                ack_pending=upstream.ack_pending if status == Status.ENDED and not out_of_time else -1,
+                # an ended rank's view of the broker
+                ack_pending=upstream.ack_pending if status == Status.ENDED else -1,
                 unsettled=self.source.unsettled(),
             )  # fmt: skip
-            if decision is Decision.TRAIN:
-                window = self._plan_window()
+            if decision in (Decision.TRAIN, Decision.RAGGED):
+                window = self._plan_window(ragged=decision is Decision.RAGGED)
                 if window is not None:
                     window.wait_s = time.perf_counter() - t0
                     return window
@@ -237,10 +256,12 @@ class Loader:
                     f" ({upstream.waiting_for})" if upstream.waiting_for else "",
                 )  # fmt: skip
 
-    def _plan_window(self) -> Window | None:
+    def _plan_window(self, *, ragged: bool = False) -> Window | None:
         """Every rank: gather the candidate windows, filter them against the ledger and each
         other (the same plan on every rank), settle what is already trained. Returns the
-        window when every rank still has a full one, else None (the ranks go on filling)."""
+        window when every rank still has a full one, else None (the ranks go on filling);
+        `ragged` (the end of the data): the ragged window of what is left, when any rank has
+        anything left to train, else None (the next round ends)."""
         candidates = self._held[: self.need]
         mine = ([i.key for i in candidates], [i.nbytes for i in candidates],
                 self.source.drain_retired())  # fmt: skip
@@ -252,17 +273,51 @@ class Loader:
         self._settle_trained([candidates[i] for i in plan.trained])
         self._parked.extend(candidates[i] for i in plan.parked)
         self._held = [candidates[i] for i in plan.keep] + self._held[self.need :]
-        if any(len(p.keep) < self.need for p in plans):
+        counts = [len(p.keep) for p in plans]
+        if (sum(counts) == 0) if ragged else any(n < self.need for n in counts):
             return None
-        items, self._held = self._held[: self.need], self._held[self.need :]
-        mbs = [
-            self.collate([it.tensors for it in items[i : i + self.micro_batch]])
-            for i in range(0, self.need, self.micro_batch)
-        ]
+        mine = counts[rank()]
+        items, self._held = self._held[:mine], self._held[mine:]
         kept = [(keys[i], sizes[i]) for (keys, sizes, _), p in zip(rows, plans, strict=True)
                 for i in p.keep]  # fmt: skip
-        return Window(items=items, micro_batches=mbs, keys=[k for k, _ in kept],
-                      nbytes=sum(n for _, n in kept))  # fmt: skip
+        window = Window(items=items, micro_batches=[], keys=[k for k, _ in kept],
+                        nbytes=sum(n for _, n in kept))  # fmt: skip
+        if not ragged:
+            window.micro_batches = [
+                self.collate([it.tensors for it in items[i : i + self.micro_batch]])
+                for i in range(0, self.need, self.micro_batch)
+            ]
+            return window
+        return self._ragged(window, counts)
+
+    def _ragged(self, window: Window, counts: list[int]) -> Window:
+        """The last step's window: this rank's micro-batches of what it kept (the last one
+        short), their weights and, with `equal_micro_steps`, the zero-weight pads (a rank that
+        kept nothing pads with a sample another rank trains in this step, broadcast)."""
+        shape = ragged_shape(counts, rank(), self.micro_batch,
+                             equal_micro_steps=self.equal_micro_steps)  # fmt: skip
+        if rank() == 0:
+            log.info(
+                "end of data: a last ragged step trains the %d samples left (per rank: %s; a "
+                "full step is %d per rank)", sum(counts), counts, self.need,
+            )  # fmt: skip
+        at, sample = 0, None
+        for size in shape.sizes:
+            window.micro_batches.append(
+                self.collate([it.tensors for it in window.items[at : at + size]])
+            )
+            at += size
+        if shape.template_from is not None:  # every rank takes part in the broadcast
+            first = window.items[0].tensors if rank() == shape.template_from else None
+            sample = broadcast_object(
+                None if first is None else {k: v.detach().cpu() for k, v in first.items()},
+                shape.template_from,
+            )
+        if shape.pads:
+            pad = window.micro_batches[0] if window.micro_batches else self.collate([sample])
+            window.micro_batches += [pad] * shape.pads
+        window.weights = shape.weights
+        return window
 
     def _drop_trained_held(self) -> None:
         """Items another rank trained since this rank took them: settle them before counting."""

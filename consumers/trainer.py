@@ -232,6 +232,7 @@ class Trainer:
                 grad_clip=self.cfg.grad_clip, step=ctx, autocast_dtype=self.parts.autocast_dtype,
                 # the step's one all-reduce (ddp); FSDP reduce-scatters inside the backward
                 reduce_gradients=None if self.sharded else average_gradients,
+                weights=window.weights,  # the ragged last step's (None: a full window)
             )  # fmt: skip
             # The step is applied: record it (the window's keys were agreed before the step,
             # on every rank), then confirm it upstream. Nothing that can fail comes between.

@@ -8,9 +8,11 @@ lives on neighbouring GPUs). Per optimizer step:
   same sharded target forward);
 - peer `i` of an island trains the disjoint slice `[i * per_rank, (i + 1) * per_rank)` of it;
 - islands are data-parallel: they lease disjoint tasks through the consumer group.
-So every rank trains exactly `micro_batch * accumulation` samples per step, no sample is
-trained twice, and per epoch only complete global windows are planned (the remainder is
-truncated, never trained by half the ranks).
+So every rank trains exactly `micro_batch * accumulation` samples per step and no sample is
+trained twice. At the end of the data the tasks left over (fewer than a global window) are
+trained too: a leader holding fewer than `tp` once nothing more can come captures them as its
+island's last batch, cut unevenly, and the loader's ragged last step trains what every rank
+holds (consumers/lockstep.py).
 """
 
 from __future__ import annotations
@@ -82,14 +84,6 @@ class IslandPlan:
         """The part of its island's batch that `rank` trains."""
         peer = rank - self.leader_of(rank)
         return slice(peer * self.per_rank, (peer + 1) * self.per_rank)
-
-    def steps_per_epoch(self, num_tasks: int) -> int:
-        """Optimizer steps one epoch of `num_tasks` tasks gives (complete global windows only)."""
-        return num_tasks // self.global_window
-
-    def trained_per_epoch(self, num_tasks: int) -> int:
-        """Tasks of an epoch that are trained: complete global windows only."""
-        return self.steps_per_epoch(num_tasks) * self.global_window
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world:

@@ -13,7 +13,7 @@ Schedules (per optimizer step, factor on `training.lr`): linear warmup over
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,10 +95,11 @@ def _host_values(values: list[Any]) -> list[float]:
 
 
 def _mean_metrics(all_metrics: list[dict], extra: list[Any] = ()) -> dict[str, float]:
-    """Average per-micro-batch figures; counts (correct/denom) are summed and acc recomputed.
-    `extra` values come back (as floats) under "_extra" in the same device-to-host copy."""
+    """Average per-micro-batch figures; counts (correct/denom) are summed and acc recomputed
+    (none: {}). `extra` values come back (as floats) under "_extra" in the same
+    device-to-host copy."""
     out: dict[str, float] = {}
-    keys = list(all_metrics[0])
+    keys = list(all_metrics[0]) if all_metrics else []
     host = iter(_host_values([m[key] for key in keys for m in all_metrics] + list(extra)))
     for key in keys:
         values = [next(host) for _ in all_metrics]
@@ -130,15 +131,23 @@ def train_step(
     step: StepContext,
     autocast_dtype: torch.dtype | None = None,
     reduce_gradients: Callable[[list[nn.Parameter]], None] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> StepResult:
-    """One optimizer step over `batches` (gradient accumulation: each loss scaled by 1/len).
+    """One optimizer step over `batches` (gradient accumulation: each loss scaled by 1/len,
+    or by `weights[i]`).
 
+    `weights` (the last, ragged step of a data-parallel run, `lockstep.ragged_shape`): the
+    factor on each micro-batch's loss; a 0.0 is a pad micro-step, run only so that every
+    rank's collectives match (FSDP), and left out of the metrics. `batches` may be empty (a
+    rank that holds nothing in that step: it contributes zero gradients to the collective).
     `reduce_gradients(params)` runs after the last backward (data-parallel averaging; an FSDP
     model reduces its own gradients, on the last micro-step only). Clips
     the global grad norm of the trainable parameters to `grad_clip`, steps the
     optimizer and the scheduler, zeroes the gradients. Returns loss/metrics averaged over
-    the micro-batches, the pre-clip grad norm and the lr used.
+    the micro-batches (NaN loss and no metrics when none was trained here), the pre-clip grad
+    norm and the lr used.
     """
+    assert weights is None or len(weights) == len(batches), "one weight per micro-batch"
     model.train()
     all_metrics = []
     # FSDP (consumers/parallel.py): reduce-scatter gradients on the last micro-step only.
@@ -151,8 +160,10 @@ def train_step(
             device_type=device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None
         ):
             loss, metrics = strategy.forward_loss(model, batch, step)
-        (loss / len(batches)).backward()
-        all_metrics.append(metrics)
+        weight = None if weights is None else weights[i]
+        (loss / len(batches) if weight is None else loss * weight).backward()
+        if weight is None or weight > 0:
+            all_metrics.append(metrics)
     params = trainable_parameters(model)
     if reduce_gradients is not None:  # data parallel: the step's one all-reduce
         reduce_gradients(params)
@@ -166,4 +177,6 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     metrics = _mean_metrics(all_metrics, extra=[grad_norm])  # the step's one host sync
     (grad_norm,) = metrics.pop("_extra")
-    return StepResult(loss=metrics["loss"], grad_norm=grad_norm, lr=lr, metrics=metrics)
+    return StepResult(
+        loss=metrics.get("loss", math.nan), grad_norm=grad_norm, lr=lr, metrics=metrics
+    )

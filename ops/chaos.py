@@ -41,8 +41,9 @@ so the checks that follow still measure something.
 Checks after the run ends (all processes of the pipeline exited 0 within the deadline):
 
 - lineage: torch.load of <run_dir>/checkpoints/<latest>/state.pt: its lineage holds every fed
-  sample id (the TASKS stream's dataset tasks, `<task>-e<epoch>`) exactly once (the task count
-  is a multiple of world * micro_batch * accumulation, so every task is trained);
+  sample id (the TASKS stream's dataset tasks, `<task>-e<epoch>`) exactly once (any task
+  count: a remainder over world * micro_batch * accumulation is trained in a ragged last
+  step);
 - broker: the "trainers" and "producers" consumers have nothing pending and nothing
   ack-pending, the DEAD stream is empty, the feed-complete marker holds the task count;
 - store: shm: the store directory of the run is gone (no file left); mooncake: the master's
@@ -155,8 +156,8 @@ def make_plan(
     faults: tuple[int, int] = (1, 3),
 ) -> Plan:
     """The plan of trial `seed`: depends only on the arguments (reproducible)."""
-    if tasks % WINDOW:
-        raise ValueError(f"--tasks must be a multiple of the step size {WINDOW}")
+    if tasks < WINDOW:
+        raise ValueError(f"--tasks must be at least one step ({WINDOW}): faults fire after one")
     rng = random.Random(f"specbus-chaos:{seed}:{store}")
     kinds = victims or victims_for(store, slow)
     n = rng.randint(*faults)
@@ -1152,7 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1, help="first seed (trial i runs seed + i)")
     ap.add_argument(
-        "--tasks", type=int, default=2048, help=f"tasks fed per trial (multiple of {WINDOW})"
+        "--tasks", type=int, default=2048, help=f"tasks fed per trial (at least {WINDOW})"
     )
     ap.add_argument("--slow", action="store_true", help="also 60 s broker outages")
     ap.add_argument("--victims", default=None, help=f"comma list from {','.join(ALL_VICTIMS)}")

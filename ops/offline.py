@@ -25,6 +25,7 @@ from specbus.consumers.checkpoint import CheckpointManager
 from specbus.consumers.loader import Loader
 from specbus.consumers.lockstep import control_group
 from specbus.consumers.loop_thread import LoopThread
+from specbus.consumers.parallel import is_sharded
 from specbus.consumers.recording import RecordingSource, is_run_name, open_recording
 from specbus.consumers.shutdown import stop_on_signals
 from specbus.consumers.trainer import Trainer, TrainerHooks, TrainResult
@@ -100,7 +101,7 @@ def run_recording_trainer(
                 ledger=ledger, prefetch=cfg.training.prefetch,
                 fetch_timeout_s=cfg.bus.fetch_timeout_s,
                 stop_after_s=cfg.training.max_minutes * 60 if cfg.training.max_minutes else None,
-                stop=stop,
+                stop=stop, equal_micro_steps=is_sharded(parts.model),
             )  # fmt: skip
             hooks = TrainerHooks(
                 reporter(cfg, on_log, rank), None, cfg.resolved_run_dir / "profile"

@@ -27,7 +27,7 @@ from specbus.consumers.ledger import Ledger
 from specbus.consumers.loader import Loader
 from specbus.consumers.lockstep import control_group, init_control_group, reset_control_group
 from specbus.consumers.loop_thread import LoopThread
-from specbus.consumers.parallel import broadcast_parameters, shard
+from specbus.consumers.parallel import broadcast_parameters, is_sharded, shard
 from specbus.consumers.shutdown import stop_on_signals
 from specbus.consumers.trainer import Trainer, TrainerHooks, TrainParts, TrainResult, TrainState
 from specbus.core.config import BusConfig, RunConfig, TrainingConfig
@@ -98,7 +98,7 @@ def run_trainer(
                 heartbeat_s=min(cfg.bus.heartbeat_s, cfg.bus.ack_wait_s / 3),
                 fetch_timeout_s=cfg.bus.fetch_timeout_s,
                 stop_after_s=cfg.training.max_minutes * 60 if cfg.training.max_minutes else None,
-                stop=stop, hold_limit_bytes=mode.hold_limit_bytes(cfg),
+                stop=stop, hold_limit_bytes=mode.hold_limit_bytes(cfg), equal_micro_steps=is_sharded(parts.model),
             )  # fmt: skip
             hooks = TrainerHooks(reporter(cfg, on_log, rank, loop=loop, run=run),
                                  lambda: best_effort_lag(loop, run), cfg.resolved_run_dir / "profile",
@@ -155,13 +155,14 @@ def autocast_dtype(training: TrainingConfig, device: torch.device) -> torch.dtyp
 
 def schedule_length(training: TrainingConfig, planned_tasks: int | None, world: int) -> int:
     """Optimizer steps the schedule spans: `training.total_steps`, else the planned tasks over
-    one global window (a live run has none: `training.max_steps`, which its mode's check
-    requires then); never beyond `training.max_steps`."""
+    one global window, rounded up (a remainder is the ragged last step, which must not run at
+    the schedule's end: a learning rate of 0); a live run has none: `training.max_steps`,
+    which its mode's check requires then; never beyond `training.max_steps`."""
     per_step = world * training.micro_batch * training.accumulation
     if planned_tasks is None:
         total = training.total_steps or training.max_steps
     else:
-        total = training.total_steps or max(1, planned_tasks // per_step)
+        total = training.total_steps or max(1, math.ceil(planned_tasks / per_step))
     return min(total, training.max_steps) if training.max_steps else total
 
 

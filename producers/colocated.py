@@ -184,32 +184,62 @@ class ColocatedSource(LeaseSettlement):
                 else:
                     self._kept.append(lease)
             usable = len(self._kept) // island.tp * island.tp
-            batch, self._kept = self._kept[:usable], self._kept[usable:]
-            message = {"tasks": [(x.msg.reply, x.msg.data, x.msg.headers) for x in batch]}
-            if not batch:
+            view, last = None, False
+            if not usable and self._kept:
+                # Fewer than tp tasks left: once nothing more can come, they are the island's
+                # last batch, cut unevenly (the loader's ragged last step trains them).
                 view = await self._upstream_view()
+                last = view.done
+                usable = len(self._kept) if last else 0
+            batch, self._kept = self._kept[:usable], self._kept[usable:]
+            message = {"tasks": [(x.msg.reply, x.msg.data, x.msg.headers) for x in batch],
+                       "last": last}  # fmt: skip
+            if not batch or last:
+                view = view or await self._upstream_view()
                 message["upstream"] = (view.done, view.ack_pending, view.waiting_for)
             self._worker.submit(message)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        out = await self._worker.results.get()
+        if island.is_leader:  # the result of the message just sent: settled with `batch`
+            out = await self._worker.results.get()
+        else:
+            # A peer does not wait for ever: a leader whose window is full takes no more (it
+            # sends nothing) until the ranks train, which may need this peer to conclude the
+            # end from the last view it sent. The message comes with a later take. (Polled:
+            # a get cancelled by a timeout could drop the result it was handed.)
+            deadline = t0 + timeout_s
+            while self._worker.results.empty():
+                if loop.time() >= deadline:
+                    return []
+                await asyncio.sleep(0.01)
+            out = self._worker.results.get_nowait()
         if isinstance(out, BaseException):
             raise out
         message, results = out
+        # the leader's end-of-data view rides on empty batches and on the last one
+        self._upstream = (
+            Upstream(*message["upstream"]) if "upstream" in message else Upstream(False)
+        )
         if not message["tasks"]:
-            self._upstream = Upstream(*message["upstream"])
             return []
-        self._upstream = Upstream(False)
         self.stats["capture_s"] += loop.time() - t0
         good = [i for i, r in enumerate(results) if not isinstance(r, Exception)]
-        per_peer = len(good) // island.tp
-        mine = good[island.peer * per_peer : (island.peer + 1) * per_peer]
+        # peer p takes good[cuts[p]:cuts[p + 1]]: equal slices (the rest kept for the next
+        # take), or, for the last batch (fewer than tp), all of it, one each from the leader
+        # on (a single one lands on the leader, which had room: one a full peer gives back
+        # at the end comes to rest there)
+        tp = island.tp
+        if message.get("last"):
+            cuts = [-(-len(good) * p // tp) for p in range(tp + 1)]
+        else:
+            cuts = [len(good) // tp * p for p in range(tp + 1)]
+        mine = good[cuts[island.peer] : cuts[island.peer + 1]]
         if island.is_leader:
             failed = [(i, r) for i, r in enumerate(results) if isinstance(r, Exception)]
             for i, error in failed:  # settled once, here: every island rank saw the same
                 await self._failed(batch[i], error)
-            self._kept = [batch[i] for i in good[per_peer * island.tp :]] + self._kept
-            theirs = set(good[: per_peer * island.tp]) - set(mine)
+            self._kept = [batch[i] for i in good[cuts[-1] :]] + self._kept
+            theirs = set(good[: cuts[-1]]) - set(mine)
             self.group.hand_over(batch[i] for i in sorted(theirs))
             leases = {i: batch[i] for i in mine}
         else:

@@ -115,8 +115,21 @@ def test_colocated_rank_killed_then_resumed_exactly_once(
     finally:
         cluster.stop()
     lineage = cluster.checkpoint_state()["lineage"]
-    assert len(lineage) == len(set(lineage))
-    assert n - len(lineage) < 4
+    assert len(lineage) == len(set(lineage)) == n
+
+
+@pytest.mark.slow
+def test_colocated_ranks_train_the_last_partial_window(tmp_path, tiny_target, nats_server, run_id):
+    """13 tasks on 2 colocated ranks x micro-batch 2: 3 full steps and a ragged last one; every
+    task trained once, none left leased or pending at the broker."""
+    from tests.test_colocated_tp import consumer_state, dead_letters
+
+    cfg, cluster = run_two_colocated_ranks(tmp_path, tiny_target, nats_server, run_id, 13)
+    state = cluster.checkpoint_state()
+    assert sorted(state["lineage"]) == sorted(f"t{i}-e0" for i in range(13))
+    assert state["step"] == 4
+    assert consumer_state(cfg, nats_server.url) == (0, 0)
+    assert dead_letters(cfg, nats_server.url) == []
 
 
 @pytest.mark.parametrize(

@@ -62,8 +62,9 @@ def test_ledger_records_idempotently_and_round_trips():
     [
         ([F, S], [2, 2], [-1, -1], [2, 2], Decision.STOP),  # one rank asked: all stop
         ([E, E], [1, 0], [3, 3], [1, 0], Decision.WAIT),  # 2 deliveries held by nobody
-        ([E, E], [1, 0], [1, 1], [1, 0], Decision.END),
-        ([F, E], [2, 0], [-1, 2], [2, 0], Decision.END),  # a full rank has no view
+        ([E, E], [1, 0], [1, 1], [1, 0], Decision.RAGGED),  # every delivery held: train it
+        ([F, E], [2, 0], [-1, 2], [2, 0], Decision.RAGGED),  # a full rank has no view
+        ([E, E], [0, 0], [0, 0], [0, 0], Decision.END),
     ],
 )
 def test_decide_stop_and_deliveries_held_by_nobody(
@@ -188,3 +189,40 @@ def test_the_end_waits_for_leases_held_by_a_dead_member(rank_of):
     assert sorted(rank.ledger.lineage) == [f"s{i}" for i in range(6)], windows
     info = rank.consumer()
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
+
+
+def test_the_last_partial_window_is_trained_and_nothing_stays_ack_pending(rank_of):
+    """Issue 33, item 2: 7 refs, windows of 2: the seventh is trained in a ragged last
+    window and acked. (It was nak'd at the end, and a nak'd delivery stays ack-pending at the
+    broker until it is delivered again: nobody fetched it again, so it stayed.)"""
+    rank = rank_of(7, ack_wait_s=30.0)
+    windows = rank.train_to_end()
+    assert [len(w) for w in windows] == [2, 2, 2, 1], windows
+    assert sorted(rank.ledger.lineage) == sorted(f"s{i}" for i in range(7))
+    info = rank.consumer()
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+    assert rank.store.usage().num_samples == 0  # every trained ref released
+
+
+def test_a_stop_gives_back_what_the_rank_holds_at_once(rank_of):
+    """A stop (as max_steps or a spent time budget) trains nothing more: what the rank holds
+    is nak'd, so another member gets it at once, not after ack_wait."""
+    rank = rank_of(8, ack_wait_s=30.0)
+    rank.loader.commit(rank.loader.next_window())
+    rank.wait_holding(4)
+    rank.loader.stop.set()
+    assert rank.loader.next_window() is None and rank.loader.stopped
+    assert rank.loader.source.unsettled() == 0
+
+    async def another_member():
+        group = await Leases.join(rank.bus, rank.run, TRAINERS)
+        t0 = time.monotonic()
+        leases = await group.fetch(6, 5.0)
+        took = time.monotonic() - t0
+        await group.ack_all(leases)
+        return [(lease.record.sample_id, lease.deliveries) for lease in leases], took
+
+    got, took = rank.loop.call(another_member())
+    assert sorted(sid for sid, _ in got) == [f"s{i}" for i in range(2, 8)] and took < 5.0
+    assert any(deliveries > 1 for _, deliveries in got)  # the held ones came back
+    assert rank.ledger.lineage == ["s0", "s1"]

@@ -71,14 +71,15 @@ def assert_exactly_once(cluster: Cluster, n: int) -> list[str]:
     lineage = cluster.checkpoint_state()["lineage"]
     assert len(lineage) == len(set(lineage)), "a sample was trained twice"
     assert set(lineage) <= {f"t{i}-e0" for i in range(n)}
-    assert 0 <= n - len(lineage) < WINDOW
+    assert len(lineage) == n  # a remainder over the step size too (a ragged last step)
     return lineage
 
 
 def test_two_producers_two_trainers_over_http(make_cluster, nats_server):
     """Features only travel over HTTP, with a bearer token; each producer's residency stays
-    within its budget (backpressure) while the trainers drain it."""
-    n, budget = 60, 200_000  # ~21 KB per sample: a producer holds at most ~9 at a time
+    within its budget (backpressure) while the trainers drain it. 62 tasks: the last 2 are
+    trained in a ragged last step."""
+    n, budget = 62, 200_000  # ~21 KB per sample: a producer holds at most ~9 at a time
     cluster = make_cluster(n, f"store.budget_bytes={budget}")
     cluster.start("feeder", "feed")
     cluster.start("producer-0", "produce", "--id", "p0")
@@ -136,6 +137,6 @@ def test_producer_killed_holding_features_is_recaptured_exactly_once(make_cluste
     logs = cluster.log("trainer-0") + cluster.log("trainer-1")
     assert "recapture of" in logs and "cannot be reached" in logs
     lineage = assert_exactly_once(cluster, n)
-    assert len({r.sample_id for r in held} - set(lineage)) < WINDOW  # recaptured and trained
+    assert {r.sample_id for r in held} <= set(lineage)  # recaptured and trained
     recaptured = [r for _, r in refs_of(nats_server.url, cluster.cfg.run)[0] if r.generation > 0]
     assert recaptured and {r.store_uri for r in recaptured} != {victim}

@@ -24,13 +24,6 @@ def test_islands_are_contiguous_aligned_and_slices_disjoint(world, tp):
     assert plan.global_window == plan.num_islands * plan.island_batch
 
 
-def test_per_epoch_truncation_to_complete_windows():
-    plan = IslandPlan(world=4, tp=2, micro_batch=2, accumulation=1)
-    assert plan.global_window == 8
-    assert plan.steps_per_epoch(100) == 12 and plan.trained_per_epoch(100) == 96
-    assert plan.trained_per_epoch(7) == 0
-
-
 @pytest.mark.parametrize(
     "kw, needle", [({"world": 3, "tp": 2}, "multiple"), ({"world": 2, "tp": 0}, "tp=0")]
 )

@@ -120,3 +120,90 @@ def _check(ddp: dict, fsdp: dict, *, rtol: float, atol: float) -> None:
     for key, value in ddp[0]["after"].items():
         torch.testing.assert_close(fsdp[0]["after"][key], value, rtol=rtol, atol=atol)
     assert any(not torch.equal(ddp[0]["after"][k], ddp[0]["model"][k]) for k in single)
+
+
+# ---------------------------------------------------------------- the ragged last step
+# (wrap, micro_batch, samples kept per rank): an empty rank, a short micro-batch, uneven ranks
+RAGGED = [("ddp", 2, [3, 0]), ("ddp", 2, [1, 2]), ("fsdp", 2, [3, 0]), ("fsdp", 1, [1, 2])]
+
+
+def _equal_length_samples(n: int) -> list[dict]:
+    """`n` samples of 8 positions: a micro-batch's loss (a mean over its positions) is then
+    the mean of its samples' losses, whatever the grouping."""
+    torch.manual_seed(1)
+    return [
+        {"input_ids": torch.randint(0, 30, (8,)), "loss_mask": torch.ones(8, dtype=torch.long),
+         "hidden_states": torch.randn(8, 48), "target": torch.randn(8, 16)}
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def _sgd_step(strategy, draft, batches, weights, reduce):
+    """One train_step with SGD at lr 1: the weights move by exactly minus the gradient."""
+    optimizer = torch.optim.SGD([p for p in draft.parameters() if p.requires_grad], lr=1.0)
+    return train_step(strategy, draft, batches, optimizer, None, grad_clip=1e9,
+                      step=StepContext(0, 1), reduce_gradients=reduce, weights=weights)  # fmt: skip
+
+
+def _ragged_rank(rank: int, world: int, port: int, out) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from specbus.consumers.lockstep import broadcast_object, ragged_shape
+        from specbus.consumers.parallel import average_gradients, full_state, shard
+
+        results = []
+        for wrap, micro_batch, kept in RAGGED:
+            strategy, draft, _ = tiny()
+            samples = _equal_length_samples(sum(kept))
+            mine = samples[sum(kept[:rank]) : sum(kept[: rank + 1])]
+            shape = ragged_shape(kept, rank, micro_batch, equal_micro_steps=wrap == "fsdp")
+            batches, at = [], 0
+            for size in shape.sizes:
+                batches.append(strategy.collate(mine[at : at + size]))
+                at += size
+            if shape.template_from is not None:  # as the loader: a sample of a busy rank
+                first = mine[0] if rank == shape.template_from else None
+                template = strategy.collate([broadcast_object(first, shape.template_from)])
+            if shape.pads:
+                batches += [batches[0] if batches else template] * shape.pads
+            if wrap == "fsdp":
+                draft = shard(draft, torch.device("cpu"))
+            result = _sgd_step(strategy, draft, batches, shape.weights,
+                               None if wrap == "fsdp" else average_gradients)  # fmt: skip
+            model_sd, _ = full_state(draft, torch.optim.SGD(draft.parameters(), lr=1.0))
+            results.append({"model": {k: v.detach().clone() for k, v in model_sd.items()},
+                            "loss": result.loss, "metrics": sorted(result.metrics)})  # fmt: skip
+        out[rank] = results
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ragged_last_step_is_the_mean_over_the_samples_it_trains():
+    """The last step of a run trains what each rank holds (fewer samples, none on a rank):
+    its update equals one plain world-1 step over the same samples, for the replicated and
+    the sharded draft (whose empty micro-steps are padded at weight 0)."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as m:
+        out = m.dict()
+        port = free_port()
+        procs = [ctx.Process(target=_ragged_rank, args=(r, 2, port, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(180)
+            assert p.exitcode == 0, f"rank exited {p.exitcode}"
+        out = dict(out)
+    for case, (wrap, _, kept) in enumerate(RAGGED):
+        strategy, draft, _ = tiny()
+        samples = _equal_length_samples(sum(kept))
+        plain = _sgd_step(strategy, draft, [strategy.collate(samples)], None, None)
+        for key, value in draft.state_dict().items():
+            got = out[0][case]["model"][key]  # FSDP: the full state lands on rank 0
+            torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=f"{wrap} {kept} {key}")
+        for rank, n in enumerate(kept):  # a rank that trained nothing reports no loss
+            loss = out[rank][case]["loss"]
+            assert (loss == loss) == (n > 0), (wrap, kept, rank, loss)
+            assert ("loss" in out[rank][case]["metrics"]) == (n > 0)
+        assert plain.loss == plain.loss

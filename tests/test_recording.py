@@ -130,6 +130,39 @@ def test_three_epochs_exactly_once_per_epoch_through_kill_and_resume(
     assert "resumed at step" in train.log("trainer-0") and "epoch 1" in train.log("trainer-0")
 
 
+@pytest.mark.slow
+def test_a_remainder_is_trained_in_a_ragged_last_step_and_never_again(
+    tmp_path, recording, nats_server
+):
+    """2 epochs of the 48 recorded samples on 2 ranks x micro-batch 1 x accumulation 5: steps
+    of 10 run across the epoch boundary, so 9 full steps and a ragged last one of 6 (rank 0
+    holds 5, rank 1 one). Stopped at max_steps, resumed to the end, resumed again: every
+    sample is trained exactly once per epoch in the planned order, the ragged step's samples
+    included, and the last resume trains nothing."""
+    run_id, cfg, rec = recording
+    ids = recorded_ids(rec)
+    train = trainer_cluster(cfg, tmp_path / "train", nats_server.url, run_id + "rg",
+                            "data.epochs=2", "training.micro_batch=1",
+                            "training.accumulation=5")  # fmt: skip
+    try:
+        train.trainers(2, "--from-recording", run_id, "training.max_steps=4")
+        train.assert_ok(train.wait("trainer-0", "trainer-1"))
+        assert train.checkpoint_state()["cursor"]["floor"] == 40
+        train.trainers(2, "--from-recording", run_id, "--resume")
+        train.assert_ok(train.wait("trainer-0", "trainer-1"))
+        done = train.checkpoint_state()
+        assert "per rank: [5, 1]" in train.log("trainer-0")
+        train.trainers(2, "--from-recording", run_id, "--resume")
+        train.assert_ok(train.wait("trainer-0", "trainer-1"))
+    finally:
+        train.stop()
+    assert done["step"] == 10 and done["cursor"] == {"floor": 2 * N, "done_above": []}
+    assert done["lineage"] == expected_lineage(ids, 2)  # once per epoch, in the planned order
+    again = train.checkpoint_state()
+    assert (again["step"], again["lineage"]) == (done["step"], done["lineage"])
+    assert train.log("trainer-0").count("a last ragged step") == 1
+
+
 def test_directory_and_specforge_dump_train_the_same_steps(tmp_path, recording, nats_server):
     """The same recording read from its directory (no broker) and the same samples written in
     SpecForge's dump layout (data_<i>.ckpt dicts with aux_hidden_state / hidden_state) give
