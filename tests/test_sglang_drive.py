@@ -235,7 +235,9 @@ def test_a_server_killed_mid_run_loses_and_duplicates_nothing(served, nats_serve
     (cfg, store, cap, thread), make = served
     server = make(delay_s=0.25).start()
     tasks = tasks_of(cfg.run, 12)
-    engine = engine_for(cfg, thread, server.url)
+    # the stand-in server's restart (SGLang's request parsing imported again) took over 60 s on a
+    # loaded 2-core machine: the engine must outwait the restart, not the test's patience
+    engine = engine_for(cfg, thread, server.url, server_give_up_s=300.0)
     killed = {}
 
     def kill_once(worker):
