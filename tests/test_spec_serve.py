@@ -336,3 +336,42 @@ def test_speculative_captures_equal_the_driven_engines_features(engine, chat_tar
             torch.testing.assert_close(tensors[name], ref[name], atol=2e-4, rtol=1e-3)
         compared += 1
     assert compared >= 2
+
+
+def test_sampled_serving_keeps_the_targets_distribution(engine, chat_target, tmp_path):
+    """Sampled requests (temperature 0.9, top-p 0.95, a seed each) decoded speculatively by the
+    server's worker with an untrained EAGLE3 draft (its proposals far from the target's, so
+    the rejection path runs): every generated token's randomised PIT under the target's own
+    sampling distribution is uniform (chi-square, fixed seeds: deterministic)."""
+    from specbus.core.eval.verify import warp
+    from specbus.producers.live.generate import Job
+
+    from tests.test_live_serve import run_jobs
+    from tests.test_spec_sampling import chi_square_p
+
+    loader = loader_of(chat_target, tmp_path, "eagle3")
+    slot, stats = DraftSlot(), SpecStats()
+    slot.publish(loader.untrained(vocab_of(loader)))
+    generator = Generator(engine, None, max_new_tokens=12, max_batch=4, start=False,
+                          drafts=slot, num_draft_tokens=3, spec_stats=stats)  # fmt: skip
+    tok = engine.tokenizer
+    prompts = [tok.encode(q) for q in QUESTIONS]
+    jobs = [Job(request_id=f"t{i}", prompt_ids=prompts[i % len(prompts)], max_tokens=12,
+                temperature=0.9, top_p=0.95, seed=i) for i in range(96)]  # fmt: skip
+    try:
+        run_jobs(generator, jobs, start=True)
+    finally:
+        generator.close()
+    gen = torch.Generator().manual_seed(0)
+    u = []
+    with torch.no_grad():
+        for job in jobs:
+            seq = job.prompt_ids + job.output_ids
+            logits = engine.model(input_ids=torch.tensor([seq])).logits[0]
+            for i, x in enumerate(job.output_ids):
+                p = warp(logits[len(job.prompt_ids) - 1 + i], 0.9, 0.95).double()
+                u.append(float(p[:x].sum()) + float(torch.rand(1, generator=gen)) * float(p[x]))
+    assert all(j.spec is not None for j in jobs) and sum(j.spec.verifies for j in jobs) > 500
+    assert len(u) > 800
+    counts = torch.histc(torch.tensor(u), bins=10, min=0.0, max=1.0)
+    assert chi_square_p(counts, torch.full((10,), 0.1)) > 1e-3, counts.tolist()
