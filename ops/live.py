@@ -296,9 +296,13 @@ def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | Non
     drafting = f"; speculative, draft {drafts.describe()}" if drafts else ""
     print(f"specbus serve: {cfg.target.model} on http://{bound[0]}:{bound[1]}/v1 (capture "
           f"{'on' if capture else 'off'}{drafting})", flush=True)  # fmt: skip
+    from specbus.ops.served import register
+
+    announced = register(cfg, f"http://{bound[0]}:{bound[1]}")  # `specbus top` finds it
     try:
         asyncio.run(_serve_http(build_app(server), sock))
     finally:
+        announced.unlink(missing_ok=True)
         generator.close()
         if drafts is not None:
             drafts.close()

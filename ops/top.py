@@ -2,8 +2,10 @@
 
 Each refresh reads the broker (`bus.status.run_status`: streams, consumer groups, lag, markers,
 dead letters) and the trainers' last log row from the run's KV (step, loss, steps/s,
-samples/s, data wait, store residency as rank 0 sees it). On a terminal the view is redrawn
-in place (rich `Live`); otherwise one block of plain lines per refresh. `--once` prints one.
+samples/s, data wait, store residency as rank 0 sees it), and the served acceptance of the
+run's serving servers (`--serve URL`, else the ones `specbus serve` announced in the run dir:
+`ops/served.py`). On a terminal the view is redrawn in place (rich `Live`); otherwise one
+block of plain lines per refresh. `--once` prints one.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ from specbus.bus.topology import open_kv
 from specbus.ops.observe import samples_rate
 
 
-async def snapshot(bus: Bus, run: str) -> dict[str, Any]:
-    """`run_status` plus the trainers' last log row (`progress`, None before the first)."""
+async def snapshot(bus: Bus, run: str, servers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`run_status` plus the trainers' last log row (`progress`, None before the first) and
+    the served acceptance of `servers` (`served`: URL -> `ops.served.Served` or None)."""
     status = await run_status(bus, run)
     kv = await open_kv(bus, run)
     status["progress"] = None if kv is None else await kv.get_progress()
+    if servers:
+        from specbus.ops.served import scrape
+
+        status["served"] = {u: await asyncio.to_thread(scrape, u) for u in servers}
     return status
 
 
@@ -87,17 +94,21 @@ def render(s: dict[str, Any], now: float | None = None) -> list[str]:
     lines.append(
         f"dead       {'?' if dead is None else dead}" + (" (specbus dead)" if dead else "")
     )
+    for url, served in (s.get("served") or {}).items():
+        lines.append(served.line() if served else f"served     {url}: not answering")
     return lines
 
 
-async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None) -> int:
-    """Refresh the view every `interval_s` until Ctrl-C (or once). Returns the exit code:
-    1 when the run is not declared on a single refresh, else 0."""
+async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None,
+                servers: tuple[str, ...] = ()) -> int:  # fmt: skip
+    """Refresh the view every `interval_s` until Ctrl-C (or once); `servers`: serving servers
+    whose served acceptance is shown. Returns the exit code: 1 when the run is not declared
+    on a single refresh, else 0."""
     out = out or sys.stdout
     live = None if once else _live(out)
     if live is None:  # plain lines: one block per refresh
         while True:
-            s = await snapshot(bus, run)
+            s = await snapshot(bus, run, servers)
             print("\n".join(render(s)), file=out, flush=True)
             if once:
                 return 0 if s["declared"] else 1
@@ -107,7 +118,7 @@ async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None) 
 
     with live:
         while True:
-            live.update(Text("\n".join(render(await snapshot(bus, run)))), refresh=True)
+            live.update(Text("\n".join(render(await snapshot(bus, run, servers)))), refresh=True)
             await asyncio.sleep(interval_s)
 
 

@@ -12,13 +12,20 @@ requests, half streamed) for the whole run. Pinned:
   trainers publish theirs) is refused with one log line, the served draft stays, and the
   next real checkpoint is loaded;
 - `/metrics` (parsed by `prometheus_client.parser`) has the served acceptance and the draft
-  version series, the reloads by outcome; captures were accepted with their draft version.
+  version series, the reloads by outcome; captures were accepted with their draft version;
+  `specbus top` finds the server through the run dir and shows its served acceptance.
+`specbus demo --live` prints the served acceptance over time and checks served outputs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import re
 import signal
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -27,7 +34,7 @@ import torch
 
 from tests.fixtures.live import LiveRun, live_config, wait_until, write_chats
 
-pytestmark = pytest.mark.slow  # ~2 min of real processes on 2 cores
+pytestmark = pytest.mark.slow  # 2-4 min each of real processes on 2 cores
 
 
 @pytest.fixture
@@ -200,7 +207,35 @@ def test_the_server_serves_every_checkpoint_losslessly_and_refuses_a_corrupt_one
     assert m[("specbus_serve_draft_reloads_total", (("outcome", "refused"),))] == 1
     verifies = sum(v for (name, _), v in m.items() if name == "specbus_serve_spec_verifies_total")
     assert verifies > len(users.answers)
+    from specbus.ops.cli import main as cli_main
+
+    top = io.StringIO()
+    with contextlib.redirect_stdout(top):  # the server is found through the run dir
+        assert cli_main(["top", "--once", "--url", run.url, "--config", str(run.config_path)]) == 0
+    line = next(ln for ln in top.getvalue().splitlines() if ln.startswith("served"))
+    assert f"{url}: draft v{served_version(url)} |" in line and "tok/verify" in line, line
     captured = run.sink()["counts"]
     assert captured.get("accepted", 0) > 0
     assert not [k for k in captured if k.startswith("rejected")], captured  # draft_version known
     assert run.terminate("serve") == 0
+
+
+def test_demo_live_prints_the_served_acceptance_and_checks_the_served_outputs(
+    tmp_path, chat_target
+):
+    """`specbus demo --live` on the tiny chat target: the served acceptance of the untrained
+    draft and of reloaded ones, from the server's own metrics, and the probes' check."""
+    out = subprocess.run(
+        [sys.executable, "-m", "specbus.ops.cli", "demo", "--live", "--target", str(chat_target),
+         "--data", str(write_chats(tmp_path / "chats.jsonl", n=60)), "--minutes", "0.6",
+         "--max-tokens", "24", "--eval-prompts", "2", "--eval-tokens", "8", "--trainers", "1",
+         "run=cldemo", f"run_dir={tmp_path / 'run'}", "strategy.draft.draft_vocab_size=64",
+         "data.holdout=4", "training.checkpoint_every=2", "training.micro_batch=2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert any("draft v0:" in ln and "tokens/verify" in ln for ln in lines), out.stdout
+    reloaded = {int(m) for ln in lines for m in re.findall(r"draft v(\d+):", ln)}
+    assert len(reloaded) >= 3, reloaded  # the untrained draft, then checkpoints
+    assert "served outputs equal the target's greedy output: 4 of 4 probes" in out.stdout

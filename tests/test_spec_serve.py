@@ -259,6 +259,15 @@ def test_an_accepting_draft_shows_in_the_served_acceptance_and_tensorboard(
         assert state["draft_version"] == 5 and five["requests"] == len(QUESTIONS)
         assert five["accepted"] == five["tokens"] - five["verifies"]  # every draft, plus one
         assert five["tokens"] / five["verifies"] >= 3.0, five
+        from specbus.ops.served import scrape  # what `specbus top` and the demo read
+
+        served = scrape(serving.url)
+        assert served.version == 5 and served.reloads == {"loaded": 0, "refused": 0}
+        assert served.versions[5]["accept_length"] == pytest.approx(
+            five["tokens"] / five["verifies"]
+        )
+        assert served.versions[5]["requests"] == len(QUESTIONS) and served.requests == 7
+        assert f"draft v5 | {served.versions[5]['accept_length']:.2f} tok/verify" in served.line()
         # the operator switch: without the draft the same answers, no `specbus` block
         assert httpx.post(serving.url + "/v1/spec-decode", json={"enabled": False}).json() == {
             "enabled": False}  # fmt: skip
