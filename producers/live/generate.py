@@ -189,7 +189,10 @@ class Generator:
     def _choose(self, logits: torch.Tensor, job: Job, gen: torch.Generator | None) -> int:
         if job.temperature <= 0:
             return int(logits.argmax())
-        return int(torch.multinomial(warp(logits, job.temperature, job.top_p), 1, generator=gen))
+        probs = warp(logits, job.temperature, job.top_p)
+        if gen is not None and probs.device != gen.device:  # the request's generator is the CPU's
+            probs = probs.to(gen.device)
+        return int(torch.multinomial(probs, 1, generator=gen))
 
     def _take(self, job: Job, tokens: list[int]) -> bool:
         """Append generated `tokens` to `job` (streamed to its user) up to its end: an EOS
