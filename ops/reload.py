@@ -233,8 +233,9 @@ class DraftFollower:
             draft = self.loader.load(path, max(step, 0))
         except CheckpointError as e:
             self._count("refused")
+            why = " ".join(str(e).split())  # one line, whatever the loader said
             log.warning("draft reload refused %s (still serving version %s): %s", path,
-                        self.slot.version, e)  # fmt: skip
+                        self.slot.version, why[:600])  # fmt: skip
             if self.slot.version is None:
                 self._untrained()
             return

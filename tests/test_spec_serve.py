@@ -221,6 +221,8 @@ def test_speculative_outputs_are_the_targets_greedy_before_and_after_a_reload(
         requests = {(s.labels["route"], s.labels["status"]): s.value
                     for s in families["specbus_serve_requests"].samples}  # fmt: skip
         assert requests == {("chat", "200"): len(QUESTIONS) + 3}
+        swaps = families["specbus_serve_draft_swap_seconds"].samples
+        assert any(s.name.endswith("_count") and s.value >= 1 for s in swaps)  # mid-request
         hist = families["specbus_serve_request_accept_length"]
         assert any(s.name.endswith("_count") and s.value == len(QUESTIONS) + 3
                    for s in hist.samples)  # fmt: skip

@@ -173,7 +173,8 @@ class Generator:
         if job.loop is not None and not job.loop.is_closed():
             job.loop.call_soon_threadsafe(job.events.put_nowait, event)
 
-    def _hooks(self) -> _Rows | None:
+    def capture_hooks(self) -> _Rows | None:
+        """The forward hooks keeping the rows the sink's handshake asks for (None: no handshake)."""
         cfg = self.sink.config if self.sink is not None else None
         if cfg is None:
             return None
@@ -194,7 +195,7 @@ class Generator:
             probs = probs.to(gen.device)
         return int(torch.multinomial(probs, 1, generator=gen))
 
-    def _take(self, job: Job, tokens: list[int]) -> bool:
+    def take(self, job: Job, tokens: list[int]) -> bool:
         """Append generated `tokens` to `job` (streamed to its user) up to its end: an EOS
         token, a stop string, `max_tokens`, or a cancelled request; True once it ended (the
         tokens after the end are dropped)."""
@@ -217,7 +218,7 @@ class Generator:
 
         n = len(wave)
         wanted = [self.sink.wants(j.request_id) if self.sink is not None else None for j in wave]
-        rows = self._hooks() if any(w is not None for w in wanted) else None
+        rows = self.capture_hooks() if any(w is not None for w in wanted) else None
         aux: list[list[torch.Tensor]] = [[] for _ in wave]
         final: list[list[torch.Tensor]] = [[] for _ in wave]
         gens = [
@@ -259,7 +260,7 @@ class Generator:
                         continue
                     token = self._choose(logits[i, -1], j, gens[i])
                     nxt.append(token)
-                    active[i] = not self._take(j, [token])
+                    active[i] = not self.take(j, [token])
                 ids = torch.tensor(nxt, dtype=torch.long)[:, None]
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
                 positions = positions[:, -1:] + 1

@@ -137,13 +137,13 @@ class SpecStats:
 
     REQUEST_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
     RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+    SWAP_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
     def __init__(self, metrics=None, *, on_request: Callable[[dict], None] | None = None,
                  on_version: Callable[[dict], None] | None = None):  # fmt: skip
         self.versions: dict[int, VersionTotals] = {}
         self.current: int | None = None
         self.reloads: dict[str, int] = {"loaded": 0, "refused": 0}
-        self.swap_seconds: list[float] = []  # the worker's time per swap (bounded below)
         self.requests = 0
         self.on_request, self.on_version = on_request, on_version
         self._lock = threading.Lock()
@@ -182,6 +182,8 @@ class SpecStats:
                         "request", self.REQUEST_BUCKETS),
             m.histogram("specbus_serve_request_tokens_per_second", "completion tokens per "
                         "second of each request (prefill to last token)", self.RATE_BUCKETS),
+            m.histogram("specbus_serve_draft_swap_seconds", "worker time to hand a request in "
+                        "flight to a new draft (between two of its rounds)", self.SWAP_BUCKETS),
         )  # fmt: skip
 
     def snapshot(self) -> dict[int, VersionTotals]:
@@ -225,9 +227,9 @@ class SpecStats:
                              "draft_version": record.version})  # fmt: skip
 
     def swapped(self, seconds: float) -> None:
-        """The worker handed a sequence to a new draft in `seconds`."""
-        with self._lock:
-            self.swap_seconds = [*self.swap_seconds[-255:], seconds]
+        """The worker handed a request in flight to a new draft in `seconds`."""
+        if self._hist is not None:
+            self._hist[2].observe(seconds)
 
 
 class _Run:
@@ -254,7 +256,7 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
     job's captured rows (aux chunks, final chunks), empty when it is not captured."""
     model = gen.model
     wanted = [gen.sink.wants(j.request_id) if gen.sink is not None else None for j in wave]
-    rows = gen._hooks() if any(w is not None for w in wanted) else None
+    rows = gen.capture_hooks() if any(w is not None for w in wanted) else None
     kept: list[tuple[list, list]] = [([], []) for _ in wave]
 
     def keep(i: int, upto: int | None) -> None:
@@ -278,7 +280,7 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
                                       sampling=_sampling(job, seed_of), keep_aux=True)  # fmt: skip
                 keep(i, None)
                 run = _Run(job, session, draft, k)
-                run.active = not gen._take(job, session.tokens[:1])
+                run.active = not gen.take(job, session.tokens[:1])
                 runs.append(run)
             while any(r.active for r in runs):
                 for i, run in enumerate(runs):
@@ -315,4 +317,4 @@ def _round(gen, run: _Run, slot: DraftSlot, k: int, stats: SpecStats | None) -> 
         spec.versions.append(run.version)
     if stats is not None:
         stats.round(run.version, accepted, len(emitted), time.monotonic() - t0)
-    run.active = not gen._take(job, emitted)
+    run.active = not gen.take(job, emitted)
