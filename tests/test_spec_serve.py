@@ -386,3 +386,42 @@ def test_sampled_serving_keeps_the_targets_distribution(engine, chat_target, tmp
     assert len(u) > 800
     counts = torch.histc(torch.tensor(u), bins=10, min=0.0, max=1.0)
     assert chi_square_p(counts, torch.full((10,), 0.1)) > 1e-3, counts.tolist()
+
+
+class BrokenDraft(ServedDraft):
+    """A draft that cannot take over a request (its context rebuild raises)."""
+
+    def drafter(self, target):
+        class Refuses:
+            def extend(self, *args):
+                raise RuntimeError("out of memory (a stand-in)")
+
+        return Refuses()
+
+
+def test_a_draft_that_cannot_take_over_leaves_requests_on_theirs(engine, chat_target, tmp_path,
+                                                                 caplog):  # fmt: skip
+    """A new draft whose hand-over fails mid-request (say, out of memory) fails no request:
+    each goes on with the draft it had, the output is still the greedy one."""
+    from specbus.producers.live.generate import Job
+
+    from tests.test_live_serve import run_jobs
+
+    loader = loader_of(chat_target, tmp_path, "dflash")
+    slot = ReloadingSlot()
+    slot.publish(loader.untrained(None))
+    slot.publish_after(4, BrokenDraft(3, torch.nn.Module(), True, (1,)), lambda: None)
+    generator = Generator(engine, None, max_new_tokens=20, max_batch=4, start=False, drafts=slot)
+    server = Server(generator, "tiny")
+    jobs = [Job(request_id=f"b{i}", prompt_ids=server.chat_prompt(
+                {"messages": [{"role": "user", "content": q}]}), max_tokens=20, temperature=0)
+            for i, q in enumerate(QUESTIONS[:3])]  # fmt: skip
+    try:
+        run_jobs(generator, jobs, start=True)
+    finally:
+        generator.close()
+    for job, q in zip(jobs, QUESTIONS, strict=False):
+        assert job.finish_reason != "error" and server.text_of(job.output_ids) == reference(
+            engine, server, q, 20)  # fmt: skip
+        assert job.spec.versions == [0]
+    assert "handing it to version 3 failed" in caplog.text

@@ -240,6 +240,7 @@ class _Run:
         self.k = draft.drafts_per_round(k)
         self.spec = job.spec
         self.active = True
+        self.unusable: int | None = None  # a version this request could not be handed to
 
 
 def _sampling(job, seed_of) -> Sampling | None:
@@ -300,12 +301,18 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
 def _round(gen, run: _Run, slot: DraftSlot, k: int, stats: SpecStats | None) -> None:
     """One verify round of `run`, on the slot's current draft (swapped in first if new)."""
     current = slot.current()
-    if current is not None and current.version != run.version:
+    if current is not None and current.version not in (run.version, run.unusable):
         t0 = time.monotonic()
-        run.session.swap(current.drafter(gen.model))
-        run.version, run.k = current.version, current.drafts_per_round(k)
-        if stats is not None:
-            stats.swapped(time.monotonic() - t0)
+        try:
+            run.session.swap(current.drafter(gen.model))
+        except Exception as e:  # noqa: BLE001 - the request goes on with the draft it had
+            run.unusable = current.version
+            log.warning("request %s stays on draft version %s: handing it to version %s "
+                        "failed: %s", run.job.request_id, run.version, current.version, e)  # fmt: skip
+        else:
+            run.version, run.k = current.version, current.drafts_per_round(k)
+            if stats is not None:
+                stats.swapped(time.monotonic() - t0)
     job = run.job
     room = job.max_tokens - len(job.output_ids)  # drafting past it is wasted work
     t0 = time.monotonic()
