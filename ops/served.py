@@ -134,6 +134,7 @@ class AcceptanceLog:
 
         self.url, self.started = url, time.monotonic() if started is None else started
         self.seen: dict[int, dict[str, float]] = {}
+        self.reloads: dict[str, int] = {}
         self.curve: list[dict[str, float]] = []  # (t, version, accept_length, tokens/s) rows
         self._reported: set[int] = set()
 
@@ -160,7 +161,7 @@ class AcceptanceLog:
             lines.append(f"  [{t:6.0f}s] serving draft v{served.version}: "
                          f"{now['accept_length']:.3f} tokens/verify, {now['tokens_per_s']:.1f} "
                          f"tok/s so far ({int(now['requests'])} requests)")  # fmt: skip
-        self.seen = served.versions
+        self.seen, self.reloads = served.versions, served.reloads
         return lines
 
 

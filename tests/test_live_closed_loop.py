@@ -14,7 +14,8 @@ requests, half streamed) for the whole run. Pinned:
 - `/metrics` (parsed by `prometheus_client.parser`) has the served acceptance and the draft
   version series, the reloads by outcome; captures were accepted with their draft version;
   `specbus top` finds the server through the run dir and shows its served acceptance.
-`specbus demo --live` prints the served acceptance over time and checks served outputs.
+`specbus demo --live` prints the served acceptance over time and checks served outputs; the
+closed-loop benchmark (`ops/bench/live.py --loop`) runs and reports.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import re
 import signal
 import subprocess
@@ -239,3 +241,33 @@ def test_demo_live_prints_the_served_acceptance_and_checks_the_served_outputs(
     reloaded = {int(m) for ln in lines for m in re.findall(r"draft v(\d+):", ln)}
     assert len(reloaded) >= 3, reloaded  # the untrained draft, then checkpoints
     assert "served outputs equal the target's greedy output: 4 of 4 probes" in out.stdout
+
+
+def test_the_closed_loop_benchmark_reports_the_curve_the_ratio_and_the_probes(
+    tmp_path, chat_target
+):
+    """`ops/bench/live.py --loop` on the tiny chat target (its code path before a GPU run):
+    the served acceptance curve over reloads, tokens/s with vs without the draft, no user
+    error, the probes equal to the target's greedy output."""
+    out = tmp_path / "loop.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specbus.ops.bench.live", "--skip-latency", "--skip-intake",
+         "--loop", "--servers", "2", "--target", str(chat_target), "--data",
+         str(write_chats(tmp_path / "chats.jsonl", n=60)), "--loop-minutes", "0.5",
+         "--min-reloads", "4",
+         "--draft-vocab", "64", "--checkpoint-every", "2", "--micro-batch", "2", "--lr", "1e-3",
+         "--loop-qps", "2", "--loop-concurrency", "2", "--loop-max-tokens", "24",
+         "--poll-s", "5", "--ab-rounds", "2", "--ab-requests", "3", "--probes", "3",
+         "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    loop = json.loads(out.read_text())["loop"]
+    assert loop["users"]["errors"] == {} and loop["users"]["ok"] > 10
+    assert loop["users"]["servers"] == 2
+    assert len({c["version"] for c in loop["curve"]}) >= 2 and loop["reloads"]["loaded"] >= 3
+    ab = loop["ab"]
+    assert ab["on_tokens_per_s"] > 0 and ab["off_tokens_per_s"] > 0 and ab["on_errors"] == 0
+    assert ab["accept_length"] >= 1.0 and ab["draft_version"] > 0
+    assert loop["probes"] == 3 and loop["probes_differing"] == [] and loop["dtype"] == "float32"
+    assert "closed loop (0.5 min): served tokens/verify" in proc.stdout

@@ -2,7 +2,8 @@
 
 A live run trains from the traffic of a `specbus serve --speculative` server that decodes with
 the draft being trained (reloaded at every checkpoint through the run KV): the embedded broker,
-`specbus intake`, `--trainers` ranks, the server, and users (`ops/traffic.py`, the `openai`
+`specbus intake`, `--trainers` ranks, the server (`--servers` replicas: each verifies one
+request at a time, so replicas raise the data rate), and users (`ops/traffic.py`, the `openai`
 client, Poisson arrivals of GSM8K or ShareGPT prompts, greedy) for `--loop-minutes`.
 Measured, from the server's own `/metrics` (`ops/served.py`):
 - the served acceptance over time: tokens per verify of every draft version (k =
@@ -138,8 +139,22 @@ def ab_rounds(url: str, prompts, args) -> dict:
     return out
 
 
+def _merge(reports: list) -> dict:
+    """The users' reports of every server as one (counts summed, errors merged)."""
+    if not reports:
+        return {}
+    out = reports[0].as_dict()
+    for key in ("sent", "ok", "completion_tokens"):
+        out[key] = sum(getattr(r, key) for r in reports)
+    out["errors"] = {k: sum(r.errors.get(k, 0) for r in reports)
+                     for r in reports for k in r.errors}  # fmt: skip
+    out["servers"] = len(reports)
+    return out
+
+
 def loop_part(args, work: Path, broker_url: str, procs: Launcher) -> dict:
-    """Part 3 (module doc)."""
+    """Part 3 (module doc). `--servers` replicas serve (each its own users at `--loop-qps`);
+    the curve, the A/B and the probes are the first one's."""
     import uuid
 
     run = "benchloop" + uuid.uuid4().hex[:6]
@@ -148,22 +163,36 @@ def loop_part(args, work: Path, broker_url: str, procs: Launcher) -> dict:
     config.write_text(dump_config(cfg))
     common = ["--config", str(config), "--url", broker_url]
     prompts = load_prompts(args.data, holdout=50)
-    ip, sp = free_port(), free_port()
+    ip = free_port()
     intake = procs.start("loop-intake", ["intake", *common, "--port", str(ip)])
     wait_ready(f"http://127.0.0.1:{ip}", intake, work / "loop-intake.log")
-    serve = procs.start("loop-serve", ["serve", *common, "--port", str(sp), "--speculative",
-                                       "--draft-tokens", str(args.draft_tokens)])  # fmt: skip
-    url = f"http://127.0.0.1:{sp}"
-    wait_ready(url, serve, work / "loop-serve.log", key="handshake")
+    servers, urls = [], []
+    for i in range(args.servers):
+        port = free_port()
+        servers.append(procs.start(f"loop-serve-{i}", ["serve", *common, "--port", str(port),
+                                   "--speculative", "--draft-tokens", str(args.draft_tokens)]))  # fmt: skip
+        urls.append(f"http://127.0.0.1:{port}")
+    for i, (url, proc) in enumerate(zip(urls, servers, strict=True)):
+        wait_ready(url, proc, work / f"loop-serve-{i}.log", key="handshake")
+    url = urls[0]
     trainers = procs.ranks(args.trainers, ["train", *common], name="loop-trainer-{rank}")
     started = time.monotonic()
-    served_log, stop, box = AcceptanceLog(url, started), threading.Event(), {}
-    users = _users(url, prompts, args, stop, box)
+    served_log, stop = AcceptanceLog(url, started), threading.Event()
+    boxes = [{} for _ in urls]
+    users = [_users(u, prompts[i :: len(urls)], args, stop, boxes[i]) for i, u in enumerate(urls)]
     reached = None
-    print(f"closed loop: {args.trainers} trainer(s), server {url} (k={args.draft_tokens}), "
-          f"{args.loop_minutes:g} min of {args.data} traffic", flush=True)  # fmt: skip
-    while time.monotonic() - started < args.loop_minutes * 60:
-        dead = [p for p in (intake, serve, *trainers) if p.poll() is not None]
+    print(f"closed loop: {args.trainers} trainer(s), {len(urls)} server(s) from {url} (k="
+          f"{args.draft_tokens}), {args.loop_minutes:g} min of {args.data} traffic", flush=True)  # fmt: skip
+
+    def more() -> bool:  # the minutes, and then (bounded) until --min-reloads drafts were served
+        elapsed = time.monotonic() - started
+        if elapsed < args.loop_minutes * 60:
+            return True
+        short = served_log.reloads.get("loaded", 0) < args.min_reloads
+        return short and elapsed < args.loop_minutes * 60 + 600
+
+    while more():
+        dead = [p for p in (intake, *servers, *trainers) if p.poll() is not None]
         if dead:
             raise RuntimeError(f"a loop process exited {dead[0].returncode}: see {work}/*.log")
         for line in served_log.poll():
@@ -175,22 +204,24 @@ def loop_part(args, work: Path, broker_url: str, procs: Launcher) -> dict:
     for line in served_log.poll():
         print(line, flush=True)
     stop.set()
-    users.join(600)
-    for p in trainers:  # the draft stops changing; the CPU/GPU is the server's for the A/B
+    for thread in users:
+        thread.join(600)
+    for p in [*trainers, *servers[1:]]:  # the draft stops changing; the A/B has the device
         stop_pid(p, 120)
     final = scrape(url)
     ab = ab_rounds(url, prompts[-args.ab_requests * 4 :], args)
     answers = probe(url, prompts[: args.probes], args.loop_max_tokens)
-    stop_pid(serve, 60)
+    stop_pid(servers[0], 60)
     stop_pid(intake, 60)
     differ, dtype = lossless_check(cfg, answers, args.loop_max_tokens)
-    report = box.get("report")
+    reports = [b["report"] for b in boxes if "report" in b]
+    errors = [b["error"] for b in boxes if "error" in b]
     return {
         "minutes": args.loop_minutes, "goal": args.goal, "reached_goal_at_s": reached,
         "curve": served_log.curve,
         "versions": {str(v): d for v, d in (final.versions.items() if final else [])},
         "reloads": final.reloads if final else None,
-        "users": report.as_dict() if report else {"error": box.get("error")},
+        "users": {**_merge(reports), **({"error": errors} if errors else {})},
         "ab": ab, "probes": len(answers), "probes_differing": differ, "dtype": dtype,
         "probe_versions": sorted({v for _, _, s in answers if s for v in s["draft_versions"]}),
     }  # fmt: skip
@@ -226,11 +257,14 @@ def add_loop_args(p) -> None:
     g.add_argument("--strategy", default="eagle3")
     g.add_argument("--data", default="gsm8k", help="gsm8k, sharegpt, or a JSONL path")
     g.add_argument("--trainers", type=int, default=1)
+    g.add_argument("--servers", type=int, default=1,
+                   help="speculative server replicas (each batch-1 verifies: more data per "
+                   "minute for the trainers)")  # fmt: skip
     g.add_argument("--draft-tokens", type=int, default=3, help="k, the EAGLE3 chain")
     g.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE3's draft vocabulary")
     g.add_argument("--goal", type=float, default=2.0, help="tokens per verify to reach")
-    g.add_argument("--loop-qps", type=float, default=4.0)
-    g.add_argument("--loop-concurrency", type=int, default=8)
+    g.add_argument("--loop-qps", type=float, default=4.0, help="per server")
+    g.add_argument("--loop-concurrency", type=int, default=8, help="per server")
     g.add_argument("--loop-max-tokens", type=int, default=128)
     g.add_argument("--serve-batch", type=int, default=8)
     g.add_argument("--checkpoint-every", type=int, default=25)
@@ -238,6 +272,9 @@ def add_loop_args(p) -> None:
     g.add_argument("--micro-batch", type=int, default=4)
     g.add_argument("--lr", type=float, default=3e-4)
     g.add_argument("--poll-s", type=float, default=15.0, help="seconds between metric reads")
+    g.add_argument("--min-reloads", type=int, default=0,
+                   help="go on after --loop-minutes until the server loaded this many drafts "
+                   "(at most 10 more minutes)")  # fmt: skip
     g.add_argument("--ab-rounds", type=int, default=4)
     g.add_argument("--ab-requests", type=int, default=8)
     g.add_argument("--ab-concurrency", type=int, default=1)
