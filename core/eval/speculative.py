@@ -1,5 +1,13 @@
 """Real draft-and-verify decoding: EAGLE3 chain drafting of k tokens, greedy verification.
 
+`SpecSession` is the one draft-and-verify loop of the project, a round at a time behind a
+`Drafter` (`ChainDrafter` here; `core.eval.block.BlockDrafter` for the DFlash family): the
+evaluation runs it to the end (`speculative_generate`, `block_generate`, `measure_acceptance`)
+and `specbus serve --speculative` steps it per request, handing a request to a reloaded draft
+between rounds (`swap`). Verification is greedy, or with a `Sampling` rejection sampling that
+keeps the target's distribution (`core.eval.verify`; at temperature > 0 the chain drafts by
+sampling the draft's distribution instead of its argmax).
+
 Shape legend: T tokens in a forward, H hidden, A = 3 * target hidden (aux features).
 
 One round, with n tokens already verified and `next_tok` (token n) chosen by the target:
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from specbus.core.errors import SpecbusError
@@ -89,6 +98,20 @@ def greedy_generate(
     return out
 
 
+class Drafter(Protocol):
+    """The draft's side of a `SpecSession`, for one sequence."""
+
+    def extend(self, aux_1TA: torch.Tensor, follow_T: torch.Tensor, start: int) -> None:
+        """Forget context positions from `start` on, then add start..start+T-1: the target's
+        aux features of token j (`aux_1TA`) and token j+1 (`follow_T`)."""
+
+    def propose(self, next_tok: int, n: int, k: int, sampling: Sampling | None
+                ) -> tuple[list[int], list[torch.Tensor]]:  # fmt: skip
+        """Up to k drafts after the n verified tokens (`next_tok` is token n, not yet run by
+        the target) and, when `sampling`, the distribution over the target vocab each was
+        drawn from (else [])."""
+
+
 class ChainDrafter:
     """EAGLE3 chain drafting (module docstring) behind the `Drafter` protocol of `SpecSession`:
     the draft's KV cache over the verified positions and its last pre-norm output."""
@@ -127,8 +150,9 @@ class SpecSession:
     every verified position, kept for that when `keep_aux` (one drafter forward over the
     context; the target is not run again)."""
 
-    def __init__(self, target: nn.Module, drafter, prompt_ids: torch.Tensor, aux: AuxCapture, *,
-                 sampling: Sampling | None = None, keep_aux: bool = False):  # fmt: skip
+    def __init__(self, target: nn.Module, drafter: Drafter, prompt_ids: torch.Tensor,
+                 aux: AuxCapture, *, sampling: Sampling | None = None,
+                 keep_aux: bool = False):  # fmt: skip
         self.target, self.drafter, self.aux, self.sampling = target, drafter, aux, sampling
         self.device = _device(target)
         self.cache = _new_cache()
@@ -175,7 +199,7 @@ class SpecSession:
         self.accepted.append(a)
         return emitted, a
 
-    def swap(self, drafter) -> None:
+    def swap(self, drafter: Drafter) -> None:
         """Continue with `drafter` (class doc); needs `keep_aux`."""
         if self._aux is None:
             raise ValueError("swap needs a session built with keep_aux=True")
@@ -204,7 +228,7 @@ def speculative_generate(
                        eos_ids=eos_ids, sampling=sampling)  # fmt: skip
 
 
-def run_session(target: nn.Module, drafter, prompt_ids: torch.Tensor, *, aux_layers: list[int],
+def run_session(target: nn.Module, drafter: Drafter, prompt_ids: torch.Tensor, *, aux_layers: list[int],
                 num_draft_tokens: int, max_new_tokens: int, eos_ids: tuple[int, ...] = (),
                 sampling: Sampling | None = None) -> SpecResult:  # fmt: skip
     """A `SpecSession` run to `max_new_tokens` or an end-of-sequence token."""
