@@ -42,6 +42,14 @@ _GROUPS: dict[str, str] = {
     "skipped": "bus/skipped",
     "missing": "bus/missing",
     "gpu_peak_gib": "device/gpu_peak_gib",
+    # `specbus serve --speculative` (<tensorboard_dir>/serve): per request (step = requests
+    # served) and per draft version (step = the version's checkpoint step)
+    "request_accept_length": "served/request_accept_length",
+    "request_tokens_per_s": "served/request_tokens_per_s",
+    "draft_version": "served/draft_version",
+    "served_accept_length": "served/accept_length_by_version",
+    "served_tokens_per_s": "served/tokens_per_s_by_version",
+    "served_requests": "served/requests_by_version",
 }
 _SKIP = {"step"}
 
@@ -70,15 +78,17 @@ class ScalarWriter:
         self.logdir = Path(logdir)
         self._writer = SummaryWriter(log_dir=str(self.logdir))
 
-    def write(self, row: dict[str, Any], step: int | None = None) -> None:
-        """Every scalar of `row` at `step` (default `row["step"]`), flushed to disk."""
+    def write(self, row: dict[str, Any], step: int | None = None, flush: bool = True) -> None:
+        """Every scalar of `row` at `step` (default `row["step"]`), flushed to disk (unless
+        `flush` is False: then within the writer's flush interval, or at `close`)."""
         step = int(row.get("step", 0) if step is None else step)
         for key, value in row.items():
             tag = tag_of(key)
             if tag is None or not isinstance(value, int | float) or math.isnan(value):
                 continue
             self._writer.add_scalar(tag, float(value), step)
-        self._writer.flush()
+        if flush:
+            self._writer.flush()
 
     def close(self) -> None:
         """Flush and close the event file."""

@@ -236,11 +236,13 @@ def format_status(
 def cmd_top(args: argparse.Namespace) -> int:
     """`specbus top`: a live view of the run (ops/top.py); Ctrl-C ends it."""
     from specbus.ops.runview import purge_command
+    from specbus.ops.served import discover
     from specbus.ops.top import watch
 
     cfg = config_of(args)
+    servers = tuple(args.serve or discover(cfg))
     work = lambda bus: watch(bus, cfg.run, interval_s=args.interval, once=args.once,  # noqa: E731
-                             store=cfg.store, purge=purge_command(args))  # fmt: skip
+                             store=cfg.store, purge=purge_command(args), servers=servers)  # fmt: skip
     try:
         return asyncio.run(_with_bus(cfg, resolve_url(args, cfg), work))
     except KeyboardInterrupt:
@@ -359,6 +361,9 @@ def add_bus_commands(sub: argparse._SubParsersAction) -> None:
     add_common(p)
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one refresh and exit")
+    p.add_argument("--serve", action="append", metavar="URL",
+                   help="a serving server whose served acceptance to show (repeatable; "
+                   "default: those `specbus serve` announced in the run dir)")  # fmt: skip
     p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("dead", help="dead letters of a run, with reasons")

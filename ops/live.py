@@ -7,7 +7,9 @@
   manifest; the intake waits for it, checks its plan is this config's, and serves driven
   captures only (handshake rate 0, other records refused).
 - `run_serve(cfg, ...)`: the hf engine behind the OpenAI-compatible server, capturing through a
-  `CaptureSink` pointed at the intake (`--no-capture`: none).
+  `CaptureSink` pointed at the intake (`--no-capture`: none); with `--speculative` it decodes with the run's draft, reloaded at every checkpoint
+  (`ops/reload.py`, `producers/live/speculative.py`), its served acceptance in `/metrics` and
+  TensorBoard (`<tensorboard_dir>/serve`).
 - `specbus traffic`: `ops/traffic.py`.
 
 Where serving servers find the intake, on one host with no configuration: the intake writes
@@ -28,6 +30,7 @@ import os
 import secrets
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -249,9 +252,12 @@ async def feeder_manifest(run, cfg: RunConfig, prepared, timeout_s: float = 600.
 
 def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | None = None,
               host: str | None = None, port: int | None = None, capture: bool = True,
-              model_name: str | None = None) -> int:  # fmt: skip
-    """`specbus serve` (module doc). Returns the exit code."""
+              model_name: str | None = None, bus_url: str | None = None,
+              spec: SpecOptions | None = None) -> int:  # fmt: skip
+    """`specbus serve` (module doc); `spec`: decode speculatively (`bus_url`: the broker whose
+    run KV it follows; None: the checkpoint directory). Returns the exit code."""
     import torch
+    from specbus.core.prometheus import Metrics
     from specbus.producers.engines.registry import build_engine
     from specbus.producers.live.generate import Generator
     from specbus.producers.live.serve import Server, build_app
@@ -281,22 +287,78 @@ def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | Non
         sink = CaptureSink(url_of, token_of, server_id=f"{socket.gethostname()}-{os.getpid()}",
                            engine=engine.name, queue_size=cfg.live.queue,
                            verify=trusting(cfg.live.tls_ca)).start()  # fmt: skip
+    metrics = Metrics()
+    drafts = Speculation(cfg, engine, metrics, bus_url, spec) if spec else None
     generator = Generator(engine, sink, max_new_tokens=cfg.live.max_new_tokens,
-                          max_batch=cfg.live.serve_batch)  # fmt: skip
-    server = Server(generator, model_name or cfg.target.model)
+                          max_batch=cfg.live.serve_batch, drafts=drafts and drafts.slot,
+                          num_draft_tokens=spec.num_draft_tokens if spec else 3,
+                          spec_stats=drafts and drafts.stats)  # fmt: skip
+    server = Server(generator, model_name or cfg.target.model, metrics)
     bound = sock.getsockname()
+    drafting = f"; speculative, draft {drafts.describe()}" if drafts else ""
     print(f"specbus serve: {cfg.target.model} on http://{bound[0]}:{bound[1]}/v1 (capture "
-          f"{'on' if capture else 'off'})", flush=True)  # fmt: skip
+          f"{'on' if capture else 'off'}{drafting})", flush=True)  # fmt: skip
+    from specbus.ops.served import register
+
+    announced = register(cfg, f"http://{bound[0]}:{bound[1]}")  # `specbus top` finds it
     try:
         asyncio.run(_serve_http(build_app(server), sock))
     finally:
+        announced.unlink(missing_ok=True)
         generator.close()
+        if drafts is not None:
+            drafts.close()
         if sink is not None:
             sink.close(timeout_s=10)
             print(f"capture: {dict(sorted(sink.counts.items()))}", flush=True)
         engine.close()
         sock.close()
     return 0
+
+
+@dataclass
+class SpecOptions:
+    """`specbus serve --speculative`: drafts per round of an EAGLE3 chain (a DFlash-family
+    block drafts its own count) and how often the checkpoint pointer is read."""
+
+    num_draft_tokens: int = 3
+    reload_poll_s: float = 1.0
+
+
+class Speculation:
+    """A speculative server's draft side: the slot, the served-acceptance stats (in `metrics`
+    and TensorBoard) and the reload thread following the run's checkpoints."""
+
+    def __init__(self, cfg: RunConfig, engine, metrics, bus_url: str | None, opts: SpecOptions):
+        from specbus.core.tensorboard import open_writer
+        from specbus.ops.reload import DraftFollower, DraftLoader, pointer_source
+        from specbus.producers.live.speculative import DraftSlot, SpecStats
+
+        self.writer = open_writer(cfg.resolved_tensorboard_dir / "serve",
+                                  enabled=cfg.telemetry.tensorboard)  # fmt: skip
+        writer = self.writer
+        self.slot = DraftSlot()
+        self.stats = SpecStats(
+            metrics,
+            on_request=writer and (lambda row: writer.write(row, flush=False)),
+            on_version=writer and writer.write,
+        )  # fmt: skip
+        self.pointers = pointer_source(cfg, bus_url)
+        loader = DraftLoader(cfg, engine.device, engine.dtype)
+        self.follower = DraftFollower(loader, self.pointers, self.slot, self.stats,
+                                      opts.reload_poll_s).start()  # fmt: skip
+        self.follower.ready.wait(120)  # the first draft before the first request, if there is one
+        self.source = f"run KV at {bus_url}" if bus_url else "the checkpoint directory"
+
+    def describe(self) -> str:
+        version = self.slot.version
+        now = "none yet" if version is None else f"version {version}"
+        return f"{now}, following {self.source}"
+
+    def close(self) -> None:
+        self.follower.stop()
+        if self.writer is not None:
+            self.writer.close()
 
 
 # ---------------------------------------------------------------- commands
@@ -310,14 +372,21 @@ def cmd_intake(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """`specbus serve`."""
     cfg = config_of(args)
+    if args.draft_tokens < 1 or args.reload_poll <= 0:
+        raise ConfigError("--draft-tokens must be at least 1 and --reload-poll above 0")
     if args.engine == "sglang":
         from specbus.ops.sglang import run_sglang_serve
 
         return run_sglang_serve(cfg, intake_url=args.intake_url, token=args.token,
-                                host=args.host, port=args.port, dry_run=args.dry_run)  # fmt: skip
+                                host=args.host, port=args.port, dry_run=args.dry_run,
+                                speculative=args.speculative, draft_dir=args.draft_dir,
+                                num_draft_tokens=args.draft_tokens)  # fmt: skip
+    bus_url = args.url or cfg.bus.url  # explicit only: a speculative server follows its run KV
     return run_serve(cfg, intake_url=args.intake_url, token=args.token, host=args.host,
                      port=args.port, capture=not args.no_capture,
-                     model_name=args.model_name)  # fmt: skip
+                     model_name=args.model_name, bus_url=bus_url,
+                     spec=SpecOptions(args.draft_tokens, args.reload_poll)
+                     if args.speculative else None)  # fmt: skip
 
 
 def cmd_traffic(args: argparse.Namespace) -> int:
@@ -365,6 +434,16 @@ def add_live_commands(sub: argparse._SubParsersAction) -> None:
                    help="hf: serve here; sglang: print and start a stock SGLang server with the "
                    "capture layer (docs/sglang.md)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="--engine sglang: only print it")
+    p.add_argument("--speculative", action="store_true",
+                   help="decode with the run's draft, reloaded at every checkpoint (--engine "
+                   "sglang: SGLang's speculative flags with the exported draft)")  # fmt: skip
+    p.add_argument("--draft-tokens", type=int, default=3,
+                   help="--speculative: drafts per round of an EAGLE3 chain (k)")  # fmt: skip
+    p.add_argument("--reload-poll", type=float, default=1.0,
+                   help="--speculative: seconds between looks at the checkpoint pointer")  # fmt: skip
+    p.add_argument("--draft-dir", default=None,
+                   help="--engine sglang --speculative: the exported draft (default "
+                   "<run_dir>/export)")  # fmt: skip
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("traffic", help="replay prompts against an OpenAI-compatible server")

@@ -2,14 +2,18 @@
 
 Starts the embedded broker, the intake (`specbus intake`: it writes the live manifest, the
 vocab prior from GSM8K), two trainer ranks (`specbus train`, `deployment.mode=live`), the
-capture-enabled server (`specbus serve` on the embedded SmolLM2-135M-Instruct) and, in this
-process, the traffic driver (the `openai` client replaying GSM8K questions at a Poisson rate,
-minus the held-back ones). Training ends at `--minutes` (the trainers' time budget: a live
-run has no end of data); then traffic stops, the server and the intake stop, and, as in
-`specbus demo`, the acceptance length of the untrained and the trained draft is measured on
-held-back prompts, the trained draft is exported for SGLang, and it ends with the same summary
-block (ops/demo.py `summary`: what ran, the traffic, throughput, acceptance, where things are,
-what to try next). Logs in `<run_dir>/logs/`.
+capture-enabled server (`specbus serve --speculative` on the embedded SmolLM2-135M-Instruct:
+it decodes with the draft being trained, reloaded at every checkpoint) and, in this process,
+the traffic driver (the `openai` client replaying GSM8K questions at a Poisson rate, minus the
+held-back ones). While the trainers run, the served acceptance is printed from the server's
+own `/metrics` (the untrained draft's, then each reloaded one's: `ops/served.py`). Training
+ends at `--minutes` (the trainers' time budget: a live run has no end of data); then traffic
+stops, a few greedy probes are answered by the server with the last draft and checked
+against the target's own greedy output, the server and the intake stop, and, as in `specbus
+demo`, the acceptance length of the untrained and the trained draft is measured on held-back
+prompts, the trained draft is exported for SGLang, and it ends with the same summary block
+(ops/demo.py `summary`: what ran, the traffic, throughput, acceptance, where things are, what
+to try next). Logs in `<run_dir>/logs/`.
 
 Ctrl-C / SIGTERM stops every child by PID (the children also die with the demo, even on
 kill -9: parent-death signal).
@@ -35,8 +39,11 @@ from specbus.ops.demo import (
     summary,
 )
 from specbus.ops.launch import QUIET_THREADS, Launcher
+from specbus.ops.served import AcceptanceLog, lossless_check, probe
 from specbus.ops.services.common import exit_code_interruptible, free_port, shielded
 from specbus.ops.services.nats import NatsServer
+
+PROBES = 4  # greedy requests checked against the target's own greedy output at the end
 
 
 def live_demo_config(args: argparse.Namespace) -> RunConfig:
@@ -112,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
         common = ["--config", str(config_path), "--url", url]
         intake_port, serve_port = free_port(), free_port()
         procs.start("intake", ["intake", *common, "--port", str(intake_port)])
-        procs.start("serve", ["serve", *common, "--port", str(serve_port)])
+        procs.start("serve", ["serve", *common, "--port", str(serve_port), "--speculative"])
         procs.ranks(args.trainers, ["train", *common], show_rank0=True)
         print("started " + ", ".join(f"{n} {p.pid}" for n, p in procs.procs.items()), flush=True)
         _wait_http(
@@ -144,7 +151,14 @@ def _run(args: argparse.Namespace) -> int:
         driver = threading.Thread(target=traffic, name="traffic", daemon=True)
         driver.start()
         trainers = [procs.procs[f"trainer-{r}"] for r in range(args.trainers)]
+        print("served acceptance (the server's own /metrics; the draft reloads at every "
+              "checkpoint):", flush=True)  # fmt: skip
+        served_log, polled = AcceptanceLog(serve_url), 0.0
         while any(p.poll() is None for p in trainers):
+            if time.monotonic() - polled >= 15:
+                polled = time.monotonic()
+                for line in served_log.poll():
+                    print(line, flush=True)
             bad = procs.failed()
             if bad:
                 print(
@@ -155,6 +169,9 @@ def _run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         traffic_stop.set()
         driver.join(300)
+        for line in served_log.poll():
+            print(line, flush=True)
+        probes = probe(serve_url, prompts[:PROBES], args.max_tokens)  # the last draft serving
         bad = procs.failed()
         if bad:
             print(f"{bad[0]} exited with {bad[1]}; see {logs / (bad[0] + '.log')}", file=sys.stderr)
@@ -182,6 +199,13 @@ def _run(args: argparse.Namespace) -> int:
                 if ln.startswith(("capture:", "specbus intake stopped"))]  # fmt: skip
         if tail:
             print(f"{name}: {tail[-1]}", flush=True)
+    differ, dtype = lossless_check(cfg, probes, args.max_tokens)
+    versions = sorted({v for _, _, s in probes if s for v in s["draft_versions"]})
+    print(f"served outputs equal the target's greedy output: {len(probes) - len(differ)} of "
+          f"{len(probes)} probes (draft versions {versions}, {dtype})", flush=True)  # fmt: skip
+    if differ and dtype == "float32":
+        print(f"probes {differ} differ from the target's greedy output", file=sys.stderr)
+        return 1
 
     from specbus.ops.evaluate import compare_drafts
     from specbus.ops.export import export_checkpoint

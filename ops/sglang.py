@@ -6,7 +6,11 @@
   SGLang server capturing for the run (upstream aux-capture flags with the run's layer ids and
   convention, `--disable-radix-cache`, and the environment that points the plugin at the
   intake: its URL or `<run_dir>/live/intake.json`, the sample rate), then execs it; with
-  `--dry-run` it only prints. Starting refuses when the layer is not applied.
+  `--dry-run` it only prints. Starting refuses when the layer is not applied. With
+  `--speculative` the server also decodes speculatively with the run's exported draft
+  (`--draft-dir`, default `<run_dir>/export`, written by `specbus export`): SGLang's own
+  speculative flags for the strategy (`speculative_flags`; docs/sglang.md, "Serving the
+  draft": how a new draft reaches a running server).
 """
 
 from __future__ import annotations
@@ -23,9 +27,32 @@ from specbus.core.errors import ConfigError
 from specbus.patches.sglang import CONVENTIONS
 
 
+def draft_dir_of(cfg: RunConfig, draft_dir: str | Path | None = None) -> Path:
+    """Where the run's exported draft is: `draft_dir`, else `<run_dir>/export`."""
+    return Path(draft_dir) if draft_dir else cfg.resolved_run_dir / "export"
+
+
+def speculative_flags(cfg: RunConfig, draft_dir: Path, num_draft_tokens: int = 3) -> list[str]:
+    """SGLang 0.5.23's flags that decode with the exported draft in `draft_dir`: EAGLE3, a
+    chain of `num_draft_tokens` (topk 1, so verification is a chain as in `specbus serve`);
+    DFLASH (dflash, domino) with the strategy's block size; DSPARK (block size from the
+    draft's config). The algorithm flag itself is in `server_command`."""
+    flags = ["--speculative-draft-model-path", str(draft_dir)]
+    if cfg.strategy.name == "eagle3":
+        return flags + ["--speculative-num-steps", str(num_draft_tokens),
+                        "--speculative-eagle-topk", "1",
+                        "--speculative-num-draft-tokens", str(num_draft_tokens + 1)]  # fmt: skip
+    if cfg.strategy.name in ("dflash", "domino"):
+        return flags + ["--speculative-dflash-block-size", str(cfg.strategy.block_size)]
+    return flags
+
+
 def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str | None = None,
-                   port: int | None = None) -> tuple[dict[str, str], list[str]]:  # fmt: skip
-    """(environment, argv) of the SGLang server that captures for `cfg` (module doc)."""
+                   port: int | None = None, speculative: bool = False,
+                   draft_dir: str | Path | None = None,
+                   num_draft_tokens: int = 3) -> tuple[dict[str, str], list[str]]:  # fmt: skip
+    """(environment, argv) of the SGLang server that captures for `cfg` (module doc); with
+    `speculative`, decoding with the exported draft (`speculative_flags`)."""
     from specbus.core.models.target import load_target_info, resolve_target_dir
     from specbus.patches.sglang import plugin
 
@@ -43,6 +70,8 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
     ]  # fmt: skip
     if cfg.target.dtype != "auto":
         argv += ["--dtype", cfg.target.dtype]
+    if speculative:
+        argv += speculative_flags(cfg, draft_dir_of(cfg, draft_dir), num_draft_tokens)
     env = {plugin.ENV_RATE: f"{cfg.live.sample_rate:g}", plugin.ENV_QUEUE: str(cfg.live.queue)}
     url = intake_url or cfg.live.url
     if url:
@@ -57,12 +86,16 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
 
 
 def run_sglang_serve(cfg: RunConfig, *, intake_url: str | None, token: str | None,
-                     host: str | None, port: int | None, dry_run: bool) -> int:  # fmt: skip
+                     host: str | None, port: int | None, dry_run: bool,
+                     speculative: bool = False, draft_dir: str | None = None,
+                     num_draft_tokens: int = 3) -> int:  # fmt: skip
     """`specbus serve --engine sglang` (module doc). Returns the exit code (or execs)."""
     from specbus.ops.live import TOKEN_ENV
     from specbus.patches.sglang import layer
 
-    env, argv = server_command(cfg, intake_url=intake_url, host=host, port=port)
+    env, argv = server_command(cfg, intake_url=intake_url, host=host, port=port,
+                               speculative=speculative, draft_dir=draft_dir,
+                               num_draft_tokens=num_draft_tokens)  # fmt: skip
     shown = dict(env)
     if (
         token
@@ -73,6 +106,9 @@ def run_sglang_serve(cfg: RunConfig, *, intake_url: str | None, token: str | Non
     print(" ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()), shlex.join(argv), flush=True)
     if dry_run:
         return 0
+    if speculative and not (draft_dir_of(cfg, draft_dir) / "config.json").exists():
+        raise ConfigError(f"no exported draft in {draft_dir_of(cfg, draft_dir)}: write one with "
+                          f"`specbus export -c <run.yaml> --out DIR` (then --draft-dir DIR)")  # fmt: skip
     state = layer.check()
     if not state["ok"]:
         raise ConfigError("the SGLang capture layer is not ready: " + "; ".join(state["problems"]))

@@ -3,10 +3,11 @@
 Each refresh reads the broker (`bus.status.run_status`: streams, consumer groups, lag, markers,
 dead letters: live) and the trainers' last log row from the run's KV (step, loss, steps/s,
 samples/s, data wait, store residency as rank 0 saw it: last known, shown "as of" its time),
-plus the store's residency read now where this host can (ops/runview.py) and, for a run
-marked complete, what it left and the `specbus purge` that frees it. On a terminal the view
-is redrawn in place (rich `Live`); otherwise one block of plain lines per refresh. `--once`
-prints one.
+plus the store's residency read now where this host can (ops/runview.py), for a run marked
+complete what it left and the `specbus purge` that frees it, and the served acceptance of the
+run's serving servers (`--serve URL`, else the ones `specbus serve` announced in the run dir:
+`ops/served.py`). On a terminal the view is redrawn in place (rich `Live`); otherwise one
+block of plain lines per refresh. `--once` prints one.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ from specbus.ops.observe import samples_rate
 from specbus.ops.runview import clock, leftover, row_label, size, store_now
 
 
-async def snapshot(bus: Bus, run: str) -> dict[str, Any]:
-    """`run_status` plus the trainers' last log row (`progress`, None before the first)."""
+async def snapshot(bus: Bus, run: str, servers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`run_status` plus the trainers' last log row (`progress`, None before the first) and
+    the served acceptance of `servers` (`served`: URL -> `ops.served.Served` or None)."""
     status = await run_status(bus, run)
     kv = await open_kv(bus, run)
     status["progress"] = None if kv is None else await kv.get_progress()
+    if servers:
+        from specbus.ops.served import scrape
+
+        status["served"] = {u: await asyncio.to_thread(scrape, u) for u in servers}
     return status
 
 
@@ -94,21 +100,25 @@ def render(
     lines.append(
         f"dead       {'?' if dead is None else dead}" + (" (specbus dead)" if dead else "")
     )
+    for url, served in (s.get("served") or {}).items():
+        lines.append(served.line() if served else f"served     {url}: not answering")
     if hint := leftover(s, store, purge):
         lines.append(f"left over  {hint}")
     return lines
 
 
 async def watch(bus: Bus, run: str, *, interval_s: float, once: bool, out=None,
-                store: StoreConfig | None = None, purge: str = "specbus purge --yes") -> int:  # fmt: skip
+                store: StoreConfig | None = None, purge: str = "specbus purge --yes",
+                servers: tuple[str, ...] = ()) -> int:  # fmt: skip
     """Refresh the view every `interval_s` until Ctrl-C (or once); `store`: the run's store,
-    read now each refresh where this host can (`runview.store_now`). Returns the exit code:
-    1 when the run is not declared on a single refresh, else 0."""
+    read now each refresh where this host can (`runview.store_now`); `servers`: serving
+    servers whose served acceptance is shown. Returns the exit code: 1 when the run is not
+    declared on a single refresh, else 0."""
     out = out or sys.stdout
     live = None if once else _live(out)
 
     async def lines() -> tuple[dict[str, Any], str]:
-        s = await snapshot(bus, run)
+        s = await snapshot(bus, run, servers)
         s["store_now"] = store_now(store) if store is not None else None
         return s, "\n".join(render(s, purge=purge))
 

@@ -67,7 +67,7 @@ def replay_generate(
     result = SpecResult(tokens=[seq[n]])
     last_h = _draft_extend(draft, cache, aux_1TA[:, :n].to(dtype), seq_T[1 : n + 1], start=0)
     while not _finish(result.tokens, max_new_tokens, eos)[1]:
-        drafts = _chain(draft, cache, last_h, n, k)
+        drafts, _ = _chain(draft, cache, last_h, n, k)
         a = 0
         while a < k and drafts[a] == seq[n + 1 + a]:
             a += 1

@@ -19,7 +19,14 @@ capacity), Poisson arrivals at 1x and 5x that rate for `--seconds` each, the int
 watermark at `--max-lag` refs: the shed fraction (429s over records), and that every shed
 capture's keys were removed (store residency = the bytes of the refs not yet drained).
 
+Part 3, the closed loop (`--loop`, `ops/bench/live_loop.py`): a live run trains from the
+traffic of a `specbus serve --speculative` server that decodes with the draft being trained;
+the served acceptance over time, served tokens/s with the final draft vs without on the same
+server, user errors, and greedy probes checked against the target's own output.
+
     python -m specbus.ops.bench.live --rounds 12 --requests 6 --out runs/bench/live.json
+    python -m specbus.ops.bench.live --skip-latency --skip-intake --loop --device cuda \
+        --loop-minutes 10 --out runs/bench/live-loop.json       # the closed loop alone
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from pathlib import Path
 
 import httpx
 from specbus.core.config import build_config, dump_config
+from specbus.ops.bench.live_loop import add_loop_args, loop_part, print_loop
 from specbus.ops.launch import QUIET_THREADS, Launcher
 from specbus.ops.services.common import free_port, stop_pid
 from specbus.ops.services.nats import NatsServer
@@ -307,6 +315,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-latency", action="store_true")
     p.add_argument("--skip-intake", action="store_true")
     p.add_argument("--out", default=None)
+    add_loop_args(p)
     args = p.parse_args(argv)
 
     import logging
@@ -332,9 +341,10 @@ def main(argv=None) -> int:
     try:
         ip, sp = free_port(), free_port()
         common = ["--config", str(config), "--url", broker.url]
-        intake = procs.start("intake", ["intake", *common, "--port", str(ip)])
-        wait_http(f"http://127.0.0.1:{ip}", intake, work / "intake.log")
-        token = json.loads((cfg.resolved_run_dir / "live" / "intake.json").read_text())["token"]
+        if not (args.skip_latency and args.skip_intake):
+            intake = procs.start("intake", ["intake", *common, "--port", str(ip)])
+            wait_http(f"http://127.0.0.1:{ip}", intake, work / "intake.log")
+            token = json.loads((cfg.resolved_run_dir / "live" / "intake.json").read_text())["token"]
         if not args.skip_latency:
             serve = procs.start("serve", ["serve", *common, "--port", str(sp)])
             serve_url = f"http://127.0.0.1:{sp}"
@@ -347,6 +357,9 @@ def main(argv=None) -> int:
             results["intake"] = asyncio.run(
                 intake_part(args, cfg, broker.url, f"http://127.0.0.1:{ip}", token)
             )
+        if args.loop:
+            print("closed loop: serving with the draft being trained:", flush=True)
+            results["loop"] = loop_part(args, work, broker.url, procs)
     finally:
         procs.stop(30)
         broker.stop()
@@ -370,6 +383,8 @@ def main(argv=None) -> int:
               f"store after the drains stopped: {itk['store_resident_bytes_after']} bytes resident, "
               f"{itk['undrained_ref_bytes_after']} bytes named by undrained refs (equal: every "
               "shed capture's keys were removed)")  # fmt: skip
+    if results.get("loop"):
+        print_loop(results["loop"])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))

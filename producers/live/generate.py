@@ -21,8 +21,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from specbus.core.eval.verify import warp
 from specbus.core.models.target import decoder_layers
 from specbus.producers.live.sink import Capture, CaptureSink
+from specbus.producers.live.speculative import DraftSlot, SpecRecord, SpecStats, decode_wave
 
 log = logging.getLogger("specbus.serve")
 
@@ -46,6 +48,7 @@ class Job:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"
     text: str = ""
+    spec: SpecRecord | None = None  # what speculative decoding did for it (None: decoded plainly)
 
 
 def _seed_of(request_id: str) -> int:
@@ -100,11 +103,18 @@ class Generator:
     requests: the requests waiting when a wave starts are prefilled together (left-padded,
     masked, position ids per row) and decoded together until every one of them is done; the
     next wave takes what arrived meanwhile. Row `i` of every forward belongs to request `i`
-    (pad positions and rows of finished requests are never captured)."""
+    (pad positions and rows of finished requests are never captured).
+
+    With `drafts` (a `DraftSlot`), a wave is decoded speculatively with the slot's current
+    draft, up to `num_draft_tokens` drafts a round, counted in `spec_stats`
+    (`producers/live/speculative.py`); without a draft in the slot, as above."""
 
     def __init__(self, engine, sink: CaptureSink | None, *, max_new_tokens: int = 256,
-                 max_queue: int = 1024, max_batch: int = 4, start: bool = True):  # fmt: skip
+                 max_queue: int = 1024, max_batch: int = 4, start: bool = True,
+                 drafts: DraftSlot | None = None, num_draft_tokens: int = 3,
+                 spec_stats: SpecStats | None = None):  # fmt: skip
         self.engine, self.sink = engine, sink
+        self.drafts, self.num_draft_tokens, self.spec_stats = drafts, num_draft_tokens, spec_stats
         self.model, self.tokenizer = engine.model, engine.tokenizer
         self.max_new_tokens, self.max_batch = max_new_tokens, max_batch
         self.context = engine.context_length
@@ -147,7 +157,11 @@ class Generator:
                     break
                 wave.append(job)
             try:
-                self._generate(wave)
+                draft = self.drafts.current() if self.drafts is not None else None
+                if draft is None:
+                    self._generate(wave)
+                else:
+                    self._generate_spec(wave, draft)
                 for job in wave:
                     self._emit(job, ("done", job.finish_reason))
             except Exception as e:  # noqa: BLE001 - answered to the users as a 500
@@ -159,7 +173,8 @@ class Generator:
         if job.loop is not None and not job.loop.is_closed():
             job.loop.call_soon_threadsafe(job.events.put_nowait, event)
 
-    def _hooks(self) -> _Rows | None:
+    def capture_hooks(self) -> _Rows | None:
+        """The forward hooks keeping the rows the sink's handshake asks for (None: no handshake)."""
         cfg = self.sink.config if self.sink is not None else None
         if cfg is None:
             return None
@@ -175,16 +190,27 @@ class Generator:
     def _choose(self, logits: torch.Tensor, job: Job, gen: torch.Generator | None) -> int:
         if job.temperature <= 0:
             return int(logits.argmax())
-        # in float64, the max subtracted first: a tiny temperature (1e-300 is 0 in float32)
-        # scales the others to -inf and the max to 0, never to inf - inf or 0 / 0
-        logits = logits.double()
-        probs = torch.softmax((logits - logits.max()) / job.temperature, dim=-1)
-        if job.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < job.top_p
-            keep[0] = True  # the likeliest token always (top_p 0 would keep none)
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        probs = warp(logits, job.temperature, job.top_p)  # stable at any temperature, top_p 0
+        if gen is not None and probs.device != gen.device:  # the request's generator is the CPU's
+            probs = probs.to(gen.device)
         return int(torch.multinomial(probs, 1, generator=gen))
+
+    def take(self, job: Job, tokens: list[int]) -> bool:
+        """Append generated `tokens` to `job` (streamed to its user) up to its end: an EOS
+        token, a stop string, `max_tokens`, or a cancelled request; True once it ended (the
+        tokens after the end are dropped)."""
+        for token in tokens:
+            job.output_ids.append(token)
+            self._emit(job, ("token", token))
+            if token in self.eos or (job.stop and self._stopped(job)):
+                job.finish_reason = "stop"
+                return True
+            if len(job.output_ids) >= job.max_tokens:
+                return True
+            if job.cancelled:
+                job.finish_reason = "cancelled"
+                return True
+        return False
 
     @torch.no_grad()
     def _generate(self, wave: list[Job]) -> None:
@@ -192,7 +218,7 @@ class Generator:
 
         n = len(wave)
         wanted = [self.sink.wants(j.request_id) if self.sink is not None else None for j in wave]
-        rows = self._hooks() if any(w is not None for w in wanted) else None
+        rows = self.capture_hooks() if any(w is not None for w in wanted) else None
         aux: list[list[torch.Tensor]] = [[] for _ in wave]
         final: list[list[torch.Tensor]] = [[] for _ in wave]
         gens = [
@@ -233,17 +259,8 @@ class Generator:
                         nxt.append(self.pad_id)
                         continue
                     token = self._choose(logits[i, -1], j, gens[i])
-                    j.output_ids.append(token)
-                    self._emit(j, ("token", token))
                     nxt.append(token)
-                    if token in self.eos or (j.stop and self._stopped(j)):
-                        j.finish_reason = "stop"
-                        active[i] = False
-                    elif len(j.output_ids) >= j.max_tokens:
-                        active[i] = False
-                    elif j.cancelled:
-                        j.finish_reason = "cancelled"
-                        active[i] = False
+                    active[i] = not self.take(j, [token])
                 ids = torch.tensor(nxt, dtype=torch.long)[:, None]
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
                 positions = positions[:, -1:] + 1
@@ -251,6 +268,17 @@ class Generator:
         finally:
             if rows is not None:
                 rows.recording = False
+        self._finished(wave, wanted, aux, final)
+
+    def _generate_spec(self, wave: list[Job], draft) -> None:
+        """Decode `wave` speculatively with `draft` (`speculative.decode_wave`)."""
+        kept = decode_wave(self, wave, draft, self.drafts, self.num_draft_tokens,
+                           self.spec_stats, _seed_of)  # fmt: skip
+        wanted = [self.sink.wants(j.request_id) if self.sink is not None else None for j in wave]
+        self._finished(wave, wanted, [k[0] for k in kept], [k[1] for k in kept])
+
+    def _finished(self, wave: list[Job], wanted, aux, final) -> None:
+        """Count a decoded wave and hand its captured requests to the sink."""
         self.stats["waves"] += 1
         for i, j in enumerate(wave):
             self.stats["requests"] += 1
@@ -259,7 +287,7 @@ class Generator:
                 self.sink.submit(Capture(
                     request_id=j.request_id, prompt_ids=list(j.prompt_ids),
                     output_ids=list(j.output_ids), aux=aux[i], final=final[i],
-                    sample_id=wanted[i],
+                    sample_id=wanted[i], draft_version=j.spec.version if j.spec else None,
                 ))  # fmt: skip
 
     def _stopped(self, job: Job) -> bool:

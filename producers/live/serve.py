@@ -3,10 +3,17 @@
 The reference implementation of the capture-sink contract (`producers/live/sink.py`):
 - `POST /v1/chat/completions` (the tokenizer's chat template, generation prompt added) and
   `POST /v1/completions` (a prompt string or token ids), streaming (SSE, `data: [DONE]`) or
-  not; `GET /v1/models`; `GET /healthz`; `GET /metrics` (Prometheus text: requests by route
-  and status, the sink's outcomes); `GET /v1/spec-capture/sink` (the same as JSON);
-  `POST /v1/spec-capture/sink {"enabled": false|true}` (an operator switch: serve without
-  capturing, then again with; the benchmark's on/off arms run on one server this way).
+  not; `GET /v1/models`; `GET /healthz`; `GET /metrics` (Prometheus text, `core/prometheus.py`:
+  requests by route and status, the sink's outcomes, and with a draft the served acceptance
+  per draft version, `producers/live/speculative.py`); `GET /v1/spec-capture/sink` (the
+  sink's counts as JSON); `POST /v1/spec-capture/sink {"enabled": false|true}` (an operator
+  switch: serve without capturing, then again with; the benchmark's on/off arms run on one
+  server this way); `GET|POST /v1/spec-decode` (the draft's version and served totals; the
+  same kind of switch for speculative decoding).
+- Speculative decoding (`specbus serve --speculative`): a response says how it was decoded in
+  an extra `specbus` object (the last chunk of a stream): `draft_version` (the checkpoint step
+  of the draft that served its last round), `draft_versions`, `verifies`, `accepted_tokens`,
+  `accept_length` (tokens per verify), `tokens_per_s`. Clients that do not know it ignore it.
 - Generation (`producers/live/generate.py`): KV-cache decoding on one worker thread, in waves of up to `live.serve_batch`
   requests (those waiting when a wave starts are prefilled and decoded together; a CPU
   reference server, not a continuous-batching engine). Greedy at `temperature: 0`, else
@@ -34,7 +41,8 @@ from collections import Counter
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from specbus.core.prometheus import Metrics
 from specbus.producers.live.generate import Generator, Job
 
 log = logging.getLogger("specbus.serve")
@@ -67,12 +75,15 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
 
 
 class Server:
-    """The HTTP side: requests -> jobs -> OpenAI responses."""
+    """The HTTP side: requests -> jobs -> OpenAI responses. `metrics`: the process's registry
+    (`core.prometheus.Metrics`; a new one by default) that `/metrics` serves."""
 
-    def __init__(self, generator: Generator, model_name: str):
+    def __init__(self, generator: Generator, model_name: str, metrics: Metrics | None = None):
         self.gen, self.model_name = generator, model_name
         self.tokenizer = generator.tokenizer
         self.requests: Counter = Counter()  # (route, status)
+        self.metrics = metrics or Metrics()
+        self._register(self.metrics)
         self.template = None
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
             from specbus.core.data.templates import detect_template
@@ -163,21 +174,37 @@ class Server:
         return self.tokenizer.decode([t for t in ids if t not in self.gen.eos],
                                      skip_special_tokens=True)  # fmt: skip
 
-    def prometheus(self) -> str:
-        """`GET /metrics`: requests by route and status, tokens, queue, capture outcomes."""
-        lines = ["# TYPE specbus_serve_requests_total counter"]
-        for (route, status), n in sorted(self.requests.items()):
-            lines.append(f'specbus_serve_requests_total{{route="{route}",status="{status}"}} {n}')
-        lines.append("# TYPE specbus_serve_generated_tokens_total counter")
-        lines.append(f"specbus_serve_generated_tokens_total {self.gen.stats['tokens']}")
-        lines.append("# TYPE specbus_serve_queue gauge")
-        lines.append(f"specbus_serve_queue {self.gen.jobs.qsize()}")
-        sink = self.gen.sink
-        if sink is not None:
-            lines.append("# TYPE specbus_capture_total counter")
-            for what, n in sorted(dict(sink.counts).items()):
-                lines.append(f'specbus_capture_total{{outcome="{what}"}} {n}')
-        return "\n".join(lines) + "\n"
+    def _register(self, m: Metrics) -> None:
+        """The server's series, read at scrape time from its own counters."""
+        m.read("specbus_serve_requests", "requests by route and status",
+               lambda: {(r, str(s)): n for (r, s), n in list(self.requests.items())},
+               kind="counter", labels=("route", "status"))  # fmt: skip
+        m.read("specbus_serve_generated_tokens", "completion tokens generated",
+               lambda: self.gen.stats["tokens"], kind="counter")  # fmt: skip
+        m.read("specbus_serve_queue", "requests waiting for the worker", self.gen.jobs.qsize)
+        if self.gen.sink is not None:
+            sink = self.gen.sink
+            m.read("specbus_capture", "capture outcomes",
+                   lambda: {(k,): v for k, v in dict(sink.counts).items()}, kind="counter",
+                   labels=("outcome",))  # fmt: skip
+
+    def prometheus(self) -> tuple[bytes, str]:
+        """`GET /metrics`: the registry's exposition (body, content type)."""
+        return self.metrics.exposition()
+
+    def spec_block(self, job: Job) -> dict | None:
+        """The `specbus` object of a speculatively decoded response (None: decoded plainly)."""
+        return None if job.spec is None else job.spec.as_dict(len(job.output_ids))
+
+    def spec_state(self) -> dict:
+        """`GET /v1/spec-decode`: the draft's version, the switch and the served totals."""
+        slot, stats = self.gen.drafts, self.gen.spec_stats
+        if slot is None:
+            return {"speculative": False}
+        totals = stats.snapshot() if stats is not None else {}
+        return {"speculative": True, "enabled": slot.enabled, "draft_version": slot.version,
+                "num_draft_tokens": self.gen.num_draft_tokens,
+                "versions": {str(v): t.__dict__ for v, t in sorted(totals.items())}}  # fmt: skip
 
 
 def build_app(server: Server):
@@ -240,14 +267,14 @@ def build_app(server: Server):
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         server.requests[(route, 200)] += 1
-        return JSONResponse(
-            {"id": rid, "object": kind, "created": created, "model": server.model_name,
-             "choices": [choice],
-             "usage": {"prompt_tokens": len(job.prompt_ids),
-                       "completion_tokens": len(job.output_ids),
-                       "total_tokens": len(job.prompt_ids) + len(job.output_ids)}},
-            headers={"X-Request-Id": request_id},
-        )  # fmt: skip
+        answer = {"id": rid, "object": kind, "created": created, "model": server.model_name,
+                  "choices": [choice],
+                  "usage": {"prompt_tokens": len(job.prompt_ids),
+                            "completion_tokens": len(job.output_ids),
+                            "total_tokens": len(job.prompt_ids) + len(job.output_ids)}}  # fmt: skip
+        if (spec := server.spec_block(job)) is not None:
+            answer["specbus"] = spec
+        return JSONResponse(answer, headers={"X-Request-Id": request_id})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -270,7 +297,24 @@ def build_app(server: Server):
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(server.prometheus())
+        body, content_type = server.prometheus()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/spec-decode")
+    async def spec_state() -> dict:
+        return server.spec_state()
+
+    @app.post("/v1/spec-decode")
+    async def spec_switch(request: Request) -> Response:
+        """Operator switch: `{"enabled": false}` decodes without the draft (loopback server)."""
+        slot = server.gen.drafts
+        try:
+            enabled = json.loads(await request.body())["enabled"]
+            assert isinstance(enabled, bool) and slot is not None
+        except Exception:  # noqa: BLE001
+            return error("spec", 400, 'expected {"enabled": true|false} on a speculative server')
+        slot.enabled = enabled
+        return JSONResponse({"enabled": enabled})
 
     @app.get("/v1/spec-capture/sink")
     async def sink_state() -> dict:
@@ -314,6 +358,8 @@ async def _stream(server: Server, job: Job, rid: str, created: int, chat: bool, 
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
         payload = {"id": rid, "object": kind, "created": created, "model": server.model_name,
                    "choices": [choice]}  # fmt: skip
+        if finish is not None and (spec := server.spec_block(job)) is not None:
+            payload["specbus"] = spec
         return f"data: {json.dumps(payload)}\n\n"
 
     try:

@@ -67,6 +67,7 @@ class Capture:
     aux: list[torch.Tensor]
     final: list[torch.Tensor] = field(default_factory=list)
     sample_id: str = ""
+    draft_version: int | None = None  # speculative serving: the draft that served it
 
 
 class CaptureSink:
@@ -323,9 +324,11 @@ class CaptureSink:
             num_prompt_tokens=0 if driven else len(capture.prompt_ids),
             target_fingerprint=cfg.target_fingerprint,
             tokenizer_fingerprint=cfg.tokenizer_fingerprint,
-            server_id=self.server_id, engine=self.engine,
+            server_id=self.server_id, engine=self.engine, draft_version=capture.draft_version,
         )  # fmt: skip
-        outcome = self._post(record.model_dump_json().encode(), cfg.record_timeout_s)
+        # without a draft version the record is the one every intake knows
+        outcome = self._post(record.model_dump_json(exclude_none=True).encode(),
+                             cfg.record_timeout_s)  # fmt: skip
         self._count(outcome)
         if outcome not in ("accepted", "duplicate"):
             self._drop(specs)

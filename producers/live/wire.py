@@ -97,6 +97,8 @@ class CaptureRecord(Wire):
     server_id: str = Field(min_length=1, max_length=128)
     engine: str = Field(min_length=1, max_length=64)
     created_at: float = Field(default_factory=time.time)
+    # speculative serving: the version (checkpoint step) of the draft that decoded the request
+    draft_version: int | None = Field(None, ge=0)
 
     @field_validator("schema_version")
     @classmethod

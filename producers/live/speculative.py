@@ -1,0 +1,327 @@
+"""`specbus serve --speculative`: lossless speculative decoding with the run's draft, hot-swapped.
+
+The decoding is core/eval's draft-and-verify (`SpecSession`: EAGLE3 chains of k drafts,
+DFlash-family blocks; greedy verification at temperature 0, rejection sampling otherwise),
+the same code the evaluation measures acceptance with. Here it serves requests:
+- A wave (`Generator`'s: the requests waiting when it starts, up to `live.serve_batch`) is
+  decoded a round at a time, round-robin over its requests (each a batch-1 `SpecSession`);
+  every round's tokens stream to the user as they are verified.
+- The draft is the `DraftSlot`'s: the reloader (`ops/reload.py`, following the run's
+  checkpoint pointer) builds a new draft off the worker thread and publishes it; the worker
+  takes it between two rounds of a request (`SpecSession.swap`: the new draft's context is
+  rebuilt from the verified positions' target features, one draft forward; the target's
+  cache is kept). So a reload never fails a request and never stalls one for more than a
+  round; the outputs stay the target's (greedy: the same tokens; sampled: the same
+  distribution) whatever draft serves.
+- Capture is unchanged: a captured request's rows are the target's over `prompt +
+  output[:-1]` (prefill, then the verified prefix of every verify forward), and its record
+  carries the version of the draft that served its last round.
+- `SpecStats` counts the served acceptance (accepted drafts and tokens per verify, tokens/s)
+  per draft version and per request, for `/metrics`, TensorBoard and the response itself.
+
+The draft version is the step of the checkpoint it was loaded from (0: the untrained draft).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from specbus.core.eval.block import BlockDrafter
+from specbus.core.eval.speculative import ChainDrafter, SpecSession
+from specbus.core.eval.verify import Sampling
+from specbus.core.models.target import AuxCapture
+from torch import nn
+
+log = logging.getLogger("specbus.serve")
+
+
+@dataclass(frozen=True)
+class ServedDraft:
+    """A draft ready to serve: on the engine's device and dtype, in eval mode. `version`: the
+    checkpoint step it was loaded from (0: untrained); `block`: a DFlash-family draft
+    (blocks) rather than an EAGLE3 chain; `aux_layers`: the target layers it reads."""
+
+    version: int
+    model: nn.Module
+    block: bool
+    aux_layers: tuple[int, ...]
+
+    def drafter(self, target: nn.Module):
+        """A fresh `Drafter` of this draft for one sequence."""
+        return BlockDrafter(self.model, target) if self.block else ChainDrafter(self.model)
+
+    def drafts_per_round(self, k: int) -> int:
+        """An EAGLE3 chain drafts `k` tokens a round; a block, its own count (at most its size)."""
+        return self.model.config.block_size if self.block else k
+
+
+class DraftSlot:
+    """The draft the server decodes with. `publish` (the reloader's thread) replaces it;
+    `current()` (the worker, between rounds) reads it; None until the first draft, or while
+    an operator turned speculation off (`enabled`: the benchmark's on/off arms)."""
+
+    def __init__(self) -> None:
+        self._draft: ServedDraft | None = None
+        self._lock = threading.Lock()
+        self.enabled = True
+
+    def publish(self, draft: ServedDraft) -> None:
+        """Serve `draft` from the next round on."""
+        with self._lock:
+            self._draft = draft
+
+    def current(self) -> ServedDraft | None:
+        """The draft to decode the next round with (None: decode without one)."""
+        with self._lock:
+            return self._draft if self.enabled else None
+
+    @property
+    def version(self) -> int | None:
+        """The published draft's version, enabled or not (None before the first)."""
+        with self._lock:
+            return None if self._draft is None else self._draft.version
+
+
+@dataclass
+class SpecRecord:
+    """What speculative decoding did for one request (in its response and capture record)."""
+
+    versions: list[int] = field(default_factory=list)  # the draft versions that served it
+    verifies: int = 0  # target verify forwards (rounds); the prefill is not one
+    accepted: int = 0  # drafts accepted over all rounds
+    tokens: int = 0  # tokens the rounds emitted (accepted + one per round, before any cut)
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0  # from the request's prefill to its last token
+
+    @property
+    def version(self) -> int | None:
+        """The version that served the last round."""
+        return self.versions[-1] if self.versions else None
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per verify (accepted drafts + 1); NaN before the first round."""
+        return self.tokens / self.verifies if self.verifies else math.nan
+
+    def as_dict(self, completion_tokens: int) -> dict[str, Any]:
+        """The `specbus` block of a response."""
+        rate = completion_tokens / self.seconds if self.seconds > 0 else None
+        return {"draft_version": self.version, "draft_versions": list(self.versions),
+                "verifies": self.verifies, "accepted_tokens": self.accepted,
+                "accept_length": None if not self.verifies else round(self.accept_length, 4),
+                "tokens_per_s": None if rate is None else round(rate, 3)}  # fmt: skip
+
+
+@dataclass
+class VersionTotals:
+    """Served totals of one draft version."""
+
+    verifies: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # worker time in this version's rounds
+    requests: int = 0
+
+
+class SpecStats:
+    """The served acceptance (module doc). `metrics` (`core.prometheus.Metrics`) gets the
+    series below; `on_request(row)` / `on_version(row)` (TensorBoard rows) are called with
+    each finished request's and each superseded version's figures."""
+
+    REQUEST_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+    RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+    SWAP_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+
+    def __init__(self, metrics=None, *, on_request: Callable[[dict], None] | None = None,
+                 on_version: Callable[[dict], None] | None = None):  # fmt: skip
+        self.versions: dict[int, VersionTotals] = {}
+        self.current: int | None = None
+        self.reloads: dict[str, int] = {"loaded": 0, "refused": 0}
+        self.requests = 0
+        self.on_request, self.on_version = on_request, on_version
+        self._lock = threading.Lock()
+        self._hist = None
+        if metrics is not None:
+            self._register(metrics)
+
+    def _register(self, m) -> None:
+        def per(attr: str) -> Callable[[], dict]:
+            return lambda: {(str(v),): getattr(t, attr) for v, t in self.snapshot().items()}
+
+        m.read("specbus_serve_draft_version", "version (checkpoint step) of the served draft; "
+               "-1: none yet", lambda: -1 if self.current is None else self.current)  # fmt: skip
+        m.read("specbus_serve_draft_reloads", "draft reloads by outcome",
+               lambda: {(k,): v for k, v in self.reloads.items()}, kind="counter",
+               labels=("outcome",))  # fmt: skip
+        lab = ("draft_version",)
+        for name, attr, doc in (
+            ("specbus_serve_spec_verifies", "verifies", "target verify forwards (rounds)"),
+            ("specbus_serve_spec_accepted_tokens", "accepted", "drafts accepted"),
+            ("specbus_serve_spec_tokens", "tokens", "tokens emitted by verify rounds"),
+            ("specbus_serve_spec_seconds", "seconds", "worker seconds in verify rounds"),
+            ("specbus_serve_spec_requests", "requests", "requests finished"),
+        ):
+            m.read(name, doc + ", per draft version", per(attr), kind="counter", labels=lab)
+        m.read("specbus_serve_spec_accept_length", "tokens per verify (accepted drafts + 1), "
+               "per draft version", lambda: {(str(v),): t.tokens / t.verifies
+                                             for v, t in self.snapshot().items() if t.verifies},
+               labels=lab)  # fmt: skip
+        m.read("specbus_serve_spec_tokens_per_second", "tokens per worker second of verify "
+               "rounds, per draft version", lambda: {(str(v),): t.tokens / t.seconds
+                                                     for v, t in self.snapshot().items()
+                                                     if t.seconds > 0}, labels=lab)  # fmt: skip
+        self._hist = (
+            m.histogram("specbus_serve_request_accept_length", "tokens per verify of each "
+                        "request", self.REQUEST_BUCKETS),
+            m.histogram("specbus_serve_request_tokens_per_second", "completion tokens per "
+                        "second of each request (prefill to last token)", self.RATE_BUCKETS),
+            m.histogram("specbus_serve_draft_swap_seconds", "worker time to hand a request in "
+                        "flight to a new draft (between two of its rounds)", self.SWAP_BUCKETS),
+        )  # fmt: skip
+
+    def snapshot(self) -> dict[int, VersionTotals]:
+        """A copy of the per-version totals."""
+        with self._lock:
+            return {v: VersionTotals(**t.__dict__) for v, t in self.versions.items()}
+
+    def serving(self, version: int) -> None:
+        """`version` is published (the previous one's totals go to `on_version`)."""
+        with self._lock:
+            before, self.current = self.current, version
+            self.versions.setdefault(version, VersionTotals())
+            done = self.versions.get(before) if before not in (None, version) else None
+        if done is not None and done.verifies and self.on_version is not None:
+            self.on_version({"step": before, "served_accept_length": done.tokens / done.verifies,
+                             "served_tokens_per_s": done.tokens / max(done.seconds, 1e-9),
+                             "served_requests": done.requests})  # fmt: skip
+
+    def round(self, version: int, accepted: int, tokens: int, seconds: float) -> None:
+        """One verify round served by `version`."""
+        with self._lock:
+            t = self.versions.setdefault(version, VersionTotals())
+            t.verifies, t.accepted = t.verifies + 1, t.accepted + accepted
+            t.tokens, t.seconds = t.tokens + tokens, t.seconds + seconds
+
+    def request(self, record: SpecRecord, completion_tokens: int) -> None:
+        """A request finished (decoded with a draft)."""
+        with self._lock:
+            self.requests += 1
+            n = self.requests
+            if record.version is not None:
+                self.versions.setdefault(record.version, VersionTotals()).requests += 1
+        rate = completion_tokens / record.seconds if record.seconds > 0 else math.nan
+        if self._hist is not None and record.verifies:
+            self._hist[0].observe(record.accept_length)
+            if rate == rate:
+                self._hist[1].observe(rate)
+        if self.on_request is not None and record.verifies:
+            self.on_request({"step": n, "request_accept_length": record.accept_length,
+                             "request_tokens_per_s": rate,
+                             "draft_version": record.version})  # fmt: skip
+
+    def swapped(self, seconds: float) -> None:
+        """The worker handed a request in flight to a new draft in `seconds`."""
+        if self._hist is not None:
+            self._hist[2].observe(seconds)
+
+
+class _Run:
+    """One request of a wave being decoded."""
+
+    def __init__(self, job, session: SpecSession, draft: ServedDraft, k: int):
+        self.job, self.session, self.version = job, session, draft.version
+        self.k = draft.drafts_per_round(k)
+        self.spec = job.spec
+        self.active = True
+        self.unusable: int | None = None  # a version this request could not be handed to
+
+
+def _sampling(job, seed_of) -> Sampling | None:
+    if job.temperature <= 0:
+        return None
+    seed = job.seed if job.seed is not None else seed_of(job.request_id)
+    return Sampling(job.temperature, job.top_p, torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
+                stats: SpecStats | None, seed_of) -> list[tuple[list, list]]:  # fmt: skip
+    """Decode `wave` (jobs of `gen`, a `Generator`) speculatively (module doc); returns each
+    job's captured rows (aux chunks, final chunks), empty when it is not captured."""
+    model = gen.model
+    wanted = [gen.sink.wants(j.request_id) if gen.sink is not None else None for j in wave]
+    rows = gen.capture_hooks() if any(w is not None for w in wanted) else None
+    kept: list[tuple[list, list]] = [([], []) for _ in wave]
+
+    def keep(i: int, upto: int | None) -> None:
+        if rows is None:
+            return
+        a, f = rows.take_batch()
+        if wanted[i] is not None:
+            kept[i][0].append(a[0, :upto])
+            if f is not None:
+                kept[i][1].append(f[0, :upto])
+
+    runs: list[_Run] = []
+    with AuxCapture(model, list(draft.aux_layers)) as aux:
+        if rows is not None:
+            rows.recording = True
+        try:
+            for i, job in enumerate(wave):
+                job.spec = SpecRecord()
+                session = SpecSession(model, draft.drafter(model),
+                                      torch.tensor(job.prompt_ids, dtype=torch.long), aux,
+                                      sampling=_sampling(job, seed_of), keep_aux=True)  # fmt: skip
+                keep(i, None)
+                run = _Run(job, session, draft, k)
+                run.active = not gen.take(job, session.tokens[:1])
+                runs.append(run)
+            while any(r.active for r in runs):
+                for i, run in enumerate(runs):
+                    if run.active:
+                        _round(gen, run, slot, k, stats)
+                        keep(i, run.session.accepted[-1] + 1)
+        finally:
+            if rows is not None:
+                rows.recording = False
+    for run in runs:
+        run.spec.seconds = time.monotonic() - run.spec.started
+        if stats is not None:
+            stats.request(run.spec, len(run.job.output_ids))
+    return kept
+
+
+def _round(gen, run: _Run, slot: DraftSlot, k: int, stats: SpecStats | None) -> None:
+    """One verify round of `run`, on the slot's current draft (swapped in first if new)."""
+    current = slot.current()
+    if current is not None and current.version not in (run.version, run.unusable):
+        t0 = time.monotonic()
+        try:
+            run.session.swap(current.drafter(gen.model))
+        except Exception as e:  # noqa: BLE001 - the request goes on with the draft it had
+            run.unusable = current.version
+            log.warning("request %s stays on draft version %s: handing it to version %s "
+                        "failed: %s", run.job.request_id, run.version, current.version, e)  # fmt: skip
+        else:
+            run.version, run.k = current.version, current.drafts_per_round(k)
+            if stats is not None:
+                stats.swapped(time.monotonic() - t0)
+    job = run.job
+    room = job.max_tokens - len(job.output_ids)  # drafting past it is wasted work
+    t0 = time.monotonic()
+    emitted, accepted = run.session.step(min(run.k, room - 1))
+    spec = run.spec
+    spec.verifies, spec.accepted, spec.tokens = (spec.verifies + 1, spec.accepted + accepted,
+                                                 spec.tokens + len(emitted))  # fmt: skip
+    if not spec.versions or spec.versions[-1] != run.version:
+        spec.versions.append(run.version)
+    if stats is not None:
+        stats.round(run.version, accepted, len(emitted), time.monotonic() - t0)
+    run.active = not gen.take(job, emitted)
