@@ -40,6 +40,7 @@ REGISTRARS = [
     "specbus.ops.live:add_live_commands",  # intake, serve, traffic (live mode)
     "specbus.ops.auth:add_auth_commands",
     "specbus.ops.sglang:add_sglang_commands",  # the SGLang capture layer
+    "specbus.ops.vllm:add_vllm_commands",  # the vLLM capture connector
 ]
 URL_FILE = "url"  # <store_dir>/url: where the broker of a store dir listens (or last did)
 

@@ -38,6 +38,7 @@ from specbus.ops.cli import add_common, config_of, resolve_url
 log = logging.getLogger("specbus.live")
 
 TOKEN_ENV = "SPECBUS_INTAKE_TOKEN"
+DRIVEN_ENGINES = ("sglang_server", "vllm_server")  # target engines that drive a serving server
 
 
 def endpoint_file(cfg: RunConfig) -> Path:
@@ -149,7 +150,7 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
     if cfg.deployment.mode != "live" and not driven:
         raise ConfigError(
             f"specbus intake serves live runs (deployment.mode=live) and driven ones "
-            f"(deployment.mode=disaggregated with target.engine=sglang_server); run {cfg.run!r} "
+            f"(deployment.mode=disaggregated with target.engine sglang_server or vllm_server); run {cfg.run!r} "
             f"is {cfg.deployment.mode} on target.engine={cfg.target.engine}"
         )
     host = host or cfg.live.host
@@ -204,8 +205,9 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
 
 
 def is_driven(cfg: RunConfig) -> bool:
-    """A driven run: tasks from a feeder, captured by a serving SGLang server (docs/sglang.md)."""
-    return cfg.deployment.mode == "disaggregated" and cfg.target.engine == "sglang_server"
+    """A driven run: tasks from a feeder, captured by a serving SGLang or vLLM server
+    (docs/sglang.md, docs/vllm.md)."""
+    return cfg.deployment.mode == "disaggregated" and cfg.target.engine in DRIVEN_ENGINES
 
 
 async def feeder_manifest(run, cfg: RunConfig, prepared, timeout_s: float = 600.0) -> bool:
@@ -313,6 +315,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_sglang_serve(cfg, intake_url=args.intake_url, token=args.token,
                                 host=args.host, port=args.port, dry_run=args.dry_run)  # fmt: skip
+    if args.engine == "vllm":
+        from specbus.ops.vllm import run_vllm_serve
+
+        return run_vllm_serve(cfg, intake_url=args.intake_url, token=args.token,
+                              host=args.host, port=args.port, dry_run=args.dry_run)  # fmt: skip
     return run_serve(cfg, intake_url=args.intake_url, token=args.token, host=args.host,
                      port=args.port, capture=not args.no_capture,
                      model_name=args.model_name)  # fmt: skip
@@ -359,10 +366,10 @@ def add_live_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-capture", action="store_true", help="serve without capturing")
     p.add_argument("--model-name", default=None, help="the model id clients send")
-    p.add_argument("--engine", choices=["hf", "sglang"], default="hf",
-                   help="hf: serve here; sglang: print and start a stock SGLang server with the "
-                   "capture layer (docs/sglang.md)")  # fmt: skip
-    p.add_argument("--dry-run", action="store_true", help="--engine sglang: only print it")
+    p.add_argument("--engine", choices=["hf", "sglang", "vllm"], default="hf",
+                   help="hf: serve here; sglang / vllm: print and start a stock SGLang / vLLM "
+                   "server with the capture layer (docs/sglang.md, docs/vllm.md)")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="--engine sglang|vllm: only print it")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("traffic", help="replay prompts against an OpenAI-compatible server")
