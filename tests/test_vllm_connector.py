@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shlex
 import subprocess
@@ -24,11 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 from specbus.core.models.target import load_final_norm, load_target_info
+from specbus.ops.services.common import free_port
 from specbus.patches.vllm import VLLM_VERSION, layer
 from specbus.patches.vllm.capture import FinalNorm
 from specbus.producers.live.wire import sample_id_of
 
-from tests.fixtures.live import start_intake_thread
+from tests.fixtures.live import start_intake_thread, wait_until
 from tests.sglang_driver import rows_at
 from tests.test_live_intake import lease_refs
 
@@ -81,8 +83,11 @@ def intake(tmp_path, chat_target, nats_server, run_id):
     store.close()
 
 
-def test_the_connector_in_vllms_scheduler_feeds_the_intake(vllm_env, intake, chat_target,
-                                                           nats_server, tmp_path):  # fmt: skip
+@pytest.mark.slow
+def test_live_and_driven_capture_through_vllms_scheduler(vllm_env, intake, chat_target,
+                                                         nats_server, tmp_path):  # fmt: skip
+    """One vLLM process (its import alone is ~30 s here): the live scenarios, then the same
+    engine behind a stand-in HTTP server that a `DrivenWorker` drives with `vllm_server`."""
     cfg, store, cap, thread = intake
     env, argv = serve_argv(cfg, tmp_path)
     assert env["SPECBUS_CAPTURE_SAMPLE_RATE"] == "1"
@@ -92,17 +97,50 @@ def test_the_connector_in_vllms_scheduler_feeds_the_intake(vllm_env, intake, cha
     # specbus's aux layer a is vLLM's a + 1; the final state is vLLM's last id, normed here
     ids = sorted({*(a + 1 for a in cap.aux_layers), info.num_layers})  # as vLLM keeps them
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == ids
-    opts = {"argv": argv, "rate": 0.5}
+    port = free_port()
+    opts = {"argv": argv, "rate": 0.5, "port": port}
     run_env = {**vllm_env, "SPECBUS_CAPTURE_INTAKE_URL": thread.url, "SPECBUS_INTAKE_TOKEN": TOKEN,
                "SPECBUS_CAPTURE_SAMPLE_RATE": "0.5"}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm_driver", json.dumps(opts)], cwd=ROOT,
-                          env=run_env, capture_output=True, text=True, timeout=400)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    log = tmp_path / "vllm.log"
+    with open(log, "w") as out:  # a pipe nobody reads would block the server
+        proc = subprocess.Popen([sys.executable, "-m", "tests.vllm_driver", json.dumps(opts)],
+                                cwd=ROOT, env=run_env, stdout=out, stderr=out)  # fmt: skip
+    try:
+        wait_until(
+            lambda: _healthy(f"http://127.0.0.1:{port}"), 400, "the vLLM stand-in", proc, log
+        )
+        report = next(json.loads(line) for line in log.read_text().splitlines()
+                      if line.startswith('{"config"'))  # fmt: skip
+        check_live(report, cfg, store, cap, info, ids, nats_server, chat_target)
+        check_driven(cfg, store, cap, thread, port, nats_server, chat_target, ids, info)
+    finally:
+        proc.kill()
+        proc.wait(30)
 
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def expected(fed: list[int], cap, ids: list[int], info, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, final) rows the stand-in forward wrote for `fed`, as the connector must store them:
+    the cache column of vLLM id a + 1 for each aux layer a, the normed column of the last id."""
+    rows = rows_at(list(range(len(fed))), fed, len(ids) * cap.hidden_size).view(
+        len(fed), len(ids), -1
+    )
+    aux = torch.cat([rows[:, ids.index(a + 1)] for a in cap.aux_layers], dim=1)
+    return aux, norm(rows[:, ids.index(info.num_layers)])
+
+
+def check_live(report, cfg, store, cap, info, ids, nats_server, chat_target) -> None:
     assert report["config"] == {"chunked_prefill": False, "prefix_caching": False,
-                                "method": "extract_hidden_states", "connector": "SpecbusCaptureConnector",
-                                "layer_ids": ids}  # fmt: skip
+                                "method": "extract_hidden_states", "layer_ids": ids,
+                                "connector": "SpecbusCaptureConnector"}  # fmt: skip
     refused = report["refused"]
     assert "--no-enable-chunked-prefill" in refused["chunked"], refused
     assert "--no-enable-prefix-caching" in refused["prefix"], refused
@@ -111,22 +149,51 @@ def test_the_connector_in_vllms_scheduler_feeds_the_intake(vllm_env, intake, cha
     counts = report["counts"]
     assert counts.get("accepted") == 4 and counts.get("too_short") == 1, counts
     assert report["free_blocks"][0] == report["free_blocks"][1]  # every held block came back
-
     requests = report["requests"]
     outputs = {"whole": [7] * 4, "batch-a": [7] * 3, "batch-b": [7] * 5, "stopped": [7, 7, 2]}
     refs = {r.sample_id: r for r in lease_refs(nats_server.url, cfg.run, 8)}
     assert set(refs) == {sample_id_of(requests[n]["rid"]) for n in outputs}
-    width = len(ids) * cap.hidden_size
     norm = FinalNorm(*load_final_norm(chat_target))
     for name, output in outputs.items():
         prompt = requests[name]["prompt"]
         fed = prompt + output[:-1]
         got = store.get(refs[sample_id_of(requests[name]["rid"])])
         by_source = {d.source: got[d.name] for d in cap.features}
-        rows = rows_at(list(range(len(fed))), fed, width).view(len(fed), len(ids), -1)
         assert by_source["input_ids"].tolist() == fed, name
         assert by_source["loss_mask"].tolist() == [0] * len(prompt) + [1] * (len(output) - 1)
-        aux = torch.cat([rows[:, ids.index(a + 1)] for a in cap.aux_layers], dim=1)
+        aux, final = expected(fed, cap, ids, info, norm)
         torch.testing.assert_close(by_source["aux"], aux, rtol=0, atol=0)
-        torch.testing.assert_close(by_source["final"], norm(rows[:, ids.index(info.num_layers)]),
-                                   rtol=0, atol=0)  # fmt: skip
+        torch.testing.assert_close(by_source["final"], final, rtol=0, atol=0)
+
+
+def check_driven(cfg, store, cap, thread, port, nats_server, chat_target, ids, info) -> None:
+    """Tasks driven through the stand-in by `DrivenWorker` + `VLLMServerEngine`: each arrives
+    once, under its task's id, with the task's tokens, loss mask and rows."""
+    from specbus.core.config import TargetConfig
+    from specbus.producers.engines.vllm_server import VLLMServerEngine
+
+    from tests.test_sglang_drive import drive, tasks_of
+
+    target = TargetConfig(engine="vllm_server", model=str(chat_target),
+                          server_url=f"http://127.0.0.1:{port}", capture_wait_s=30.0)  # fmt: skip
+    engine = VLLMServerEngine(target, intake_url=thread.url, token=TOKEN)
+    tasks = tasks_of(cfg.run, 4)
+    worker, seqs, floor = asyncio.run(drive(cfg, nats_server.url, engine, store, tasks))
+    engine.close()
+    assert worker.stats.tasks == 4 and floor == max(seqs.values())
+    refs = [
+        r for r in lease_refs(nats_server.url, cfg.run, 12) if not r.sample_id.startswith("live-")
+    ]
+    assert sorted(r.sample_id for r in refs) == sorted(f"{t.task_id}-e0" for t in tasks)
+    by_id = {t.task_id: t for t in tasks}
+    norm = FinalNorm(*load_final_norm(chat_target))
+    for ref in refs:
+        task = by_id[ref.task_id]
+        assert (ref.task_seq, ref.epoch, ref.generation) == (seqs[task.task_id], 0, 0)
+        got = store.get(ref)
+        src = {d.source: got[d.name] for d in cap.features}
+        assert src["input_ids"].tolist() == list(task.input_ids)
+        assert src["loss_mask"].tolist() == list(task.loss_mask)
+        aux, final = expected(list(task.input_ids), cap, ids, info, norm)
+        torch.testing.assert_close(src["aux"], aux, rtol=0, atol=0)
+        torch.testing.assert_close(src["final"], final, rtol=0, atol=0)

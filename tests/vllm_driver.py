@@ -141,19 +141,22 @@ class Engine:
         self.worker.register_kv_caches({self.layer.layer_name: cache})
         self.tables: dict[str, list[int]] = {}
         self.stop_after: dict[str, int] = {}
+        self.outputs: dict[str, list[int]] = {}  # request id -> tokens the engine output
+        self.finish: dict[str, str] = {}  # request id -> finish reason
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, *, stop_after: int | None = None,
-            params: dict | None = None) -> None:  # fmt: skip
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 0, *,
+            stop_after: int | None = None, sampling=None) -> None:  # fmt: skip
+        """Add a request (its `SamplingParams`, else greedy `max_tokens` with the stop token)."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        extra = {"kv_transfer_params": params} if params else None
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra,
-                            stop_token_ids=[self.stop_token])  # fmt: skip
+        sp = sampling or SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                        stop_token_ids=[self.stop_token])  # fmt: skip
         self.scheduler.add_request(Request(rid, list(prompt), sp, None))
+        self.outputs[rid] = []
         if stop_after is not None:
             self.stop_after[rid] = stop_after
 
@@ -203,7 +206,11 @@ class Engine:
         output = ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
                                    sampled_token_ids=sampled,
                                    kv_connector_output=KVConnectorOutput(finished_sending=sending))  # fmt: skip
-        self.scheduler.update_from_output(out, output)
+        for outs in self.scheduler.update_from_output(out, output).values():
+            for o in outs.outputs:
+                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finish[o.request_id] = str(o.finish_reason)
 
     def run(self, max_steps: int = 200) -> None:
         for _ in range(max_steps):
@@ -273,9 +280,50 @@ def main(opts: dict) -> dict:
     report["aborted"] = aborted
     report["counts"] = dict(sink.counts) if sink is not None else {}
     report["writer"] = engine.worker.writer
-    return report
+    print(json.dumps(report), flush=True)
+    return {**report, "engine": engine}
+
+
+def serve(engine: Engine, port: int) -> None:
+    """A stand-in vLLM HTTP server: `POST /v1/completions` parsed by vLLM's own
+    `CompletionRequest` into its `SamplingParams` (`to_sampling_params`: `kv_transfer_params`
+    go into `extra_args`, as in vLLM's server), run through `engine` under a request id shaped
+    as vLLM's (`cmpl-<uuid>-0-<8 hex>`), one request at a time."""
+    import threading
+    import uuid
+
+    import uvicorn
+    from fastapi import FastAPI
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    app, lock = FastAPI(), threading.Lock()
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"ok": True}
+
+    @app.post("/v1/completions")
+    def completions(body: dict) -> dict:
+        req = CompletionRequest(**body)
+        sp = req.to_sampling_params(req.max_tokens or 16, {})
+        rid = f"cmpl-{uuid.uuid4().hex}-0-{uuid.uuid4().hex[:8]}"
+        with lock:
+            engine.add(rid, list(req.prompt), sampling=sp)
+            engine.run()
+            tokens, reason = engine.outputs.pop(rid), engine.finish.pop(rid, None)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "model": body.get("model"),
+            "choices": [{"index": 0, "text": "", "token_ids": tokens, "finish_reason": reason}],
+        }
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)
+    options = json.loads(sys.argv[1])
+    result = main(options)
+    if options.get("port"):  # then a stand-in server on the same engine (driven capture)
+        serve(result.pop("engine"), options["port"])
