@@ -18,7 +18,9 @@ EAGLE3 (`speculators_model_type: eagle3`, `Eagle3DraftModel`):
   residual; vLLM's default for EAGLE3 is true, so it is always written), no `fc` norms;
 - `eagle_aux_hidden_state_layer_ids`: vLLM's ids, one more than specbus's `aux_layers`
   (vLLM's id `k` is the hidden state entering decoder layer `k`, i.e. the output of layer
-  `k - 1`; specbus and SGLang's exports name the layer whose output it is);
+  `k - 1`; specbus and SGLang's exports name the layer whose output it is), ascending: vLLM
+  captures each layer once and concatenates them in ascending order, so `fc`'s column blocks
+  are permuted to that order, and a draft trained on a repeated layer is refused;
 - `speculators_config.verifier`: the target's directory and architectures (speculators loads
   the verifier's embedding and head from it; vLLM uses the served target).
 """
@@ -71,6 +73,7 @@ def eagle3_config(cfg: Eagle3Config, *, verifier: str | Path, speculative_tokens
     """The speculators `config.json` of an EAGLE3 draft with this config."""
     if not cfg.aux_layers:
         raise ExportError("EAGLE3 speculators export refused: the draft records no aux layers")
+    ascending(cfg.aux_layers)
     layer = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -103,7 +106,7 @@ def eagle3_config(cfg: Eagle3Config, *, verifier: str | Path, speculative_tokens
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(cfg.aux_layers),
+        "eagle_aux_hidden_state_layer_ids": vllm_layer_ids(sorted(cfg.aux_layers)),
         "norm_before_residual": False,
         "norm_before_fc": False,
         "fc_norm": False,
@@ -127,15 +130,30 @@ def eagle3_config(cfg: Eagle3Config, *, verifier: str | Path, speculative_tokens
     }
 
 
+def ascending(aux_layers) -> list[int]:
+    """The order vLLM concatenates `aux_layers` in: positions of the layers, ascending
+    (`ExportError` for a repeated layer: vLLM captures each once)."""
+    layers = [int(a) for a in aux_layers]
+    if len(set(layers)) != len(layers):
+        raise ExportError(f"speculators export refused: the draft was trained on aux layers "
+                          f"{layers}, with a repeat; vLLM captures each layer once "
+                          "(train with distinct target.aux_layers)")  # fmt: skip
+    return sorted(range(len(layers)), key=layers.__getitem__)
+
+
 def eagle3_tensors(draft: LlamaEagle3Draft) -> dict[str, torch.Tensor]:
-    """The draft's tensors under speculators' names (module doc); `ExportError` when the
-    draft's names are not exactly the EAGLE3 ones."""
+    """The draft's tensors under speculators' names, `fc`'s column blocks in ascending layer
+    order (module doc); `ExportError` when the draft's names are not exactly the EAGLE3 ones."""
     state = draft.state_dict()
     expected = set(LlamaEagle3Draft.EXPORT_KEYS) | {"embed_tokens.weight"}
     missing, extra = expected - set(state), set(state) - expected
     if missing or extra:
         raise ExportError(f"EAGLE3 speculators export refused: missing {sorted(missing)}, "
                           f"extra {sorted(extra)}")  # fmt: skip
+    width = draft.config.target_hidden_size
+    fc = state["fc.weight"]
+    state["fc.weight"] = torch.cat([fc[:, j * width : (j + 1) * width]
+                                    for j in ascending(draft.config.aux_layers)], dim=1)  # fmt: skip
     return {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
 
 
