@@ -232,8 +232,8 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         "--from-recording",
         default=None,
         metavar="REC",
-        help="train data.epochs epochs over a recording: its directory, a SpecForge dump "
-        "directory, or the run name of a recording on the broker (see specbus capture)",
+        help="train data.epochs epochs over a recording: its directory, a speculators or "
+        "SpecForge dump directory, or the run name of a recording on the broker (see specbus capture)",
     )
     p.set_defaults(func=cmd_train)
 

@@ -24,13 +24,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from specbus.core.export.speculators import export_eagle3
 from specbus.core.models.target import load_final_norm, load_target_info
 from specbus.ops.services.common import free_port
 from specbus.patches.vllm import VLLM_VERSION, layer
 from specbus.patches.vllm.capture import FinalNorm
 from specbus.producers.live.wire import sample_id_of
 
-from tests.fixtures.live import start_intake_thread, wait_until
+from tests.fixtures.live import live_config, start_intake_thread, wait_until, write_chats
 from tests.sglang_driver import rows_at
 from tests.test_live_intake import lease_refs
 
@@ -74,6 +75,31 @@ def serve_argv(cfg, tmp_path, *extra: str) -> tuple[dict, list[str]]:
     return dict(w.split("=", 1) for w in words[:at]), words[at + 2 :]
 
 
+def test_serve_dry_run_prints_the_live_and_the_driven_command(chat_target, tmp_path):
+    """The CLI: a live run's server samples at `live.sample_rate` and finds the intake through
+    its intake.json; a driven run's (`target.engine: vllm_server`) captures only the
+    producer's requests (rate 0); the token is never printed."""
+    chats = write_chats(tmp_path / "c.jsonl")
+    live = live_config("vl", tmp_path / "live", chat_target, chats, store_uri="shm://vl",
+                       overrides=["live.sample_rate=0.25", "target.dtype=bfloat16"])  # fmt: skip
+    env, argv = serve_argv(live, tmp_path)
+    assert env["SPECBUS_CAPTURE_SAMPLE_RATE"] == "0.25"
+    assert env["SPECBUS_CAPTURE_ENDPOINT"].endswith("live/intake.json")
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    for flag in ("--no-enable-prefix-caching", "--no-enable-chunked-prefill"):
+        assert flag in argv
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv == {"kv_connector": "SpecbusCaptureConnector", "kv_role": "kv_producer",
+                  "kv_connector_module_path": "specbus.patches.vllm.connector"}  # fmt: skip
+    driven = live_config("vd", tmp_path / "driven", chat_target, chats, store_uri="shm://vd",
+                         overrides=["deployment.mode=disaggregated", "target.engine=vllm_server",
+                                    "live.url=http://10.0.0.1:8470", "live.token=s3cret"])  # fmt: skip
+    env, argv = serve_argv(driven, tmp_path)
+    assert env == {"SPECBUS_CAPTURE_SAMPLE_RATE": "0", "SPECBUS_CAPTURE_QUEUE": "32",
+                   "SPECBUS_CAPTURE_INTAKE_URL": "http://10.0.0.1:8470",
+                   "SPECBUS_INTAKE_TOKEN": "<the intake's token>"}  # fmt: skip
+
+
 @pytest.fixture
 def intake(tmp_path, chat_target, nats_server, run_id):
     cfg, store, cap, thread = start_intake_thread(run_id, tmp_path, chat_target, nats_server.url,
@@ -88,9 +114,12 @@ def test_live_and_driven_capture_through_vllms_scheduler(vllm_env, intake, chat_
                                                          nats_server, tmp_path):  # fmt: skip
     """One vLLM process (its import alone is ~30 s here): the live scenarios, then the same
     engine behind a stand-in HTTP server that a `DrivenWorker` drives with `vllm_server`."""
+    from specbus.ops.vllm import server_command
+
     cfg, store, cap, thread = intake
-    env, argv = serve_argv(cfg, tmp_path)
-    assert env["SPECBUS_CAPTURE_SAMPLE_RATE"] == "1"
+    env, argv = server_command(cfg)  # what `specbus serve --engine vllm --dry-run` prints
+    assert argv[:2] == ["vllm", "serve"] and env["SPECBUS_CAPTURE_SAMPLE_RATE"] == "1"
+    argv = argv[2:]
     info = load_target_info(chat_target)
     assert argv[0] == str(chat_target)
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
@@ -98,7 +127,8 @@ def test_live_and_driven_capture_through_vllms_scheduler(vllm_env, intake, chat_
     ids = sorted({*(a + 1 for a in cap.aux_layers), info.num_layers})  # as vLLM keeps them
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == ids
     port = free_port()
-    opts = {"argv": argv, "rate": 0.5, "port": port}
+    draft = export_eagle3(speculators_draft(chat_target), tmp_path / "draft", verifier=chat_target)
+    opts = {"argv": argv, "rate": 0.5, "port": port, "draft": str(draft)}
     run_env = {**vllm_env, "SPECBUS_CAPTURE_INTAKE_URL": thread.url, "SPECBUS_INTAKE_TOKEN": TOKEN,
                "SPECBUS_CAPTURE_SAMPLE_RATE": "0.5"}  # fmt: skip
     log = tmp_path / "vllm.log"
@@ -111,11 +141,33 @@ def test_live_and_driven_capture_through_vllms_scheduler(vllm_env, intake, chat_
         )
         report = next(json.loads(line) for line in log.read_text().splitlines()
                       if line.startswith('{"config"'))  # fmt: skip
+        # vLLM's engine config reads the speculators export as an EAGLE3 draft
+        assert report["draft"] == {"config": "SpeculatorsConfig", "method": "eagle3",
+                                   "architectures": ["Eagle3LlamaForCausalLM"], "layer_ids": [1, 2, 3],
+                                   "norm_before_residual": False, "draft_vocab_size": 64,
+                                   "tokens": 3}  # fmt: skip
         check_live(report, cfg, store, cap, info, ids, nats_server, chat_target)
         check_driven(cfg, store, cap, thread, port, nats_server, chat_target, ids, info)
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def speculators_draft(target: Path):
+    """An EAGLE3 draft of `target` on aux layers 2, 0, 1 with a 64-token vocabulary."""
+    from specbus.core.config import StrategyConfig
+    from specbus.core.data.vocab import VocabMapping
+    from specbus.core.models.target import load_target_heads
+    from specbus.core.strategies.base import build_strategy
+
+    info, heads = load_target_info(target), load_target_heads(target)
+    strategy = build_strategy(StrategyConfig(draft={"draft_vocab_size": 64}), info, heads=heads,
+                              aux_layers=[2, 0, 1])  # fmt: skip
+    t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
+    t2d[:64] = True
+    return strategy.build_model(
+        info, heads, VocabMapping(d2t=torch.zeros(64, dtype=torch.long), t2d=t2d)
+    )
 
 
 def _healthy(url: str) -> bool:

@@ -24,8 +24,11 @@ token 7, or the stop token where a scenario asks), and the GPU (CPU tensors; the
 stream of `capture.copy_rows` does not run). No draft tokens are proposed (the stand-in runner
 returns none), so every decode step feeds one token.
 
+Also reads a speculators export as vLLM's engine config does (`--speculative-config
+'{"model": DIR, "method": "eagle3"}'`: `SpeculatorsConfig`, the draft's architecture and ids).
+
 Prints one JSON line: the refusals, each scenario's tokens, the block pool before and after,
-and the sink's counts.
+the sink's counts, the draft as vLLM read it; then (with a port) serves `/v1/completions`.
 """
 
 from __future__ import annotations
@@ -239,6 +242,17 @@ def main(opts: dict) -> dict:
         "prefix": refusal(argv, {"--no-enable-prefix-caching": ["--enable-prefix-caching"]}),
         "no_extract": refusal(argv, {"--speculative-config": None}),
     }
+    if opts.get("draft"):  # a `specbus export --format speculators` directory, as vLLM reads it
+        served = engine_config([argv[0], "--dtype", "float32", "--speculative-config", json.dumps(
+            {"model": opts["draft"], "method": "eagle3", "num_speculative_tokens": 3})])  # fmt: skip
+        spec = served.speculative_config
+        hf = spec.draft_model_config.hf_config
+        report["draft"] = {"config": type(hf).__name__, "method": spec.method,
+                           "architectures": list(hf.architectures),
+                           "layer_ids": list(hf.eagle_aux_hidden_state_layer_ids),
+                           "norm_before_residual": hf.norm_before_residual,
+                           "draft_vocab_size": hf.draft_vocab_size,
+                           "tokens": spec.num_speculative_tokens}  # fmt: skip
     engine = Engine(cfg)
     sink = engine.worker.sink
     deadline = time.monotonic() + 60  # the handshake with the intake

@@ -131,9 +131,10 @@ class FinalNorm:
     eps: float
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        """`x` normed as the model norms it (fp32 statistics, the weight in `x`'s dtype)."""
+        from specbus.core.models.kernels import rms_norm
+
+        return rms_norm(x, self.weight.to(x.dtype), self.eps)
 
 
 @dataclass(frozen=True)
