@@ -203,6 +203,12 @@ def format_status(s: dict[str, Any]) -> str:
             f"dead letters     {s['dead_letters']}"
             + (" (specbus dead)" if s["dead_letters"] else "")
         )
+    audit = s.get("audit")
+    if audit and audit["audited"]:  # the capture audit (core/audit.py)
+        lines.append(
+            f"capture audit    {audit['audited']} recomputed, {audit['mismatches']} mismatched"
+            + (" (dead-lettered capture_mismatch: specbus dead)" if audit["mismatches"] else "")
+        )
     return "\n".join(lines)
 
 
