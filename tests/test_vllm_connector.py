@@ -59,30 +59,30 @@ def test_check_on_the_installed_wheel(vllm_site, tmp_path):
             "KVConnectorBase_V1.request_finished") in layer.check(other)["problems"]  # fmt: skip
 
 
-def serve_argv(cfg, tmp_path, *extra: str) -> tuple[dict, list[str]]:
-    """`specbus serve --engine vllm --dry-run` as a user runs it: (environment, vllm argv)."""
+def serve_argv(cfg, tmp_path, capsys) -> tuple[dict, list[str]]:
+    """`specbus serve --engine vllm --dry-run` as a user runs it (the CLI's `main`, in this
+    process: a subprocess would spend ~15 s importing): (environment, vllm argv)."""
     from specbus.core.config import dump_config
+    from specbus.ops.cli import main
 
     path = tmp_path / f"{cfg.run}.yaml"
     path.write_text(dump_config(cfg))
-    out = subprocess.run([sys.executable, "-m", "specbus.ops.cli", "serve", "-c", str(path),
-                          "--engine", "vllm", "--dry-run", *extra], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    words = shlex.split(out.stdout.strip().splitlines()[-1])
+    capsys.readouterr()
+    assert main(["serve", "-c", str(path), "--engine", "vllm", "--dry-run"]) == 0
+    words = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
     at = words.index("vllm")
     assert words[at + 1] == "serve"
     return dict(w.split("=", 1) for w in words[:at]), words[at + 2 :]
 
 
-def test_serve_dry_run_prints_the_live_and_the_driven_command(chat_target, tmp_path):
+def test_serve_dry_run_prints_the_live_and_the_driven_command(chat_target, tmp_path, capsys):
     """The CLI: a live run's server samples at `live.sample_rate` and finds the intake through
     its intake.json; a driven run's (`target.engine: vllm_server`) captures only the
     producer's requests (rate 0); the token is never printed."""
     chats = write_chats(tmp_path / "c.jsonl")
     live = live_config("vl", tmp_path / "live", chat_target, chats, store_uri="shm://vl",
                        overrides=["live.sample_rate=0.25", "target.dtype=bfloat16"])  # fmt: skip
-    env, argv = serve_argv(live, tmp_path)
+    env, argv = serve_argv(live, tmp_path, capsys)
     assert env["SPECBUS_CAPTURE_SAMPLE_RATE"] == "0.25"
     assert env["SPECBUS_CAPTURE_ENDPOINT"].endswith("live/intake.json")
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
@@ -94,7 +94,7 @@ def test_serve_dry_run_prints_the_live_and_the_driven_command(chat_target, tmp_p
     driven = live_config("vd", tmp_path / "driven", chat_target, chats, store_uri="shm://vd",
                          overrides=["deployment.mode=disaggregated", "target.engine=vllm_server",
                                     "live.url=http://10.0.0.1:8470", "live.token=s3cret"])  # fmt: skip
-    env, argv = serve_argv(driven, tmp_path)
+    env, argv = serve_argv(driven, tmp_path, capsys)
     assert env == {"SPECBUS_CAPTURE_SAMPLE_RATE": "0", "SPECBUS_CAPTURE_QUEUE": "32",
                    "SPECBUS_CAPTURE_INTAKE_URL": "http://10.0.0.1:8470",
                    "SPECBUS_INTAKE_TOKEN": "<the intake's token>"}  # fmt: skip
