@@ -197,6 +197,7 @@ def check_live(report, cfg, store, cap, info, ids, nats_server, chat_target) -> 
     assert "--no-enable-chunked-prefill" in refused["chunked"], refused
     assert "--no-enable-prefix-caching" in refused["prefix"], refused
     assert "extract_hidden_states" in refused["no_extract"], refused
+    assert "--pipeline-parallel-size must be 1" in refused["pipeline"], refused
     assert report["writer"] is True
     counts = report["counts"]
     assert counts.get("accepted") == 4 and counts.get("too_short") == 1, counts

@@ -77,6 +77,24 @@ def refusal(argv: list[str], change: dict, kv_cache_config=None) -> str:
     return ""
 
 
+def pipeline_refusal(cfg) -> str:
+    """The connector's refusal of two pipeline stages (set on the parsed config: a second
+    stage needs a second device to configure)."""
+    from specbus.patches.vllm.capture import CaptureLayerError
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    stages = cfg.parallel_config.pipeline_parallel_size
+    cfg.parallel_config.pipeline_parallel_size = 2
+    try:
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None)
+    except CaptureLayerError as e:
+        return str(e)
+    finally:
+        cfg.parallel_config.pipeline_parallel_size = stages
+    return ""
+
+
 class Engine:
     """vLLM's scheduler and a worker-side connector with a stand-in model runner (module doc)."""
 
@@ -241,6 +259,7 @@ def main(opts: dict) -> dict:
         "chunked": refusal(argv, {"--no-enable-chunked-prefill": ["--enable-chunked-prefill"]}),
         "prefix": refusal(argv, {"--no-enable-prefix-caching": ["--enable-prefix-caching"]}),
         "no_extract": refusal(argv, {"--speculative-config": None}),
+        "pipeline": pipeline_refusal(cfg),
     }
     if opts.get("draft"):  # a `specbus export --format speculators` directory, as vLLM reads it
         served = engine_config([argv[0], "--dtype", "float32", "--speculative-config", json.dumps(
