@@ -3,10 +3,10 @@ those whose layers are not the target's (`capture_mismatch`), whatever engine ca
 
 The engine under test is an engine route with an off-by-one layer id (`Shifted`: the hf engine
 capturing every aux layer one deeper than the contract names, the bug of a server started with
-another convention's ids); every other capture is right. Real: the feeder and the trainer
-processes (`specbus feed`, `specbus train` with `audit.rate=1`), the broker, the shm store, the
-`CaptureWorker` producer (in this process, so that its engine can be the shifted one) and the
-audit's reference (the hf engine in the trainer). Pinned: every shifted capture is
+another convention's ids); every other capture is right. Real: the trainer process (`specbus
+train` with `audit.rate=1`), the broker, the shm store, the feeder and the `CaptureWorker`
+producer (in this process, so that its engine can be the shifted one) and the audit's
+reference (the hf engine in the trainer). Pinned: every shifted capture is
 dead-lettered with its layer named, every right one is trained once, `specbus status` counts
 them.
 """
@@ -28,6 +28,7 @@ from specbus.core.models.target import load_target_info
 from specbus.core.store import open_store
 from specbus.core.strategies.base import build_strategy
 from specbus.ops.cli import format_status
+from specbus.ops.produce import run_feeder
 from specbus.producers.capture import CaptureWorker
 from specbus.producers.engines.hf import HFEngine
 
@@ -108,8 +109,7 @@ def test_the_trainer_dead_letters_every_shifted_capture(tiny_target, nats_server
     engine = Shifted(HFEngine(cfg.target))
     store = open_store(cfg.store)  # the producer's: its segments live while it is open
     try:
-        cluster.start("feeder", "feed")
-        cluster.assert_ok(cluster.wait("feeder"))
+        assert asyncio.run(run_feeder(cfg, bus_url=nats_server.url)) == N  # `specbus feed`
         asyncio.run(produce(cfg, nats_server.url, engine, store, contract, N))
         assert len(engine.shifted) == N // 2
         cluster.start("trainer-0", "train")
