@@ -86,7 +86,9 @@ class SpecbusCaptureConnector(KVConnectorBase_V1, SupportsHMA):
 
     @staticmethod
     def _hidden_state_group(kv_cache_config) -> int:
-        """The KV cache group holding the hidden states (by its spec type), 0 when alone."""
+        """The KV cache group holding the hidden states: by its spec type, else by the layer
+        `ExtractHiddenStatesModel` names `cache_only_layers.<N>` (vLLM merges it into the
+        attention group when their specs unify), 0 when there is one group."""
         if kv_cache_config is None:
             return 0
         from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
@@ -95,6 +97,8 @@ class SpecbusCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         found = [
             i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)
         ]
+        found = found or [i for i, g in enumerate(groups)
+                          if any("cache_only_layers." in n for n in g.layer_names)]  # fmt: skip
         if len(found) == 1 or (not found and len(groups) == 1):
             return found[0] if found else 0
         raise CaptureLayerError(f"no single hidden-state KV cache group among {len(groups)}")
