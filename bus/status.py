@@ -1,4 +1,5 @@
-"""What `specbus status` shows for a run: streams, consumers, lag, KV markers, dead letters.
+"""What `specbus status` shows for a run: streams, consumers, lag, KV markers, dead letters,
+the capture audit's counts.
 
 `run_status(bus, run)` returns a JSON-able dict; missing pieces (a run never declared) are
 None rather than errors, so status works on a fresh broker too. `dead_letters` counts
@@ -82,6 +83,11 @@ async def run_status(bus: Bus, run: str) -> dict[str, Any]:
             "train_complete": await kv.train_complete(),
             "checkpoint": await kv.get_checkpoint(),
         }
+    audit = None
+    if kv is not None:  # the capture audit (core/audit.py): counts summed over trainers
+        by = await kv.audit_counts()
+        audit = {"audited": sum(c["audited"] for c in by.values()),
+                 "mismatches": sum(c["mismatches"] for c in by.values()), "by_trainer": by}  # fmt: skip
     dead = None if streams[names.dead_stream] is None else len(await list_dead(bus, run))
     return {
         "run": run,
@@ -92,4 +98,5 @@ async def run_status(bus: Bus, run: str) -> dict[str, Any]:
         "lag": lags,
         "kv": markers,
         "dead_letters": dead,
+        "audit": audit,
     }

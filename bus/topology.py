@@ -51,6 +51,7 @@ KEY_CHECKPOINT = "checkpoint"
 KEY_TRAIN_COMPLETE = "train_complete"
 KEY_RECORDING = "recording"
 KEY_PROGRESS = "progress"  # rank 0's last log row (`specbus top`)
+KEY_AUDIT = "audit"  # audit.<trainer>: its capture audit counts (core/audit.py)
 
 
 def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
@@ -213,7 +214,8 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
 class RunKV:
     """The run's KV bucket: manifest (a `Manifest` record), feed-complete marker (task count),
     train-complete marker, latest checkpoint pointer, recording marker (`specbus capture`),
-    the trainers' last log row (`progress`) (JSON values).
+    the trainers' last log row (`progress`), each trainer's capture audit counts (`audit.<name>`)
+    (JSON values).
 
     `get_*` return None when the key was never written. Every put overwrites (history 5), so
     a put retried after a lost answer writes the same value again. Reads and writes ride
@@ -316,6 +318,29 @@ class RunKV:
     async def get_checkpoint(self) -> dict[str, Any] | None:
         """The latest checkpoint pointer, None when none was written."""
         return await self._get(KEY_CHECKPOINT)
+
+    async def add_audit(self, name: str, *, audited: int, mismatches: int) -> int:
+        """Add to the capture audit counts of trainer `name` (`audit.<name>`; read-modify-write
+        by its only writer, so a restarted rank goes on from its counts)."""
+        key = f"{KEY_AUDIT}.{name}"
+        counts = await self._get(key) or {"audited": 0, "mismatches": 0}
+        counts = {"audited": counts["audited"] + audited,
+                  "mismatches": counts["mismatches"] + mismatches}  # fmt: skip
+        return await self._put(key, counts)
+
+    async def audit_counts(self) -> dict[str, dict[str, int]]:
+        """The capture audit counts of every trainer that audited ({} before any)."""
+        try:
+            keys = await ride(self.bus, "listing KV keys", lambda: self.kv.keys())
+        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
+            return {}
+        out = {}
+        for key in keys:
+            if key.startswith(KEY_AUDIT + "."):
+                value = await self._get(key)
+                if value is not None:
+                    out[key[len(KEY_AUDIT) + 1 :]] = value
+        return out
 
     async def put_progress(self, row: dict[str, Any]) -> int:
         """The trainers' last log row (rank 0, each log interval), with its wall time."""

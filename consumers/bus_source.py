@@ -3,7 +3,8 @@
 `take(n)` fetches refs and returns `Item`s with their tensors; a ref already trained is acked
 and skipped, one of another strategy/target/tokenizer is dead-lettered, one whose tensors are
 gone triggers a recapture (its task republished with the next generation, the stale ref acked
-as superseded). Retired sequences are reported by `drain_retired()`. docs/architecture.md,
+as superseded), one the capture audit finds wrong is dead-lettered `capture_mismatch`
+(core/audit.py: a sampled fraction recomputed by a reference forward, compared layer by layer). Retired sequences are reported by `drain_retired()`. docs/architecture.md,
 "Tensors are a cache". `LiveSource` is the same for a live run's refs (docs/live.md): the
 data never ends, a ref whose tensors are gone is dead-lettered (the capture was the data), so
 a trained ref's tensors are held until a checkpoint covers it (`checkpointed`).
@@ -21,6 +22,7 @@ from specbus.bus.lease import Lease, Leases
 from specbus.bus.run import RunBus
 from specbus.bus.settlement import LeaseSettlement
 from specbus.bus.subjects import TRAINERS
+from specbus.core.audit import CaptureAudit
 from specbus.core.config import StoreConfig
 from specbus.core.contracts import PromptTask, SampleRef
 from specbus.core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
@@ -50,6 +52,7 @@ class BusSource(LeaseSettlement):
         tokenizer_fingerprint: str | None = None,
         trained: Trained | None = None,
         store: StoreConfig | None = None,
+        audit: CaptureAudit | None = None,
     ):
         self.runbus, self.bus, self.run, self.group = run, run.bus, run.run, group
         self.strategy, self.features = strategy, tuple(features)
@@ -58,11 +61,13 @@ class BusSource(LeaseSettlement):
             tokenizer_fingerprint,
         )
         self.trained = trained
+        self.audit = audit  # the capture audit (None: off)
         # refs' stores are opened with the run's store settings (crc, http token, pools)
         self.store_cfg = store if store is not None else StoreConfig()
         self._stores: dict[str, Any] = {}
         self._retired: list[int] = []
-        self.stats = {"recaptures": 0, "dead_letters": 0, "skipped": 0}
+        self.stats = {"recaptures": 0, "dead_letters": 0, "skipped": 0, "audited": 0,
+                      "capture_mismatch": 0}  # fmt: skip
 
     # -- helpers -----------------------------------------------------------------------
     def _open(self, uri: str):
@@ -191,6 +196,11 @@ class BusSource(LeaseSettlement):
             log.warning("store error on %s, nak: %s", ref.sample_id, e)
             await lease.nak(5.0)
             return None
+        audited = self.audit is not None and self.audit.wants(
+            ref.sample_id, ref.generation, ref.provenance.engine
+        )
+        if audited and not await self._audited(lease, ref, tensors):
+            return None
         return Item(
             seq=lease.seq,
             sample_id=ref.sample_id,
@@ -202,6 +212,35 @@ class BusSource(LeaseSettlement):
             stored=ref,
             nbytes=ref.nbytes,
         )
+
+    async def _audited(self, lease: Lease, ref: SampleRef, tensors) -> bool:
+        """Audit one sample (the reference forward off the loop, its lease kept alive); False
+        when it is wrong: dead-lettered `capture_mismatch` and its tensors released."""
+        with span("audit", attributes={"sample_id": ref.sample_id}):
+            work = asyncio.ensure_future(asyncio.to_thread(self.audit.check, tensors))
+            while not work.done():
+                await asyncio.wait({work}, timeout=5.0)
+                if not work.done():
+                    await lease.in_progress()
+            result = work.result()
+        if result is None:  # the audit turned itself off
+            return True
+        self.stats["audited"] += 1
+        ok = result.ok
+        if ok:
+            self.audit.passed(ref.sample_id, ref.generation)
+        else:
+            self.stats["capture_mismatch"] += 1
+            await self._dead(lease, "capture_mismatch",
+                             f"{result.describe()} (engine {ref.provenance.engine}, producer "
+                             f"{ref.provenance.producer_id})")  # fmt: skip
+            with contextlib.suppress(StoreError):
+                (await self._store(ref.store_uri)).release(ref)
+        try:
+            await self.runbus.kv.add_audit(self.audit.name, audited=1, mismatches=int(not ok))
+        except Exception as e:  # noqa: BLE001 - the counts are for `specbus status`
+            log.warning("could not record the audit counts: %s", e)
+        return ok
 
     async def upstream(self) -> Upstream:
         """The trainers' group drained (`RunBus.drained`) and no delivery buffered here.

@@ -8,7 +8,8 @@ read from one of:
 - the recording's directory (`DirRecording`): `recording.json` and `refs.jsonl`, the copy of
   the final refs `specbus capture` writes next to the features, so a recording can be moved
   or used without the broker that captured it;
-- an offline dump in SpecForge's layout (`consumers/specforge.py`).
+- an offline dump in SpecForge's layout (`consumers/specforge.py`) or in vLLM speculators'
+  (`consumers/speculators.py`).
 
 Every one offers the same thing: `count` samples in recorded order, each loaded by position.
 Of a stream with recaptures or duplicate publishes, the recorded samples are the last
@@ -220,13 +221,17 @@ class DirRecording(_StoreBacked):
 async def open_recording(
     spec: str, bus: Bus | None, strategy: StrategyConfig, target: TargetConfig
 ) -> Recording:
-    """The recording `spec` names: a directory (a specbus recording, or a SpecForge dump,
-    read for `strategy` on `target`), else a run name on the broker. Raises `ConfigError`
+    """The recording `spec` names: a directory (a specbus recording, a speculators dump or a
+    SpecForge dump, read for `strategy` on `target`), else a run name on the broker. Raises `ConfigError`
     for what is neither."""
     path = Path(spec)
     if path.is_dir() or path.is_absolute() or spec.startswith("."):
         if (path / MARKER_FILE).is_file():
             return await asyncio.to_thread(DirRecording, path)
+        from specbus.consumers.speculators import SpeculatorsRecording, is_speculators_dump
+
+        if is_speculators_dump(path):
+            return await asyncio.to_thread(SpeculatorsRecording, path, strategy, target)
         from specbus.consumers.specforge import SpecForgeRecording
 
         return await asyncio.to_thread(SpecForgeRecording, path, strategy, target)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from specbus.core.audit import AuditConfig  # the capture audit's section (core/audit.py)
 from specbus.core.errors import ConfigError
 from specbus.core.registry import ENGINES, MODES, STORES, STRATEGIES
 
@@ -229,8 +230,7 @@ class StrategyConfig(Section):
 
 
 class DataConfig(Section):
-    """The training data: a source (gsm8k, chatterbot or a JSONL path), how it is tokenised, split and
-    repeated."""
+    """The training data: a source (gsm8k, chatterbot or a JSONL path), how it is tokenised, split, repeated."""
 
     source: str = "gsm8k"  # gsm8k | chatterbot | a JSONL path
     max_length: int = Field(512, ge=8)
@@ -299,8 +299,7 @@ class LiveConfig(Section):
 
     The intake (`specbus intake`) serves the capture handshake and turns records into
     SampleRefs; the capture sink in every serving server learns everything else from the
-    handshake. Watermarks are fractions of `min(store.budget_bytes, what the store can hold)`.
-    """
+    handshake. Watermarks are fractions of `min(store.budget_bytes, what the store can hold)`."""
 
     host: str = "127.0.0.1"  # the intake binds here (loopback by default)
     # 0: a free port (written to <run_dir>/live/intake.json)
@@ -370,6 +369,7 @@ class RunConfig(Section):
     deployment: DeploymentConfig = DeploymentConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     live: LiveConfig = LiveConfig()
+    audit: AuditConfig = AuditConfig()
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -86,6 +86,7 @@ ENGINES = Registry(
         ("hf", "specbus.producers.engines.hf:HFEngine"),
         ("sglang", "specbus.producers.engines.sglang:SGLangEngine"),
         ("sglang_server", "specbus.producers.engines.sglang_server:SGLangServerEngine"),
+        ("vllm_server", "specbus.producers.engines.vllm_server:VLLMServerEngine"),
     ],
 )
 # strategy.name -> `(StrategyConfig, TargetInfo, *, heads, aux_layers) -> Strategy`

@@ -43,6 +43,7 @@ REGISTRARS = [
     "specbus.ops.live:add_live_commands",  # intake, serve, traffic (live mode)
     "specbus.ops.auth:add_auth_commands",
     "specbus.ops.sglang:add_sglang_commands",  # the SGLang capture layer
+    "specbus.ops.vllm:add_vllm_commands",  # the vLLM capture connector
 ]
 URL_FILE = "url"  # <store_dir>/url: where the broker of a store dir listens (or last did)
 
@@ -229,6 +230,12 @@ def format_status(
         )
     if hint := leftover(s, store, purge):
         lines.append(f"left over        {hint}")
+    audit = s.get("audit")
+    if audit and audit["audited"]:  # the capture audit (core/audit.py)
+        lines.append(
+            f"capture audit    {audit['audited']} recomputed, {audit['mismatches']} mismatched"
+            + (" (dead-lettered capture_mismatch: specbus dead)" if audit["mismatches"] else "")
+        )
     return "\n".join(lines)
 
 

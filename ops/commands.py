@@ -206,11 +206,11 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """`specbus export`: a checkpoint as an SGLang draft directory."""
+    """`specbus export`: a checkpoint as an SGLang (default) or speculators draft directory."""
     from specbus.ops.export import export_checkpoint
 
     cfg = config_of(args)
-    out = export_checkpoint(cfg, args.checkpoint, args.out)
+    out = export_checkpoint(cfg, args.checkpoint, args.out, args.format)
     print(f"exported {out}")
     return 0
 
@@ -271,8 +271,8 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         "--from-recording",
         default=None,
         metavar="REC",
-        help="train data.epochs epochs over a recording: its directory, a SpecForge dump "
-        "directory, or the run name of a recording on the broker (see specbus capture)",
+        help="train data.epochs epochs over a recording: its directory, a speculators or "
+        "SpecForge dump directory, or the run name of a recording on the broker (see specbus capture)",
     )
     p.set_defaults(func=cmd_train)
 
@@ -292,6 +292,8 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     add_common(p)
     p.add_argument("--checkpoint", default="latest", help="latest, best, or a checkpoint directory")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", choices=["sglang", "speculators"], default="sglang",
+                   help="sglang: SGLang's draft layout; speculators: vLLM's (EAGLE3, docs/vllm.md)")  # fmt: skip
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("purge", help="remove every stored feature of a run that is gone")

@@ -1,4 +1,5 @@
-"""`specbus export`: a checkpoint -> the directory SGLang loads as a draft (EAGLE3, DFLASH, DSPARK)."""
+"""`specbus export`: a checkpoint -> the directory SGLang (EAGLE3, DFLASH, DSPARK) or vLLM
+(`--format speculators`: EAGLE3) loads as a draft."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from specbus.consumers.checkpoint import CheckpointManager, with_frozen_state
 from specbus.core.config import RunConfig
 from specbus.core.data.vocab import VocabMapping
-from specbus.core.errors import CheckpointError
+from specbus.core.errors import CheckpointError, ExportError
 from specbus.core.export.sglang import export_draft
 from specbus.core.models.target import load_target_heads, load_target_info, resolve_target_dir
 from specbus.core.strategies.base import build_strategy
@@ -35,10 +36,23 @@ def load_trained_draft(cfg: RunConfig, checkpoint: str | Path = "latest"):
     return draft.eval()
 
 
-def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: str | Path) -> Path:
-    """Export checkpoint `checkpoint` (latest, best, a path) of the run as an SGLang draft directory
-    `out` (EAGLE3, DFLASH, DSPARK); the directory."""
+FORMATS = ("sglang", "speculators")  # `specbus export --format`; sglang is the default
+
+
+def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: str | Path,
+                      fmt: str = "sglang") -> Path:  # fmt: skip
+    """Export checkpoint `checkpoint` (latest, best, a path) of the run as a draft directory
+    `out`; returns it. `fmt`: "sglang" (EAGLE3, DFLASH, DSPARK: what SGLang loads) or
+    "speculators" (what vLLM serves and vLLM's `speculators` loads: core/export/speculators.py)."""
     draft = load_trained_draft(cfg, checkpoint)
+    if fmt == "speculators":
+        from specbus.core.export.speculators import export_speculators
+
+        steps = getattr(cfg.strategy, "ttt_length", None) or 3  # the draft length it trained for
+        return export_speculators(draft, out, verifier=resolve_target_dir(cfg.target.model),
+                                  speculative_tokens=steps)  # fmt: skip
+    if fmt != "sglang":
+        raise ExportError(f"export format {fmt!r} is not one of {list(FORMATS)}")
     if hasattr(draft, "config") and getattr(draft.config, "projector", None) is not None:
         from specbus.core.export.dflash import export_dflash
 

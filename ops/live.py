@@ -41,6 +41,7 @@ from specbus.ops.cli import add_common, config_of, resolve_url
 log = logging.getLogger("specbus.live")
 
 TOKEN_ENV = "SPECBUS_INTAKE_TOKEN"
+DRIVEN_ENGINES = ("sglang_server", "vllm_server")  # target engines that drive a serving server
 
 
 def endpoint_file(cfg: RunConfig) -> Path:
@@ -154,7 +155,7 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
     if cfg.deployment.mode != "live" and not driven:
         raise ConfigError(
             f"specbus intake serves live runs (deployment.mode=live) and driven ones "
-            f"(deployment.mode=disaggregated with target.engine=sglang_server); run {cfg.run!r} "
+            f"(deployment.mode=disaggregated with target.engine sglang_server or vllm_server); run {cfg.run!r} "
             f"is {cfg.deployment.mode} on target.engine={cfg.target.engine}"
         )
     host = host or cfg.live.host
@@ -209,8 +210,9 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
 
 
 def is_driven(cfg: RunConfig) -> bool:
-    """A driven run: tasks from a feeder, captured by a serving SGLang server (docs/sglang.md)."""
-    return cfg.deployment.mode == "disaggregated" and cfg.target.engine == "sglang_server"
+    """A driven run: tasks from a feeder, captured by a serving SGLang or vLLM server
+    (docs/sglang.md, docs/vllm.md)."""
+    return cfg.deployment.mode == "disaggregated" and cfg.target.engine in DRIVEN_ENGINES
 
 
 async def feeder_manifest(run, cfg: RunConfig, prepared, timeout_s: float = 600.0) -> bool:
@@ -381,6 +383,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 host=args.host, port=args.port, dry_run=args.dry_run,
                                 speculative=args.speculative, draft_dir=args.draft_dir,
                                 num_draft_tokens=args.draft_tokens)  # fmt: skip
+    if args.engine == "vllm":
+        from specbus.ops.vllm import run_vllm_serve
+
+        return run_vllm_serve(cfg, intake_url=args.intake_url, token=args.token,
+                              host=args.host, port=args.port, dry_run=args.dry_run)  # fmt: skip
     bus_url = args.url or cfg.bus.url  # explicit only: a speculative server follows its run KV
     return run_serve(cfg, intake_url=args.intake_url, token=args.token, host=args.host,
                      port=args.port, capture=not args.no_capture,
@@ -430,10 +437,10 @@ def add_live_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-capture", action="store_true", help="serve without capturing")
     p.add_argument("--model-name", default=None, help="the model id clients send")
-    p.add_argument("--engine", choices=["hf", "sglang"], default="hf",
-                   help="hf: serve here; sglang: print and start a stock SGLang server with the "
-                   "capture layer (docs/sglang.md)")  # fmt: skip
-    p.add_argument("--dry-run", action="store_true", help="--engine sglang: only print it")
+    p.add_argument("--engine", choices=["hf", "sglang", "vllm"], default="hf",
+                   help="hf: serve here; sglang / vllm: print and start a stock SGLang / vLLM "
+                   "server with the capture layer (docs/sglang.md, docs/vllm.md)")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="--engine sglang|vllm: only print it")
     p.add_argument("--speculative", action="store_true",
                    help="decode with the run's draft, reloaded at every checkpoint (--engine "
                    "sglang: SGLang's speculative flags with the exported draft)")  # fmt: skip

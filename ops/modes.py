@@ -18,7 +18,8 @@ from specbus.bus.run import RunBus
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Group
 from specbus.consumers.bus_source import BusSource, LiveSource
 from specbus.consumers.loop_thread import LoopThread
-from specbus.core.config import RunConfig
+from specbus.core.audit import CaptureAudit
+from specbus.core.config import RunConfig, TargetConfig
 from specbus.core.contracts import Manifest
 from specbus.core.errors import ConfigError
 from specbus.core.islands import IslandPlan
@@ -77,8 +78,31 @@ class Mode:
         return self.held_until_checkpoint(cfg) if self.held_until_checkpoint else None
 
 
+def capture_audit(ctx: RankContext) -> CaptureAudit | None:
+    """The rank's capture audit (core/audit.py): rank 0 only (one reference per run, however
+    many ranks; it audits `audit.rate` of the samples it leases), None when `audit.rate` is 0.
+    Its reference is the hf engine on the run's target in float32 on `audit.device`, built at
+    the first audited sample."""
+    cfg = ctx.cfg
+    if cfg.audit.rate <= 0 or ctx.rank != 0:
+        return None
+    contract = ctx.strategy.feature_contract(ctx.info)
+
+    def make_reference():
+        device = str(ctx.device) if cfg.audit.device == "auto" else cfg.audit.device
+        target = TargetConfig(engine="hf", model=cfg.target.model, device=device, dtype="float32",
+                              cache_dir=cfg.target.cache_dir,
+                              context_length=cfg.target.context_length)  # fmt: skip
+        engine = build_engine(target)
+        return lambda ids: engine.capture([ids], None, contract)[0]
+
+    return CaptureAudit(cfg.audit.rate, make_reference, contract, cfg.audit.tolerance,
+                        name=f"rank{ctx.rank}", engines=tuple(cfg.audit.engines))  # fmt: skip
+
+
 def disaggregated_source(ctx: RankContext, cls: type[BusSource] = BusSource) -> tuple[Source, int]:
-    """SampleRefs from the "trainers" group, tensors from the store each ref names."""
+    """SampleRefs from the "trainers" group, tensors from the store each ref names, a sampled
+    fraction audited (`capture_audit`)."""
     group = ctx.loop.call(ctx.run.join(TRAINERS))
     target = ctx.manifest.target
     source = cls(
@@ -89,6 +113,7 @@ def disaggregated_source(ctx: RankContext, cls: type[BusSource] = BusSource) -> 
         tokenizer_fingerprint=target.tokenizer_fingerprint,
         trained=ctx.trained,
         store=ctx.cfg.store,
+        audit=capture_audit(ctx),
     )  # fmt: skip
     return source, ctx.cfg.training.prefetch
 

@@ -1,7 +1,7 @@
 """`specbus train --from-recording REC`: train from a recording, epoch after epoch (W1).
 
-REC is a directory (a recording `specbus capture` wrote, or an offline dump in SpecForge's
-layout) or the name of a recording run on the broker. The trainer is the online one (loader,
+REC is a directory (a recording `specbus capture` wrote, or an offline dump in vLLM
+speculators' or SpecForge's layout) or the name of a recording run on the broker. The trainer is the online one (loader,
 lockstep, ledger, checkpoints, `--resume`, several ranks under torchrun); only the source
 differs (`consumers.recording.RecordingSource`): `data.epochs` passes over the recording,
 epoch 0 in recorded order, later ones in a permutation seeded by `data.seed` and the epoch.

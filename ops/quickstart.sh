@@ -46,7 +46,7 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 # CUDA download. Keep whatever torch is already there (e.g. a GPU machine's CUDA build).
 "$PY" -c 'import torch' 2>/dev/null || step "installing torch 2.13.0 (CPU)" pip_install "torch==2.13.0"
 case "$what" in
-  test) extras="test,data,store,live" ;;
+  test) extras="test,data,store,live,vllm" ;;
   *)    extras="data,store,demo,live" ;;
 esac
 step "installing specbus[$extras]" pip_install -e ".[$extras]"

@@ -18,4 +18,5 @@ pytest_plugins = [
     "tests.fixtures.live",
     "tests.fixtures.otlp",
     "tests.fixtures.sglang",
+    "tests.fixtures.vllm",
 ]

@@ -317,6 +317,29 @@ def load_target_heads(path: Path, dtype: torch.dtype = torch.float32) -> TargetH
     return TargetHeads(embed_tokens=embed.to(dtype), lm_head=head.to(dtype))
 
 
+_NORM_KEYS = ("model.norm.weight", "norm.weight", "model.language_model.norm.weight")
+
+
+def load_final_norm(path: Path) -> tuple[torch.Tensor, float]:
+    """The target's final RMSNorm (`weight [H]` fp32, `eps`) from its safetensors and config:
+    what turns the last layer's output into the final post-norm hidden state (a server that
+    captures pre-norm rows, vLLM; a dump of them, speculators). `ConfigError` when absent."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            key = next((k for k in _NORM_KEYS if k in set(f.keys())), None)
+            if key is not None:
+                weight = f.get_tensor(key).float()
+                break
+    else:
+        raise ConfigError(f"target {str(path)!r}: no final norm among {list(_NORM_KEYS)}")
+    config = json.loads((path / "config.json").read_text())
+    eps = config.get("text_config", config).get("rms_norm_eps", 1e-6)
+    return weight, float(eps)
+
+
 def load_causal_lm(
     path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ):

@@ -29,12 +29,21 @@ Nothing here raises into SGLang's serving path: failures are counted (`sink.coun
 from __future__ import annotations
 
 import logging
-import os
-import socket
 
 import torch
 from specbus.patches.sglang import SGLANG_VERSION
 from specbus.patches.sglang.rows import Rows, row_slices
+from specbus.producers.live.sink_env import (  # noqa: F401  (the launch variables: ops/sglang.py)
+    ENV_CA,
+    ENV_ENDPOINT,
+    ENV_QUEUE,
+    ENV_RATE,
+    ENV_TOKEN,
+    ENV_URL,
+    configured,
+    launch_rate,
+    sink_from_env,
+)
 from specbus.producers.live.wire import capture_decision, sample_id_of
 
 log = logging.getLogger("specbus.sglang")
@@ -51,9 +60,6 @@ TARGETS = (
     (f"{_RESULTS}.SchedulerBatchResultProcessor.process_batch_result_decode", "AROUND",
      "around_decode"),
 )  # fmt: skip
-ENV_URL, ENV_ENDPOINT = "SPECBUS_CAPTURE_INTAKE_URL", "SPECBUS_CAPTURE_ENDPOINT"
-ENV_RATE, ENV_TOKEN = "SPECBUS_CAPTURE_SAMPLE_RATE", "SPECBUS_INTAKE_TOKEN"
-ENV_QUEUE, ENV_CA = "SPECBUS_CAPTURE_QUEUE", "SPECBUS_CAPTURE_TLS_CA"
 
 
 class CaptureLayerError(ValueError):
@@ -74,11 +80,6 @@ class _State:
 STATE = _State()
 
 
-def configured() -> bool:
-    """Whether the environment asks for capture (an intake URL or an intake.json path)."""
-    return bool(os.environ.get(ENV_URL) or os.environ.get(ENV_ENDPOINT))
-
-
 def register() -> None:
     """The `sglang.srt.plugins` entry point (module doc). Never raises."""
     try:
@@ -93,7 +94,7 @@ def register() -> None:
             return
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        STATE.rate = float(os.environ.get(ENV_RATE, "1.0"))
+        STATE.rate = launch_rate()
         STATE.on = True
         for target, kind, name in TARGETS:
             HookRegistry.register(target, globals()[name], HookType[kind])
@@ -137,47 +138,11 @@ def writer_rank() -> bool:
 def start_sink(args, *, sink=None) -> None:
     """Start the capture sink of this process when it is the writer (`sink`: a prepared one,
     tests). The intake and token come from the environment (asked again at every handshake)."""
-    from specbus.producers.live.sink import CaptureSink
-
     STATE.layer_ids = tuple(getattr(args, "return_aux_hidden_state_layer_ids", None) or ()) or None
     STATE.writer = writer_rank()
     if not STATE.writer:
         return
-    if sink is None:
-        ca = os.environ.get(ENV_CA)
-        sink = CaptureSink(
-            _intake_url, _intake_token, server_id=f"{socket.gethostname()}-{os.getpid()}",
-            engine="sglang", queue_size=int(os.environ.get(ENV_QUEUE, "32")),
-            verify=_trusting(ca),
-        ).start()  # fmt: skip
-    STATE.sink = sink
-
-
-def _trusting(ca: str | None):
-    import ssl
-
-    return ssl.create_default_context(cafile=ca) if ca else True
-
-
-def _endpoint() -> dict:
-    path = os.environ.get(ENV_ENDPOINT)
-    if not path:
-        return {}
-    import json
-
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def _intake_url() -> str | None:
-    return os.environ.get(ENV_URL) or _endpoint().get("url")
-
-
-def _intake_token() -> str | None:
-    return os.environ.get(ENV_TOKEN) or _endpoint().get("token")
+    STATE.sink = sink if sink is not None else sink_from_env("sglang")
 
 
 def before_scheduler(self, server_args, *args, **kwargs):

@@ -47,14 +47,16 @@ class SGLangServerEngine:
     intake (its outcomes); the fingerprints come from the intake's handshake."""
 
     name = "sglang_server"
+    server = "SGLang"  # in messages
+    launch = LAUNCH  # how to start the server with capture on (named by `LayerNotApplied`)
 
     def __init__(self, cfg: TargetConfig, *, intake_url: str | None = None,
                  token: str | None = None, **_):  # fmt: skip
         if not cfg.server_url:
-            raise ConfigError("target.engine=sglang_server needs target.server_url (the running "
-                              "SGLang server, e.g. http://127.0.0.1:30000)")  # fmt: skip
+            raise ConfigError(f"target.engine={self.name} needs target.server_url (the running "
+                              f"{self.server} server, e.g. http://127.0.0.1:30000)")  # fmt: skip
         if not intake_url or not token:
-            raise ConfigError("target.engine=sglang_server needs the run's intake (live.url and "
+            raise ConfigError(f"target.engine={self.name} needs the run's intake (live.url and "
                               "its token, or `specbus intake` running on this run dir)")  # fmt: skip
         import httpx
 
@@ -133,17 +135,17 @@ class SGLangServerEngine:
         raise CaptureError(f"intake rejected {rid}: {answer['reason']}: {answer['detail']}")
 
     def _unheard(self, rid: str) -> CaptureError:
-        where = f"SGLang server {self.url} answered {rid}, but the intake {self.intake_url}"
+        where = f"{self.server} server {self.url} answered {rid}, but the intake {self.intake_url}"
         if self._heard:
             return CaptureError(f"{where} did not hear of its capture within "
                                 f"{self.cfg.capture_wait_s:g}s (sink queue full or store full?)")  # fmt: skip
         return LayerNotApplied(f"{where} never heard of its capture within "
                                f"{self.cfg.capture_wait_s:g}s: is the capture layer applied and "
-                               f"on? {LAUNCH}")  # fmt: skip
+                               f"on? {self.launch}")  # fmt: skip
 
     def capture(self, input_ids, loss_masks, contract, *, device=None):
         """Refused: a server's features go through its capture layer (`drive`)."""
-        raise CaptureError("target.engine=sglang_server captures through the server's layer: "
+        raise CaptureError(f"target.engine={self.name} captures through the server's layer: "
                            "run it with `specbus produce` (producers/driven.py), not capture()")  # fmt: skip
 
     def close(self) -> None:
