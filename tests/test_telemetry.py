@@ -115,7 +115,7 @@ def test_top_once_shows_the_run(trained_run, nats_server, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"run {cfg.run}" in out and "training complete" in out
-    assert "progress   step 4" in out and "steps/s" in out
+    assert "progress   last known" in out and "step 4 |" in out and "steps/s" in out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     assert lines["trainers"][1:3] == ["0", "0"]  # no lag, nothing pending after the run
     assert lines["dead"][1] == "0"
