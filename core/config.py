@@ -79,7 +79,9 @@ class MooncakeConfig(Section):
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = ""
     local_hostname: str = "127.0.0.1"
-    segment_bytes: int = Field(1 << 30, gt=0)  # the store node's segment (clients contribute none)
+    # The store node's segment (clients contribute none). None: the store's budget_bytes (at
+    # least Mooncake's 16 MiB), so that the master's refusal is the budget's exact check.
+    segment_bytes: int | None = Field(None, gt=0)
     buffer_bytes: int = Field(256 << 20, gt=0)  # per-client pool of registered transfer buffers
     # The master's HTTP admin/metrics endpoint (usage, key listing); "" = master host, port 9003.
     admin: str = ""
