@@ -134,6 +134,18 @@ def test_tight_mooncake_budget_trains_every_sample_once(
 
 
 # ---------------------------------------------------------------- one producer, by hand
+async def leased(bus, run, going, n: int, timeout_s: float = 60.0) -> None:
+    """Until the producers' group has `n` tasks out (or redelivered: a nak), the worker
+    still running."""
+    t0 = time.monotonic()
+    while True:
+        info = await bus.js.consumer_info(run.names.tasks_stream, PRODUCERS)
+        if info.num_ack_pending >= n or info.num_redelivered:
+            return
+        assert not going.done() and time.monotonic() - t0 < timeout_s, going
+        await asyncio.sleep(0.05)
+
+
 def _worker(run, group, store, tiny_target, **kw):
     from specbus.core.config import StrategyConfig, TargetConfig
     from specbus.core.strategies import build_strategy
@@ -174,14 +186,13 @@ def test_a_full_store_is_waited_out_without_spending_a_delivery(
         worker = _worker(run, group, store, tiny_target)
         worker.report_every_s = 1.0
         going = asyncio.create_task(worker.run())
-        t0 = time.monotonic()
-        while worker.stats.store_waits == 0:  # the put met the full store, mid-run
-            assert not going.done() and time.monotonic() - t0 < 60, going
-            await asyncio.sleep(0.05)
+        await leased(bus, run, going, 2)
         await asyncio.sleep(4 * cfg.ack_wait_s)  # leases outlive ack_wait, naks would be spent
         info = await bus.js.consumer_info(run.names.tasks_stream, "producers")
         assert (info.num_redelivered, info.num_ack_pending) == (0, 2)
-        assert worker.stats.samples == 0
+        assert await list_dead(bus, run_id) == [] and worker.stats.samples == 0
+        assert worker.stats.store_waits >= 1  # the puts met the full store, mid-run
+        t0 = time.monotonic()
         await asyncio.to_thread(store.release, ballast)
         while worker.stats.samples < 2:
             assert not going.done() and time.monotonic() - t0 < 60, going
@@ -233,10 +244,8 @@ def test_a_stop_while_waiting_for_room_gives_the_task_back(nats_server, run_id, 
         group = await run.join("producers")
         worker = _worker(run, group, store, tiny_target)
         going = asyncio.create_task(worker.run())
-        t0 = time.monotonic()
-        while worker.stats.store_waits == 0:
-            assert not going.done() and time.monotonic() - t0 < 60, going
-            await asyncio.sleep(0.05)
+        await leased(bus, run, going, 1)
+        await asyncio.sleep(1.0)  # 5 nak delays: the put keeps meeting the full store
         worker.stop()
         stats = await asyncio.wait_for(going, 10)
         other = await run.join("producers")  # the task is back: another member gets it
