@@ -197,7 +197,8 @@ class CaptureWorker:
         """Backpressure: store residency (exact, every batch) or refs not yet consumed (bytes,
         as of the last broker poll) at 90 % of the budget, or of what the store can hold when
         that is less (a /dev/shm smaller than the budget)."""
-        usage = await asyncio.to_thread(self.store.usage)
+        usage = await while_unavailable(self.store.usage, what="reading the store's usage",
+                                        give_up_s=self.unavailable_give_up_s)  # fmt: skip
         budget = usage.budget_bytes
         if usage.capacity_bytes:
             budget = min(budget, usage.capacity_bytes)
