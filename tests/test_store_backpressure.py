@@ -91,6 +91,7 @@ def test_tight_mooncake_budget_trains_every_sample_once(
         cfg = pipeline_config(
             run_id, tmp_path / "run", tiny_target, data, store_uri=store_cfg.uri,
             overrides=[f"store.budget_bytes={BUDGET}", "bus.max_deliver=5", "bus.nak_delay_s=0.2",
+                       "bus.ack_wait_s=10",
                        "store.mooncake.release_retry_s=0.2",
                        "store.mooncake.force_release_after_s=3.0",
                        "store.mooncake.buffer_bytes=33554432", "training.checkpoint_every=10"],
@@ -115,6 +116,8 @@ def test_tight_mooncake_budget_trains_every_sample_once(
             assert state["dead"] == []
             for group in (TRAINERS, PRODUCERS):
                 assert state[group]["pending"] == state[group]["ack_pending"] == 0, state
+            # no task went back: every delivery of TASKS was its first (no fault here)
+            assert state[PRODUCERS]["redelivered"] == 0, state
             # the store was full, mid-run: the producers waited for room (and said so)
             waits = [re.search(r"waited for store room (\d+) times", cluster.log(f"producer-{i}"))
                      for i in range(2)]  # fmt: skip
