@@ -94,6 +94,7 @@ ALL_VICTIMS = (*KILLS, "store", *OUTAGES)
 # Mooncake services of a trial: short read lease, quick node-loss detection (as the tests').
 MOONCAKE_FAST = {"lease_ttl_ms": 500, "client_ttl_s": 2, "put_start_timeout_s": 2}
 MOONCAKE_SEGMENT = 128 << 20
+STARTUP_S = 240.0  # the first fault's trigger also waits this long for the processes to start
 
 
 # ---------------------------------------------------------------- plans
@@ -830,7 +831,7 @@ class Trial:
         return int(steps[-1]) if steps else None
 
     def inject(self) -> None:
-        for fault in self.plan.faults:
+        for n, fault in enumerate(self.plan.faults):
             state: dict[str, int] = {}
 
             def ready(fault=fault, state=state):
@@ -854,7 +855,10 @@ class Trial:
                         return {**c, "group": group}
                 return None
 
-            c = self.wait_until(ready, 120.0 + self._outage_total(), f"ack floor {fault.at}")
+            # The first trigger also waits for the processes to start: on the shared 2-core
+            # box at load 11-14, torchrun's ranks took ~2 minutes to import and load.
+            budget_s = 120.0 + self._outage_total() + (STARTUP_S if n == 0 else 0.0)
+            c = self.wait_until(ready, budget_s, f"ack floor {fault.at}")
             if "missed" in c:
                 fault.landed = c
                 self.fail("fault_missed", f"{fault.label}: training ended before the trigger")
