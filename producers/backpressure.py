@@ -21,12 +21,25 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from specbus.bus.lag import Lag
 from specbus.bus.run import RunBus
 from specbus.bus.subjects import TRAINERS
+from specbus.core.errors import BusNotFound
 
 log = logging.getLogger("specbus.producer")
 
 REPORT_EVERY_S = 30.0
+
+
+async def trainers_lag(run: RunBus) -> Lag | None:
+    """The trainers' lag, or None while their consumer does not exist: a resuming trainer
+    world repositions it (deletes and recreates it, `bus.replay.reposition`), and a producer
+    reading the lag in that moment must not fail (a chaos trial's producer did: "consumer
+    .../trainers not found")."""
+    try:
+        return await run.lag(TRAINERS)
+    except BusNotFound:
+        return None
 
 
 class GiveBack(Exception):
@@ -93,7 +106,7 @@ class RoomWait:
             )
         except Exception as e:  # noqa: BLE001 - a progress line must not end the wait
             held = f"store usage unknown ({e})"
-        lag = await self.run.lag(TRAINERS) if self.run is not None else None
+        lag = await trainers_lag(self.run) if self.run is not None else None
         trainers = ""
         if lag is not None:
             floor = lag.first_unacked_seq - 1

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from specbus.bus.lease import Lease, Leases
 from specbus.bus.run import RunBus
-from specbus.bus.subjects import PRODUCERS, TRAINERS
+from specbus.bus.subjects import PRODUCERS
 from specbus.core.contracts import FeatureSpec, PromptTask, Provenance, SampleRef
 from specbus.core.errors import CaptureError, StoreFull, StoreUnavailable
 from specbus.core.store.retry import while_unavailable
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import extract_link, span
-from specbus.producers.backpressure import REPORT_EVERY_S, GiveBack, RoomWait
+from specbus.producers.backpressure import REPORT_EVERY_S, GiveBack, RoomWait, trainers_lag
 
 log = logging.getLogger("specbus.producer")
 
@@ -191,7 +191,9 @@ class CaptureWorker:
             return
         self._polled_at = now
         self._train_complete = await self.run_bus.kv.train_complete() is not None
-        self._lag_bytes = (await self.run_bus.lag(TRAINERS)).bytes
+        lag = await trainers_lag(self.run_bus)
+        if lag is not None:  # else the last value stands
+            self._lag_bytes = lag.bytes
 
     async def _over_budget(self) -> bool:
         """Backpressure: store residency (exact, every batch) or refs not yet consumed (bytes,

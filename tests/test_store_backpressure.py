@@ -318,3 +318,40 @@ def test_dead_letters_are_counted_from_the_broker(nats_server, run_id, bus_cfg, 
     assert dead_summary(everything) == (
         "2 dead letters (tasks: 1 explicit, 1 max deliveries; `specbus dead`)"
     )
+
+
+def test_a_producer_rides_out_the_trainers_consumer_being_repositioned(
+    nats_server, run_id, bus_cfg, tiny_target
+):
+    """A resuming trainer world deletes and recreates the trainers' consumer (reposition); a
+    producer reading the trainers' lag in that moment keeps its last value instead of failing
+    (a tight-budget chaos trial's producer died with "consumer .../trainers not found")."""
+    from specbus.bus.topology import declare
+    from specbus.core.store import open_store
+
+    store = open_store(f"shm://{run_id}", budget_bytes=1 << 20)
+
+    async def body():
+        bus, run = await open_run(nats_server.url, bus_cfg, run_id)
+        group = await run.join(PRODUCERS)
+        worker = _worker(run, group, store, tiny_target)
+        going = asyncio.create_task(worker.run())
+        await bus.js.delete_consumer(run.names.samples_stream, TRAINERS)
+        await run.publisher.publish(run.names.tasks, make_task(run_id, 0))
+        t0 = time.monotonic()
+        while worker.stats.samples < 1:  # captured with the consumer gone (lag: the last)
+            assert not going.done() and time.monotonic() - t0 < 60, going
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # four more polls of the lag
+        assert not going.done(), going
+        await declare(bus, bus_cfg, run_id)  # the reposition recreates it
+        await run.kv.mark_train_complete({"steps": 0})
+        stats = await asyncio.wait_for(going, 30)
+        await group.close()
+        await bus.close()
+        return stats
+
+    try:
+        assert asyncio.run(body()).samples == 1
+    finally:
+        store.close()
