@@ -3,7 +3,9 @@
 `dead_letter(...)` copies a delivery into the run's DEAD stream (reason, detail and source in
 `Specbus-*` headers, dedup id `dead:<stream>:<seq>`) and terminates it; the server's
 max-deliveries and termination advisories land there too. `list_dead` reads DEAD back, one
-`DeadLetter` per dead message. docs/bus.md, "Dead letters".
+`DeadLetter` per dead message; `count_dead` only counts them, per source stream, from one
+stream-info request (what the producers' and trainers' summaries say). docs/bus.md, "Dead
+letters".
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from specbus.bus import headers as H
 from specbus.bus.connection import Bus
-from specbus.bus.outage import send
+from specbus.bus.outage import ride, send
 from specbus.bus.replay import Stored, get, replay
 from specbus.bus.subjects import ADVISORY_MAX_DELIVERIES, ADVISORY_TERMINATED, Names
 from specbus.core.telemetry import span
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from specbus.bus.publisher import Ack, Publisher
 
 MAX_DELIVERIES = "max_deliveries"
+EXPLICIT = "explicit"
 
 
 class Delivery(Protocol):
@@ -163,3 +166,26 @@ async def list_dead(bus: Bus, run: str, *, limit: int | None = None) -> list[Dea
             explicit.add((dl.stream, dl.seq))
         entries.append(dl)
     return entries if limit is None else entries[-limit:]
+
+
+async def count_dead(bus: Bus, run: str) -> dict[str, dict[str, int]]:
+    """The run's dead letters per source kind ("tasks", "samples"), each split into
+    `explicit` (dead-lettered by a producer or trainer, with a reason) and `max_deliveries`
+    (the broker gave up on a delivery: its advisory). One stream-info request with
+    per-subject counts: every role of the run may make it (no consumer is created), and it
+    counts what `list_dead` lists (a termination advisory repeats an explicit dead letter)."""
+    names = Names(run)
+    stream = names.dead_stream
+    info = await ride(bus, f"counting the dead letters in {stream}",
+                      lambda: bus.js.stream_info(stream, subjects_filter=">"))  # fmt: skip
+    out = {kind: {EXPLICIT: 0, MAX_DELIVERIES: 0} for kind in ("tasks", "samples")}
+    kinds = {names.tasks_stream: "tasks", names.samples_stream: "samples"}
+    for subject, n in (info.state.subjects or {}).items():
+        for kind in out:
+            if subject == names.dead(kind):
+                out[kind][EXPLICIT] += n
+        if subject.startswith(ADVISORY_MAX_DELIVERIES + "."):
+            source = subject[len(ADVISORY_MAX_DELIVERIES) + 1 :].rsplit(".", 1)[0]
+            if source in kinds:  # ...MAX_DELIVERIES.<stream>.<consumer>
+                out[kinds[source]][MAX_DELIVERIES] += n
+    return out

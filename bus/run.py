@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from specbus.bus.connection import Bus
-from specbus.bus.dead import DeadLetter, Delivery, dead_letter, list_dead
+from specbus.bus.dead import DeadLetter, Delivery, count_dead, dead_letter, list_dead
 from specbus.bus.lag import Lag, lag
 from specbus.bus.lease import Leases
 from specbus.bus.outage import ride
@@ -129,3 +129,9 @@ class RunBus:
     async def dead_letters(self) -> list[DeadLetter]:
         """The run's dead letters, oldest first (see `bus.dead.list_dead`)."""
         return await list_dead(self.bus, self.run)
+
+    async def count_dead(self, group: Group) -> dict[str, int]:
+        """The run's dead letters from `group`'s stream (TASKS for the producers, SAMPLES for
+        the trainers): `{"explicit": n, "max_deliveries": m}` (see `bus.dead.count_dead`)."""
+        kind = self.names.kind_of_stream(self.names.stream_of(group))
+        return (await count_dead(self.bus, self.run))[kind]

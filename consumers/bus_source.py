@@ -25,7 +25,13 @@ from specbus.bus.subjects import TRAINERS
 from specbus.core.audit import CaptureAudit
 from specbus.core.config import StoreConfig
 from specbus.core.contracts import PromptTask, SampleRef
-from specbus.core.errors import FeatureMissing, IntegrityError, RecordError, StoreError
+from specbus.core.errors import (
+    FeatureMissing,
+    IntegrityError,
+    RecordError,
+    StoreError,
+    StoreUnavailable,
+)
 from specbus.core.source import Item, Trained, Upstream
 from specbus.core.store import open_store
 from specbus.core.store.retry import while_unavailable
@@ -192,7 +198,15 @@ class BusSource(LeaseSettlement):
             else:
                 await self._recapture(lease, e)
             return None
-        except StoreError as e:  # store still unreachable: give it back, try later
+        except StoreUnavailable as e:  # past store.unavailable_give_up_s: the rank stops
+            # A nak would spend one of the ref's deliveries on the store's condition, and
+            # every ref after it would meet the same store: stop loudly instead (the lease
+            # goes back when the loader closes; a resume replays it).
+            log.error("the store stayed unavailable for store.unavailable_give_up_s=%.0fs "
+                      "reading %s: stopping (%s)", self.store_cfg.unavailable_give_up_s,
+                      ref.sample_id, e)  # fmt: skip
+            raise
+        except StoreError as e:  # another failure of this read: counts toward max_deliver
             log.warning("store error on %s, nak: %s", ref.sample_id, e)
             await lease.nak(5.0)
             return None

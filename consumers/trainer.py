@@ -87,6 +87,9 @@ class TrainResult:
     history: list[dict[str, float]]
     checkpoint: str | None
     stopped: bool = False  # ended by a stop request, not by the end of data or max_steps
+    # the run's dead letters at the end, {"tasks"|"samples": {"explicit"|"max_deliveries": n}}
+    # (rank 0, ops/train.py; None: not counted)
+    dead_letters: dict[str, dict[str, int]] | None = None
 
 
 def _scalar(v: Any) -> float:

@@ -73,7 +73,7 @@ class MooncakeConfig(Section):
     protocol: Literal["tcp", "rdma"] = "tcp"
     device: str = ""
     local_hostname: str = "127.0.0.1"
-    segment_bytes: int = Field(1 << 30, gt=0)  # the store node's segment (clients contribute none)
+    segment_bytes: int | None = Field(None, gt=0)  # the node's; None: budget_bytes (store.md)
     buffer_bytes: int = Field(256 << 20, gt=0)  # per-client pool of registered transfer buffers
     # The master's HTTP admin/metrics endpoint (usage, key listing); "" = master host, port 9003.
     admin: str = ""
@@ -112,8 +112,8 @@ class StoreConfig(Section):
     keep_on_close: bool = False  # shm: keep the store when its last process closes it
     recycle_bytes: int = Field(256 << 20, ge=0)  # shm: released files kept for reuse (0: none)
     http: HttpStoreConfig = HttpStoreConfig()
-    # A store that is unavailable (a restarting store node) is waited for this long, the
-    # work's lease kept alive, before the work is given back.
+    # An unavailable store (a restarting node) is waited for this long, the work's lease kept
+    # alive; then the producer or trainer rank stops (a full store: waited out, store.md).
     unavailable_give_up_s: float = Field(300.0, gt=0)
 
     @field_validator("uri")

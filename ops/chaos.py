@@ -3,6 +3,8 @@
     python -m specbus.ops.chaos --store shm --trials 50 --seed 1
     python -m specbus.ops.chaos --store mooncake --trials 20 --seed 1 --slow
     python -m specbus.ops.chaos --seed 7 --trials 1 --keep          # reproduce one trial
+    python -m specbus.ops.chaos --store mooncake --trials 30 --tasks 256 --budget 262144
+                                                   # capture paced by a tight store (issue 33)
 
 Each trial is one run on a tiny random target (4 layers, hidden 32) with pre-tokenised data,
 started the way users start it, every process by PID on loopback:
@@ -14,7 +16,11 @@ started the way users start it, every process by PID on loopback:
   the harness brings the broker back with `ops.services.nats.NatsServer` on the same port and
   dir (or keeps the orphan that still serves), so the remaining checks still say something;
 - `--store mooncake`: a mooncake_master + store node of its own (`MooncakeServices`), not
-  tied to the broker;
+  tied to the broker; with `--budget B` (`store.budget_bytes`, any store) the node's segment
+  is sized by it as `specbus store` sizes it (the budget, at least Mooncake's 16 MiB), else
+  128 MiB. A tight budget (a few dozen samples of the tiny target's ~7-21 KB) makes capture
+  wait for training all the time: the producers wait for room with their leases kept alive,
+  and DEAD must stay empty (issue 33);
 - the feeder (`specbus feed`), 2 producers (`specbus produce --id pN`), and 2 trainer ranks
   under torchrun (`python -m torch.distributed.run --standalone --nproc-per-node 2 -m specbus.ops.cli
   train`, `--resume` on restarts): when one rank dies, torchrun stops the other.
@@ -89,6 +95,7 @@ ALL_VICTIMS = (*KILLS, "store", *OUTAGES)
 # Mooncake services of a trial: short read lease, quick node-loss detection (as the tests').
 MOONCAKE_FAST = {"lease_ttl_ms": 500, "client_ttl_s": 2, "put_start_timeout_s": 2}
 MOONCAKE_SEGMENT = 128 << 20
+STARTUP_S = 240.0  # the first fault's trigger also waits this long for the processes to start
 
 
 # ---------------------------------------------------------------- plans
@@ -642,6 +649,7 @@ class Options:
     code: Path = ROOT  # the checkout whose `ops.cli` the processes run
     deadline_s: float = 240.0  # for the run to end after the last fault (plus outages)
     keep: bool = False
+    budget: int | None = None  # store.budget_bytes (None: the test config's 64 MiB)
 
 
 class Trial:
@@ -694,6 +702,8 @@ class Trial:
 
         overrides = ["training.checkpoint_every=5", f"training.micro_batch={MICRO}",
                      f"training.accumulation={ACCUM}", "target.capture_batch=2"]  # fmt: skip
+        if self.opts.budget is not None:
+            overrides.append(f"store.budget_bytes={self.opts.budget}")
         if self.plan.store == "mooncake":
             from specbus.core.store.mooncake import mooncake_uri
 
@@ -702,7 +712,7 @@ class Trial:
             overrides += ["store.mooncake.buffer_bytes=33554432",
                           "store.mooncake.release_retry_s=0.2",
                           "store.mooncake.force_release_after_s=3.0",
-                          f"store.mooncake.segment_bytes={MOONCAKE_SEGMENT}"]  # fmt: skip
+                          f"store.mooncake.segment_bytes={self.mooncake.segment_bytes}"]  # fmt: skip
         else:
             store_uri = f"shm://{self.run}"
             from specbus.core.store.shm import SHM_ROOT
@@ -728,10 +738,16 @@ class Trial:
     def setup(self) -> None:
         (self.dir / "plan.json").write_text(json.dumps(asdict(self.plan), indent=2))
         if self.plan.store == "mooncake":
+            from specbus.core.store.mooncake_admin import segment_bytes_for
             from specbus.ops.services.mooncake import MooncakeServices
 
+            segment = (
+                MOONCAKE_SEGMENT
+                if self.opts.budget is None
+                else segment_bytes_for(self.opts.budget, None)  # as `specbus store` sizes it
+            )
             self.mooncake = MooncakeServices(
-                self.dir / "mooncake", segment_bytes=MOONCAKE_SEGMENT, **MOONCAKE_FAST
+                self.dir / "mooncake", segment_bytes=segment, **MOONCAKE_FAST
             ).start()
             self.pids.update(p.pid for p in (self.mooncake.master, self.mooncake.node))
             self.mc_baseline = self._mc_allocated()
@@ -816,7 +832,7 @@ class Trial:
         return int(steps[-1]) if steps else None
 
     def inject(self) -> None:
-        for fault in self.plan.faults:
+        for n, fault in enumerate(self.plan.faults):
             state: dict[str, int] = {}
 
             def ready(fault=fault, state=state):
@@ -840,7 +856,10 @@ class Trial:
                         return {**c, "group": group}
                 return None
 
-            c = self.wait_until(ready, 120.0 + self._outage_total(), f"ack floor {fault.at}")
+            # The first trigger also waits for the processes to start: on the shared 2-core
+            # box at load 11-14, torchrun's ranks took ~2 minutes to import and load.
+            budget_s = 120.0 + self._outage_total() + (STARTUP_S if n == 0 else 0.0)
+            c = self.wait_until(ready, budget_s, f"ack floor {fault.at}")
             if "missed" in c:
                 fault.landed = c
                 self.fail("fault_missed", f"{fault.label}: training ended before the trigger")
@@ -1111,6 +1130,8 @@ def repro(
 ) -> str:
     parts = ["python -m specbus.ops.chaos", f"--store {plan.store}", f"--seed {plan.seed}", "--trials 1",
              f"--tasks {opts.tasks}", "--keep"]  # fmt: skip
+    if opts.budget is not None:
+        parts.append(f"--budget {opts.budget}")
     if opts.slow:
         parts.append("--slow")
     if victims:
@@ -1156,6 +1177,9 @@ def main(argv: list[str] | None = None) -> int:
         "--tasks", type=int, default=2048, help=f"tasks fed per trial (at least {WINDOW})"
     )
     ap.add_argument("--slow", action="store_true", help="also 60 s broker outages")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="store.budget_bytes of every trial (default 64 MiB); Mooncake: the "
+                         "node's segment is sized by it, as `specbus store` does")  # fmt: skip
     ap.add_argument("--victims", default=None, help=f"comma list from {','.join(ALL_VICTIMS)}")
     ap.add_argument("--faults", default="1-3", help="faults per trial, e.g. 1-3 or 0")
     ap.add_argument("--work", default=None, help="campaign dir (default a new one under /tmp)")
@@ -1180,7 +1204,8 @@ def main(argv: list[str] | None = None) -> int:
     faults = (int(lo), int(hi or lo))
     work = Path(args.work or tempfile.mkdtemp(prefix="specbus-chaos-"))
     opts = Options(work=work, store=args.store, tasks=args.tasks, slow=args.slow,
-                   code=Path(args.code).resolve(), deadline_s=args.deadline, keep=args.keep)  # fmt: skip
+                   code=Path(args.code).resolve(), deadline_s=args.deadline, keep=args.keep,
+                   budget=args.budget)  # fmt: skip
     plans = [
         make_plan(
             s, store=args.store, tasks=args.tasks, slow=args.slow, victims=victims, faults=faults
@@ -1191,8 +1216,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in plans:
             print(json.dumps(asdict(p)))
         return 0
+    budget = f", store budget {args.budget} B" if args.budget is not None else ""
     print(f"chaos: {args.trials} trials on {args.store}, seeds {args.seed}..{args.seed + args.trials - 1}, "
-          f"{args.tasks} tasks each, work dir {work}", flush=True)  # fmt: skip
+          f"{args.tasks} tasks each{budget}, work dir {work}", flush=True)  # fmt: skip
     assets = build_assets(opts)
     results = []
     for plan in plans:

@@ -129,8 +129,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             exit_when_idle=args.exit_when_idle,
         )
     )
-    print(f"producer done: {stats.samples} samples from {stats.tasks} tasks, {stats.failures} failures, "
-          f"{stats.dead_letters} dead letters, capture {stats.capture_s:.1f}s")  # fmt: skip
+    print(f"producer done: {stats.summary()}", flush=True)
     return 0
 
 
@@ -160,11 +159,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = run_trainer(cfg, bus_url=url, resume=args.resume, on_log=on_log)
     if result is not None and int(os.environ.get("RANK", 0)) == 0:
         what = "training stopped" if result.stopped else "training done"
-        print(
-            f"{what}: {result.steps} steps, {result.samples} samples, checkpoint {result.checkpoint}"
-        )
+        print(f"{what}: {result.steps} steps, {result.samples} samples, "
+              f"{dead_summary(result.dead_letters)}, checkpoint {result.checkpoint}")  # fmt: skip
         metrics.write({"final": 1, "steps": result.steps, "samples": result.samples,
-                       "stopped": int(bool(result.stopped)),
+                       "stopped": int(bool(result.stopped)), "dead_letters": result.dead_letters,
                        "checkpoint": str(result.checkpoint)})  # fmt: skip
     return 0
 
@@ -190,6 +188,16 @@ def training_source(cfg, recording: str | None, url: str | None) -> str:
     else:
         what = "the run's samples (from `specbus produce`, tasks from `specbus feed`)"
     return f"training on {url}; waiting for {what}"
+
+
+def dead_summary(counts: dict | None) -> str:
+    """`N dead letters (tasks: ..., samples: ...)` from `bus.dead.count_dead`'s counts."""
+    if counts is None:
+        return "dead letters unknown"
+    total = sum(n for kinds in counts.values() for n in kinds.values())
+    parts = [f"{kind}: " + ", ".join(f"{n} {how.replace('_', ' ')}" for how, n in kinds.items() if n)
+             for kind, kinds in counts.items() if any(kinds.values())]  # fmt: skip
+    return f"{total} dead letters" + (f" ({'; '.join(parts)}; `specbus dead`)" if parts else "")
 
 
 def cmd_capture(args: argparse.Namespace) -> int:

@@ -160,6 +160,7 @@ def colocated_source(ctx: RankContext) -> tuple[Source, int]:
         ctx.run, group, engine, ctx.strategy.feature_contract(ctx.info),
         cfg.store.build(uri="mem://"), trained=ctx.trained,
         capture_device=device if device.type == "cuda" else None, island=island,
+        window=cfg.training.micro_batch * cfg.training.accumulation,
     )  # fmt: skip
     # 0: capture the next window only after the last one is released (one window resident);
     # > 0: the capture of the next window overlaps this step

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 
 import torch
 from specbus.bus.connection import connect
@@ -102,12 +104,42 @@ async def run_producer(
                 exit_when_idle=exit_when_idle,
                 unavailable_give_up_s=cfg.store.unavailable_give_up_s,
             )  # fmt: skip
+            stop_on_sigterm(worker)
             try:
-                return await worker.run()
+                stats = await worker.run()
             finally:
                 if sweeper is not None:
                     sweeper.cancel()
                 await group.close()
+            await count_dead_letters(run, stats)
+            return stats
     finally:
         store.close()
         engine.close()
+
+
+def stop_on_sigterm(worker: CaptureWorker) -> None:
+    """SIGTERM stops the worker after its batch (a wait for the store gives its tasks back at
+    once: a stop, not backpressure); a second SIGTERM ends the process as before."""
+
+    def handle() -> None:
+        log.warning("SIGTERM: stopping after the batch in progress; send it again to exit now")
+        worker.stop()
+        loop.remove_signal_handler(signal.SIGTERM)
+
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not main thread
+        loop.add_signal_handler(signal.SIGTERM, handle)
+
+
+async def count_dead_letters(run, stats: CaptureStats, timeout_s: float = 30.0) -> None:
+    """Fill `stats.run_dead_letters` / `dead_reasons` with the dead letters of the run's TASKS,
+    the broker's max-deliveries ones included (left None when the broker does not answer in
+    time: the summary then says so)."""
+    try:
+        counts = await asyncio.wait_for(run.count_dead(PRODUCERS), timeout_s)
+    except Exception as e:  # noqa: BLE001 - a summary line must not fail the producer
+        log.warning("could not count the run's dead letters: %s", e)
+        return
+    stats.run_dead_letters = sum(counts.values())
+    stats.dead_reasons = {k: n for k, n in counts.items() if n}

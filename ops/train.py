@@ -299,13 +299,28 @@ def finish(
     the run's training complete (which releases the producers)."""
     if rank == 0 and mode.sweeps_store:
         sweep_trained(cfg, ledger)
+    if rank == 0:
+        result.dead_letters = count_dead_letters(loop, run)
     if result.stopped:
         log.warning("rank %d stopped at step %d (checkpoint %s): resume with --resume",
                     rank, result.steps, result.checkpoint)  # fmt: skip
     elif rank == 0:
         summary = {"steps": result.steps, "samples": result.samples,
-                   "checkpoint": result.checkpoint, "time": time.time()}  # fmt: skip
+                   "checkpoint": result.checkpoint, "dead_letters": result.dead_letters,
+                   "time": time.time()}  # fmt: skip
         loop.call(run.kv.mark_train_complete(summary))
+
+
+def count_dead_letters(loop: LoopThread, run: RunBus, timeout_s: float = 30.0) -> dict | None:
+    """The run's dead letters (TASKS and SAMPLES, the broker's max-deliveries ones included:
+    `bus.dead.count_dead`), None when the broker does not answer in time."""
+    from specbus.bus.dead import count_dead
+
+    try:
+        return loop.call(count_dead(run.bus, run.run), timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - a summary must not fail the run
+        log.warning("could not count the run's dead letters: %s", e)
+        return None
 
 
 def close(loop: LoopThread, bus, source) -> None:

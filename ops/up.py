@@ -363,6 +363,7 @@ def run_store(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def _start_services(cfg: RunConfig, work: Path, lock: DirLock, started: list):
+    from specbus.core.store.mooncake_admin import segment_bytes_for
     from specbus.ops.services.mooncake import MooncakeServices, client_store_config
 
     ports = {}
@@ -373,7 +374,7 @@ def _start_services(cfg: RunConfig, work: Path, lock: DirLock, started: list):
         ports = {}
     services = MooncakeServices(
         work,
-        segment_bytes=cfg.store.mooncake.segment_bytes,
+        segment_bytes=segment_bytes_for(cfg.store.budget_bytes, cfg.store.mooncake.segment_bytes),
         inherit_fds=(lock.fd,),  # the store dir stays locked while any part of the store lives
         **ports,
     )

@@ -4,7 +4,9 @@ Loop: wait while the store or the trainers' lag is over budget (backpressure), l
 `capture_batch` tasks, capture them with the engine (leases kept alive), `store.put` each
 sample, publish its SampleRef (awaited), then ack the tasks: a kill at any point loses
 nothing. A failing task is retried alone, nak'd with a delay, and dead-lettered on its last
-delivery. docs/architecture.md, "Producers".
+delivery. A put that meets a full store is tried again until the sample fits, the leases kept
+alive (producers/backpressure.py): backpressure never spends a delivery. docs/architecture.md,
+"Producers"; docs/store.md, "What producers and trainers do on each store error".
 """
 
 from __future__ import annotations
@@ -19,28 +21,49 @@ from dataclasses import dataclass, field
 import torch
 from specbus.bus.lease import Lease, Leases
 from specbus.bus.run import RunBus
-from specbus.bus.subjects import PRODUCERS, TRAINERS
-from specbus.core.contracts import PromptTask, Provenance, SampleRef
+from specbus.bus.subjects import PRODUCERS
+from specbus.core.contracts import FeatureSpec, PromptTask, Provenance, SampleRef
 from specbus.core.errors import CaptureError, StoreFull, StoreUnavailable
 from specbus.core.store.retry import while_unavailable
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import extract_link, span
+from specbus.producers.backpressure import REPORT_EVERY_S, GiveBack, RoomWait, trainers_lag
 
 log = logging.getLogger("specbus.producer")
 
 
 @dataclass
 class CaptureStats:
-    """What one capture worker did (counts, seconds, tokens)."""
+    """What one capture worker did (counts, seconds, tokens). `dead_letters`: the tasks this
+    worker dead-lettered itself; `run_dead_letters`: every dead letter of the run's TASKS
+    (the broker's max-deliveries ones included), read from DEAD at the end (None: not read);
+    `store_waits` / `store_wait_s`: puts that found the store full and waited for room."""
 
     tasks: int = 0
     samples: int = 0
     failures: int = 0
     dead_letters: int = 0
+    run_dead_letters: int | None = None
+    dead_reasons: dict[str, int] = field(default_factory=dict)
     backpressure_waits: int = 0
+    store_waits: int = 0
+    store_wait_s: float = 0.0
     capture_s: float = 0.0
     tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
+
+    def summary(self) -> str:
+        """The line `specbus produce` ends with."""
+        if self.run_dead_letters is None:
+            dead = f"{self.dead_letters} dead letters (the run's unknown)"
+        else:
+            reasons = ", ".join(f"{n} {r}" for r, n in sorted(self.dead_reasons.items()))
+            dead = (f"{self.run_dead_letters} dead letters in the run"
+                    + (f" ({reasons})" if reasons else "")
+                    + f", {self.dead_letters} by this producer")  # fmt: skip
+        return (f"{self.samples} samples from {self.tasks} tasks, {self.failures} failures, "
+                f"{dead}; waited for store room {self.store_waits} times "
+                f"({self.store_wait_s:.1f}s), capture {self.capture_s:.1f}s")  # fmt: skip
 
 
 def sample_id_of(task: PromptTask) -> str:
@@ -104,9 +127,11 @@ class CaptureWorker:
     """One member of the run's "producers" group (`group`): captures `capture_batch` tasks at a
     time with `engine` into `store` and publishes a SampleRef per sample (see the module doc).
     `run()` returns when the trainers mark the run complete, on `stop()`, or (with
-    `exit_when_idle`) when the feed is complete and no task is left anywhere. An unavailable
-    store (a restarting store node) is waited for up to `unavailable_give_up_s` per put, the
-    batch's leases kept alive, before the task goes back."""
+    `exit_when_idle`) when the feed is complete and no task is left anywhere. A full store is
+    waited out for as long as it lasts, an unavailable one (a restarting store node) for up
+    to `unavailable_give_up_s` per put, the batch's leases kept alive; then `run()` raises
+    the `StoreUnavailable` (the batch's tasks not published go back). A stop or the end of
+    training during a wait gives the tasks back."""
 
     def __init__(
         self,
@@ -129,6 +154,7 @@ class CaptureWorker:
         self.exit_when_idle = exit_when_idle
         self.unavailable_give_up_s = unavailable_give_up_s
         self.stats = CaptureStats()
+        self.report_every_s = REPORT_EVERY_S  # a wait for the store says what it waits for
         self._stop = asyncio.Event()
         self._polled_at = float("-inf")
         self._train_complete = False
@@ -165,13 +191,16 @@ class CaptureWorker:
             return
         self._polled_at = now
         self._train_complete = await self.run_bus.kv.train_complete() is not None
-        self._lag_bytes = (await self.run_bus.lag(TRAINERS)).bytes
+        lag = await trainers_lag(self.run_bus)
+        if lag is not None:  # else the last value stands
+            self._lag_bytes = lag.bytes
 
     async def _over_budget(self) -> bool:
         """Backpressure: store residency (exact, every batch) or refs not yet consumed (bytes,
         as of the last broker poll) at 90 % of the budget, or of what the store can hold when
         that is less (a /dev/shm smaller than the budget)."""
-        usage = await asyncio.to_thread(self.store.usage)
+        usage = await while_unavailable(self.store.usage, what="reading the store's usage",
+                                        give_up_s=self.unavailable_give_up_s)  # fmt: skip
         budget = usage.budget_bytes
         if usage.capacity_bytes:
             budget = min(budget, usage.capacity_bytes)
@@ -199,31 +228,79 @@ class CaptureWorker:
                 self.stats.capture_s += time.perf_counter() - t0
                 self.stats.tokens += sum(len(t.input_ids or ()) for t in tasks)
                 done: list[Lease] = []
-                for lease, result in zip(leases, results, strict=True):
-                    if isinstance(result, Exception):
-                        await self._failed(lease, result)
-                    elif await self._publish(lease, result):
-                        done.append(lease)
+                ended: GiveBack | StoreUnavailable | None = None
+                try:
+                    for lease, result in zip(leases, results, strict=True):
+                        if isinstance(result, Exception):
+                            await self._failed(lease, result)
+                        elif await self._publish(lease, result):
+                            done.append(lease)
+                except (GiveBack, StoreUnavailable) as e:  # what is published is done
+                    ended = e
                 if done:
                     with span("ack", attributes={"messages": len(done)}):
                         await self.group.ack_all(done)
                     self.stats.tasks += len(done)
+                if ended is not None:
+                    await self._give_back(leases, ended)
+
+    async def _give_back(self, leases: list[Lease], why: GiveBack | StoreUnavailable) -> None:
+        """The batch's tasks not settled go back at once: the producer stops (asked to, the
+        run is trained, or the store stayed unavailable past its give-up: then raised)."""
+        rest = [lease for lease in leases if lease.settled is None]
+        await self.group.nak_all(rest, 0)
+        if isinstance(why, GiveBack):
+            log.info("%s: %d tasks go back", why, len(rest))
+            self._stop.set()
+            return
+        log.error("the store stayed unavailable for store.unavailable_give_up_s=%.0fs; the "
+                  "producer stops, %d tasks go back: %s", self.unavailable_give_up_s,
+                  len(rest), why)  # fmt: skip
+        raise why
+
+    async def _interrupted(self) -> str | None:
+        """Why a wait for the store must end (None: go on waiting)."""
+        if self._stop.is_set():
+            return "the producer is stopping"
+        await self._poll_broker()
+        return "the run is trained" if self._train_complete else None
+
+    async def _put(self, sample_id: str, tensors: dict[str, torch.Tensor],
+                   gen: int) -> dict[str, FeatureSpec]:  # fmt: skip
+        """`store.put`, waiting for room while the store is full and for the store while it is
+        unavailable (up to `unavailable_give_up_s`), the batch's leases kept alive by its
+        heartbeat: the store's condition is not the task's, no delivery is spent on it.
+        Raises `GiveBack` (a stop during the wait), `StoreUnavailable` (past the give-up), or
+        what the put raises for the sample itself (NaN screen, integrity)."""
+        wait: RoomWait | None = None
+        try:
+            while True:
+                try:
+                    return await while_unavailable(
+                        lambda: self.store.put(sample_id, tensors, gen),
+                        what=f"putting {sample_id}",
+                        give_up_s=self.unavailable_give_up_s,
+                    )
+                except StoreFull as e:  # StoreNoSpace too: backpressure, nothing was written
+                    if wait is None:
+                        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                        wait = RoomWait(f"sample {sample_id}", nbytes, store=self.store,
+                                        run=self.run_bus, interrupted=self._interrupted,
+                                        report_every_s=self.report_every_s)  # fmt: skip
+                        self.stats.store_waits += 1
+                    await wait.pause(e)
+        finally:
+            if wait is not None:
+                self.stats.store_wait_s += wait.seconds
+                wait.done()
 
     async def _publish(self, lease: Lease, tensors: dict[str, torch.Tensor]) -> bool:
         task: PromptTask = lease.record
         sample_id = sample_id_of(task)
         try:
-            # A store node restarting is the store's problem, not the task's: wait for it with
-            # the lease kept alive (the batch's heartbeat), so no delivery is spent on it.
-            specs = await while_unavailable(
-                lambda: self.store.put(sample_id, tensors, task.generation),
-                what=f"putting {sample_id}",
-                give_up_s=self.unavailable_give_up_s,
-            )
-        except (StoreFull, StoreUnavailable) as e:  # backpressure / still down: back for later
-            log.info("task %s goes back: %s", task.task_id, e)
-            await lease.nak(self.bus_cfg.nak_delay_s)
-            return False
+            specs = await self._put(sample_id, tensors, task.generation)
+        except (GiveBack, StoreUnavailable):
+            raise  # the batch ends here (`_capture`)
         except Exception as e:  # NaN screen, integrity: a bad capture
             await self._failed(lease, e)
             return False

@@ -4,7 +4,9 @@ It leases PromptTasks from the run's "producers" group, captures them with the r
 engine into a `mem://` store and hands them to the same loader, trainer and checkpoints as the
 disaggregated path; tasks are acked at the optimizer boundary. A failed capture is nak'd with
 a delay or dead-lettered on its last delivery (as by the capture worker); a task the ledger
-holds is acked without capture. On a GPU rank the capture runs on a CUDA stream of its own,
+holds is acked without capture. A capture that does not fit in the rank's store (its budget)
+waits, leased and kept alive, until the loader releases a trained window (no delivery is
+spent on it); a budget that cannot hold one window is refused with `StoreFull`. On a GPU rank the capture runs on a CUDA stream of its own,
 so with `deployment.colocated_prefetch=1` the next window's prefill overlaps the step. With
 target-TP islands (producers/island.py) the island leader leases and every island rank
 captures the same batch, keeping its slice. The full semantics (residency, prefetch,
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import nullcontext
 
 import torch
@@ -23,6 +26,7 @@ from specbus.bus.run import RunBus
 from specbus.bus.settlement import LeaseSettlement
 from specbus.bus.subjects import PRODUCERS
 from specbus.core.contracts import PromptTask
+from specbus.core.errors import StoreFull
 from specbus.core.source import Item, Trained, Upstream
 from specbus.core.strategies.base import FeatureContract
 from specbus.core.telemetry import extract_link, link_to_current, span
@@ -36,7 +40,8 @@ class ColocatedSource(LeaseSettlement):
     """The colocated `core.source.Source`: `group` is this rank's member of the run's
     "producers" group; tasks are captured with `engine` into `store` (a `mem://` one);
     `trained` (the loader's ledger) skips tasks already in the model; `island` is this rank's
-    target-TP island (None or tp == 1: none)."""
+    target-TP island (None or tp == 1: none); `window`: the samples of one optimizer step
+    on this rank (micro_batch x accumulation), what the store must be able to hold."""
 
     def __init__(
         self,
@@ -49,6 +54,7 @@ class ColocatedSource(LeaseSettlement):
         trained: Trained | None = None,
         capture_device=None,
         island: Island | None = None,
+        window: int = 1,
     ):
         self.runbus, self.bus, self.run, self.group = run, run.bus, run.run, group
         # On a GPU rank the features stay where the target computed them: the trainer reads
@@ -69,6 +75,12 @@ class ColocatedSource(LeaseSettlement):
         # this, the run could end before its next delivery (and its dead letter).
         self._retrying: dict[int, float] = {}
         self._stream = None  # CUDA: the capture stream (see _capture_on_stream)
+        # Captured tasks waiting for room in the store (lease, features, trace link), kept
+        # leased by `_room_beat` until the loader releases a trained window.
+        self.window = window
+        self._stashed: list[tuple[Lease, dict, object]] = []
+        self._room_beat = None
+        self._stashed_since = self._reported = 0.0
 
     def _capture_on_stream(self, tasks: list[PromptTask]) -> list:
         """Capture on a stream of its own on a GPU rank, so that with
@@ -102,6 +114,11 @@ class ColocatedSource(LeaseSettlement):
         leases for the island; see the module doc); [] after `timeout_s` when nothing came."""
         if self.island is not None:
             return await self._take_island(n, timeout_s)
+        if self._stashed:  # captures waiting for room come first, and no new lease meanwhile
+            items = await self._unstash()
+            if not items:
+                await asyncio.sleep(timeout_s)
+            return items
         leases = []
         for lease in await self.group.fetch(n, timeout_s):
             self._retrying.pop(lease.seq, None)
@@ -121,16 +138,54 @@ class ColocatedSource(LeaseSettlement):
             results = await asyncio.to_thread(self._capture_on_stream, tasks)
             link = link_to_current()  # the step that trains them follows from this capture
         self.stats["capture_s"] += loop.time() - t0
-        items = []
         for lease, result in zip(leases, results, strict=True):
             if isinstance(result, Exception):
                 await self._failed(lease, result)
-                continue
-            with self._on_capture_stream():
-                items.append(self._stored_item(lease, result))
-            items[-1].links.append(link)
-            self.stats["captured"] += 1
+            else:
+                self._stashed.append((lease, result, link))
+                self.stats["captured"] += 1
+        return await self._unstash()
+
+    async def _unstash(self) -> list[Item]:
+        """Store the captures waiting for room, in order, until one does not fit (it waits,
+        leased and kept alive, for the loader to release a trained window: a full store is
+        not the task's failure). Raises `StoreFull` when the store cannot hold one window."""
+        items = []
+        while self._stashed:
+            lease, features, link = self._stashed[0]
+            try:
+                with self._on_capture_stream():
+                    item = self._stored_item(lease, features)
+            except StoreFull as e:
+                await self._wait_for_room(e)
+                break
+            self._stashed.pop(0)
+            item.links.append(link)
+            items.append(item)
+        if not self._stashed and self._stashed_since:
+            log.info("room in the rank's store after %.1fs", time.monotonic() - self._stashed_since)
+            self._stashed_since = 0.0
         return items
+
+    async def _wait_for_room(self, error: StoreFull) -> None:
+        usage = self.store.usage()
+        if usage.num_samples < self.window:  # the loader can never hold a whole window
+            raise StoreFull(
+                f"store.budget_bytes={usage.budget_bytes} cannot hold one window of "
+                f"{self.window} samples on this rank (it holds {usage.num_samples}, "
+                f"{usage.resident_bytes} B, and the next does not fit: {error}); raise "
+                "store.budget_bytes"
+            ) from error
+        now = time.monotonic()
+        if not self._stashed_since:
+            self._stashed_since = self._reported = now
+            if self._room_beat is None:  # every lease this member holds, stashed ones too
+                self._room_beat = await self.group.heartbeat().__aenter__()
+        elif now - self._reported >= 30:
+            self._reported = now
+            log.info("%d captured tasks wait %.0fs for room in the rank's store (%d of %d B, "
+                     "%d samples): %s", len(self._stashed), now - self._stashed_since,
+                     usage.resident_bytes, usage.budget_bytes, usage.num_samples, error)  # fmt: skip
 
     def _trained(self, lease: Lease) -> bool:
         return self.trained is not None and self.trained.contains(
@@ -256,6 +311,9 @@ class ColocatedSource(LeaseSettlement):
         return await self._upstream_view()
 
     async def _upstream_view(self) -> Upstream:
+        if self._stashed:
+            return Upstream(False, waiting_for=f"{len(self._stashed)} captured tasks waiting "
+                            "for room in this rank's store")  # fmt: skip
         now = asyncio.get_running_loop().time()
         self._retrying = {seq: due for seq, due in self._retrying.items() if due > now}
         if self._retrying:
@@ -292,9 +350,11 @@ class ColocatedSource(LeaseSettlement):
             await asyncio.to_thread(worker.join, 120)
             if worker.is_alive():
                 log.warning("island worker of rank %d did not stop", self.island.rank)
-        if self._beat is not None:
-            await self._beat.__aexit__(None, None, None)
-            self._beat = None
+        for beat in (self._beat, self._room_beat):
+            if beat is not None:
+                await beat.__aexit__(None, None, None)
+        self._beat = self._room_beat = None
+        self._stashed.clear()  # still leased: given back below
         await super().give_back()
 
     def close(self) -> None:

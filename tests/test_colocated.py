@@ -168,3 +168,44 @@ def test_colocated_prefetch_overlaps_capture_and_bounds_residency(
     assert window * sample_bytes < max(peaks) <= 2 * window * sample_bytes
     lineage = cluster.checkpoint_state()["lineage"]
     assert len(lineage) == len(set(lineage)) == 24
+
+
+@pytest.mark.slow
+def test_colocated_capture_waits_leased_for_room_in_a_full_store(
+    tmp_path, tiny_target, nats_server, run_id
+):
+    """Issue 33: a budget of 1.5 windows with colocated_prefetch=1: the next window's second
+    capture does not fit while the step trains the first. It waits, leased, until the step
+    releases its window (no delivery spent, nothing dead); before, the put's StoreFull ended
+    the rank."""
+    budget = 3 * sample_bytes  # a window is 2 samples: one and a half windows
+    cfg, cluster = run_two_colocated_ranks(
+        tmp_path, tiny_target, nats_server, run_id, 24, "deployment.colocated_prefetch=1",
+        f"store.budget_bytes={budget}",
+    )  # fmt: skip
+    lineage = cluster.checkpoint_state()["lineage"]
+    assert len(lineage) == len(set(lineage)) == 24
+    peaks = [row["store_peak_bytes"] for row in cluster.checkpoint_state()["history"]]
+    assert max(peaks) <= budget
+    logs = cluster.log("trainer-0") + cluster.log("trainer-1")
+    assert "room in the rank's store after" in logs  # the store was full, mid-run
+    assert "24 samples, 0 dead letters" in cluster.log("trainer-0")
+
+
+@pytest.mark.slow
+def test_colocated_budget_below_one_window_is_refused(tmp_path, tiny_target, nats_server, run_id):
+    """A store that cannot hold one window could never train: refused, naming the setting."""
+    data = write_tokenised_data(tmp_path / "data.jsonl", 8, lengths=(40, 40))
+    cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
+                          overrides=["deployment.mode=colocated",
+                                     f"store.budget_bytes={3 * sample_bytes // 2}"])  # fmt: skip
+    cluster = Cluster(cfg, tmp_path / "procs", nats_server.url)
+    try:
+        cluster.start("feeder", "feed")
+        cluster.trainers(2)
+        codes = cluster.wait("feeder", "trainer-0", "trainer-1", timeout=180)
+    finally:
+        cluster.stop()
+    assert codes["trainer-0"] != 0 or codes["trainer-1"] != 0
+    logs = cluster.log("trainer-0") + cluster.log("trainer-1")
+    assert "cannot hold one window of 2 samples" in logs and "store.budget_bytes" in logs

@@ -279,3 +279,57 @@ def test_a_server_without_the_layer_is_named(served, nats_server):
     engine.close()
     assert ack_floor(cfg, nats_server.url) == 0  # nothing acked: the tasks stay for a producer
     assert lease_refs(nats_server.url, cfg.run, 2) == []
+
+
+def producers_consumer(cfg, bus_url) -> tuple[int, int, int]:
+    """(redelivered, ack-pending, pending) of the run's producers' group."""
+
+    async def go():
+        async with await connect(cfg.bus, bus_url, name="test-consumer") as bus:
+            run = await declare(bus, cfg.bus, cfg.run)
+            info = await bus.js.consumer_info(run.names.tasks_stream, PRODUCERS)
+            return info.num_redelivered, info.num_ack_pending, info.num_pending
+
+    return asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_a_shed_capture_waits_leased_and_spends_no_delivery(served, nats_server):
+    """Issue 33: the intake sheds (429) while the store is at its watermark. The driven
+    producer keeps the task leased and drives it again once there is room; before, each shed
+    was a nak, and a task shed `max_deliver` times was dead-lettered and never trained."""
+    from specbus.core.store import open_store
+
+    (cfg, store, cap, thread), make = served
+    server = make().start()
+    tasks = tasks_of(cfg.run, 2)
+    engine = engine_for(cfg, thread, server.url)
+    # 95 % of the budget: the intake sheds every capture (its watermark is 90 %). The
+    # producer paces on a view of the store with a larger budget, as one whose poll raced the
+    # intake's would, so it leases the tasks and meets the shed.
+    ballast = store.put("ballast", {"x": torch.zeros(int(0.95 * cfg.store.budget_bytes),
+                                                     dtype=torch.uint8)})  # fmt: skip
+    view = open_store(store.uri, budget_bytes=1 << 40)
+    t0: list[float] = []
+
+    def make_room(worker):  # after 5 s of sheds (25 nak delays, max_deliver 3): room
+        t0.append(time.monotonic())
+        if ballast and t0[-1] - t0[0] > 5.0:
+            store.release(ballast)
+            ballast.clear()
+        # a task the broker dead-lettered is never acked: fail rather than wait forever
+        assert t0[-1] - t0[0] < 120, f"{worker.stats.tasks} of 2 tasks acked in 120 s"
+
+    try:
+        worker, seqs, floor = asyncio.run(
+            drive(cfg, nats_server.url, engine, view, tasks, on_progress=make_room)
+        )
+    finally:
+        view.close()
+    engine.close()
+    assert not ballast  # the room came mid-run, after the sheds
+    assert (worker.stats.tasks, worker.stats.dead_letters) == (2, 0)
+    assert floor == max(seqs.values())
+    assert producers_consumer(cfg, nats_server.url) == (0, 0, 0)  # one delivery each
+    assert worker.stats.store_waits >= 1 and worker.stats.store_wait_s > 4.0  # it was shed
+    check_refs(nats_server.url, cfg, store, cap, tasks, seqs)

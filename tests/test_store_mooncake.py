@@ -19,7 +19,7 @@ from specbus.core.errors import FeatureMissing, IntegrityError, StoreFull, Store
 from specbus.core.store import open_store, purge_store
 from specbus.ops.services.mooncake import MooncakeServices
 
-from tests.fixtures.mooncake import FAST, mooncake_store_config
+from tests.fixtures.mooncake import CLIENT, FAST, mooncake_store_config
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.mooncake
@@ -297,6 +297,39 @@ def test_start_mooncake_for_specbus_up(tmp_path):
         assert store.usage().capacity_bytes == 32 << 20 and store.usage().budget_bytes == 64 << 20
         store.close()
         other.close()
+    finally:
+        services.stop()
+
+
+def test_the_budget_is_the_segment_so_the_masters_refusal_is_exact(tmp_path, store_id):
+    """`specbus store` sizes the node's segment to `store.budget_bytes` (issue 33): the
+    master's own refusal bounds every writer, whatever each one's sampled count says. Two
+    writers whose counts are stale (each sees only its own puts) put 24 MiB into a 16 MiB
+    budget: the master refuses what does not fit (StoreFull), and nothing beyond the budget
+    is ever resident. Before, the segment was 1 GiB and both counts let every put through."""
+    from specbus.core.config import StoreConfig
+    from specbus.ops.services.mooncake import start_mooncake
+
+    budget = 16 << 20
+    cfg = StoreConfig(uri=f"mooncake://{store_id}", budget_bytes=budget)
+    services, store_cfg = start_mooncake(cfg, tmp_path, **FAST)
+    try:
+        stale = store_cfg.mooncake.model_copy(update={**CLIENT, "usage_refresh_s": 3600.0})
+        writers = [open_store(store_cfg.model_copy(update={"mooncake": stale})) for _ in range(2)]
+        assert writers[0].usage().capacity_bytes == budget
+        refused = 0
+        for i in range(12):
+            for w, store in enumerate(writers):
+                try:
+                    store.put(f"w{w}-{i}", {"h": torch.ones(1 << 18)})  # 1 MiB
+                except StoreFull as e:
+                    assert "full (code -200)" in str(e)
+                    refused += 1
+                assert store.usage().resident_bytes <= budget
+        assert refused >= 8  # 24 MiB offered, at most 16 taken
+        for store in writers:
+            store.purge()
+            store.close()
     finally:
         services.stop()
 

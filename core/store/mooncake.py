@@ -81,8 +81,9 @@ def mooncake_uri(store_id: str, mc: MooncakeConfig) -> str:
 
 class MooncakeStore(StoreBase):
     """A `FeatureStore` on the Mooncake cluster `mc` names (see the module doc); `cfg`'s
-    budget is checked against the whole cluster's allocated bytes. Raises
-    `StoreUnavailable` when the master cannot be reached."""
+    budget is the master's refusal where the cluster is no larger (a segment sized to it),
+    else checked against the whole cluster's allocated bytes. Raises `StoreUnavailable` when
+    the master cannot be reached."""
 
     def __init__(self, cfg: StoreConfig, store_id: str, mc: MooncakeConfig):
         self.cfg = cfg
@@ -94,13 +95,14 @@ class MooncakeStore(StoreBase):
         self.uri = mooncake_uri(store_id, mc)
         self._admin = MooncakeAdmin(mc, self.uri)
         self._conn = connect(mc)
+        self._admin.check_budget(cfg.budget_bytes)
         self._client = self._conn.client
         self._pool = self._conn.pool
         self._replicate = self._conn.replicate
         self._in_place = mc.protocol == "tcp"
         self._peak = 0
         self._metrics_at = -1e9
-        self._metrics_seen = self._put_since = 0
+        self._metrics_seen = self._put_since = self._capacity_seen = 0
         self._screener = Screener()
         self._gc_seen: dict[tuple[str, int], float] = {}
         self._releases = Releases(self._client, mc, self.uri)
@@ -122,8 +124,12 @@ class MooncakeStore(StoreBase):
             self.store_id, sample_id, gen, tensors, crc=self.cfg.crc, screen=False
         )
         nbytes = sum(s.nbytes for s in specs.values())
-        allocated = self._allocated()
-        if allocated + nbytes > self.cfg.budget_bytes:
+        allocated, capacity = self._allocated()
+        # The store node's segment is the budget (`specbus store` sizes it so): the master's
+        # refusal of a put that does not fit is the exact check, atomic across writers
+        # (-200: StoreFull). Only a cluster larger than the budget needs this one, which
+        # other writers' puts since the last sample can overshoot (docs/store.md, "Budget").
+        if capacity > self.cfg.budget_bytes and allocated + nbytes > self.cfg.budget_bytes:
             raise StoreFull(
                 f"{self.uri}: putting sample {sample_id!r} ({nbytes} B) would exceed the budget "
                 f"({allocated} of {self.cfg.budget_bytes} B in use)"
@@ -179,15 +185,15 @@ class MooncakeStore(StoreBase):
             return torch.empty(shape, dtype=dtype)
         return self._pool.tensor(off, nbytes).view(dtype).reshape(shape)
 
-    def _allocated(self) -> int:
-        """Bytes in the store for the budget check: the master's count, refreshed every
-        `usage_refresh_s`, plus what this handle put since (an HTTP call per put would cost
-        ~1 ms, a quarter of a 4 MB transfer)."""
+    def _allocated(self) -> tuple[int, int]:
+        """(bytes in the store, the cluster's capacity) for the budget check: the master's
+        counts, refreshed every `usage_refresh_s`, plus what this handle put since (an HTTP
+        call per put would cost ~1 ms, a quarter of a 4 MB transfer)."""
         now = time.monotonic()
         if now - self._metrics_at >= self.mc.usage_refresh_s:
-            self._metrics_seen, _ = self._admin.metrics()
+            self._metrics_seen, self._capacity_seen = self._admin.metrics()
             self._metrics_at, self._put_since = now, 0
-        return self._metrics_seen + self._put_since
+        return self._metrics_seen + self._put_since, self._capacity_seen
 
     def _hold_direct(self, kept: Mapping[str, torch.Tensor], held: list[int]) -> set[str]:
         """Names of the tensors that go from their own memory, no staging copy: those in the

@@ -9,12 +9,26 @@ answer within `mooncake.http_timeout_s`.
 from __future__ import annotations
 
 import json
+import logging
 import urllib.error
 import urllib.parse
 import urllib.request
 
 from specbus.core.config import MooncakeConfig
 from specbus.core.errors import StoreUnavailable
+
+log = logging.getLogger("specbus.core.store.mooncake")
+_warned: set[str] = set()  # clusters whose approximate budget this process named already
+
+# Mooncake 0.3.13 mounts no segment smaller than this (the node's setup fails with -600).
+MIN_SEGMENT_BYTES = 16 << 20
+
+
+def segment_bytes_for(budget_bytes: int, segment_bytes: int | None) -> int:
+    """The store node's segment for a store of `budget_bytes`: `segment_bytes` when given,
+    else the budget itself (so that the master's refusal is the budget's exact check), at
+    least Mooncake's smallest segment."""
+    return segment_bytes if segment_bytes is not None else max(budget_bytes, MIN_SEGMENT_BYTES)
 
 
 def admin_address(mc: MooncakeConfig) -> str:
@@ -47,6 +61,26 @@ class MooncakeAdmin:
             if name in ("master_allocated_bytes", "master_total_capacity_bytes"):
                 values[name] = int(float(value))
         return values.get("master_allocated_bytes", 0), values.get("master_total_capacity_bytes", 0)
+
+    def check_budget(self, budget_bytes: int) -> None:
+        """Say once per cluster and process when its capacity exceeds `budget_bytes`: puts
+        are then bounded by a sampled count that concurrent writers can overshoot, not by
+        the master's own refusal (a segment sized to the budget). Never raises."""
+        try:
+            capacity = self.metrics()[1]
+        except StoreUnavailable:
+            return
+        if capacity > budget_bytes and self.url not in _warned:
+            _warned.add(self.url)
+            log.warning(
+                "%s: the Mooncake cluster holds %d B, more than store.budget_bytes=%d: the "
+                "budget is checked against the master's count sampled every "
+                "mooncake.usage_refresh_s plus this process's puts, which several writers "
+                "can overshoot (by what they put meanwhile; the segment still bounds memory). "
+                "For an exact budget, size the store node's segment to it (`specbus store` "
+                "does, from %d B up: Mooncake's smallest segment)",
+                self.uri, capacity, budget_bytes, MIN_SEGMENT_BYTES,
+            )  # fmt: skip
 
     def list_keys(self, store_id: str) -> list[str]:
         """Every key of the store `store_id` (keys are `{store_id}/...`)."""

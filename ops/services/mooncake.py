@@ -28,6 +28,7 @@ from pathlib import Path
 from specbus.core.config import MooncakeConfig, StoreConfig
 from specbus.core.store import parse_uri
 from specbus.core.store.mooncake import mooncake_uri
+from specbus.core.store.mooncake_admin import segment_bytes_for
 from specbus.ops.services.common import (
     LOOPBACK,
     ServiceError,
@@ -284,9 +285,10 @@ def start_mooncake(
     store: StoreConfig, run_dir: str | Path, **kw
 ) -> tuple[MooncakeServices, StoreConfig]:
     """Start the services sized by the store config under `<run_dir>/mooncake` and return them
-    with the StoreConfig a client uses (its URI carries the addresses). `specbus store` runs
-    them as a service of its own (`ops/up.py`)."""
-    services = MooncakeServices(
-        Path(run_dir) / "mooncake", segment_bytes=store.mooncake.segment_bytes, **kw
-    ).start()
+    with the StoreConfig a client uses (its URI carries the addresses). The node's segment is
+    `store.mooncake.segment_bytes`, by default `store.budget_bytes`: the master's refusal is
+    then the budget's exact check (`segment_bytes_for`). `specbus store` runs them as a
+    service of its own (`ops/up.py`)."""
+    segment = segment_bytes_for(store.budget_bytes, store.mooncake.segment_bytes)
+    services = MooncakeServices(Path(run_dir) / "mooncake", segment_bytes=segment, **kw).start()
     return services, client_store_config(store, services)

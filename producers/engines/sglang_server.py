@@ -42,6 +42,12 @@ class Shed(CaptureError):
     """The intake shed or could not publish the capture (retry later)."""
 
 
+class Unheard(CaptureError):
+    """The server answered, but the intake never heard of this capture within
+    `target.capture_wait_s` though it heard of earlier ones: the server's sink dropped it
+    (its queue full, the store full, or the capture failed there)."""
+
+
 class SGLangServerEngine:
     """A running SGLang server as the target (module doc). `intake_url` / `token`: the run's
     intake (its outcomes); the fingerprints come from the intake's handshake."""
@@ -137,8 +143,8 @@ class SGLangServerEngine:
     def _unheard(self, rid: str) -> CaptureError:
         where = f"{self.server} server {self.url} answered {rid}, but the intake {self.intake_url}"
         if self._heard:
-            return CaptureError(f"{where} did not hear of its capture within "
-                                f"{self.cfg.capture_wait_s:g}s (sink queue full or store full?)")  # fmt: skip
+            return Unheard(f"{where} did not hear of its capture within "
+                           f"{self.cfg.capture_wait_s:g}s (sink queue full or store full?)")  # fmt: skip
         return LayerNotApplied(f"{where} never heard of its capture within "
                                f"{self.cfg.capture_wait_s:g}s: is the capture layer applied and "
                                f"on? {self.launch}")  # fmt: skip

@@ -50,6 +50,10 @@ from specbus.producers.live.wire import (
 
 log = logging.getLogger("specbus.sink")
 
+# A driven capture that meets a full store waits this long for room (below the producers'
+# default `target.capture_wait_s` of 30 s, so that its answer still reaches them).
+DRIVEN_ROOM_WAIT_S = 10.0
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
            "uint8": torch.uint8, "bool": torch.bool}  # fmt: skip
@@ -310,7 +314,7 @@ class CaptureSink:
             self._count("too_short")
             return
         try:
-            specs = self._store.put(capture.sample_id, tensors, gen)
+            specs = self._put(capture.sample_id, tensors, gen, driven=driven is not None)
         except StoreFull:
             self._count("store_full")
             return
@@ -332,6 +336,23 @@ class CaptureSink:
         self._count(outcome)
         if outcome not in ("accepted", "duplicate"):
             self._drop(specs)
+
+    def _put(self, sample_id: str, tensors: dict, gen: int, *, driven: bool) -> dict:
+        """`store.put`. A full store drops a live capture at once (sampled traffic), while a
+        driven one (a producer's task, leased while the producer waits for the intake's
+        answer) waits up to `DRIVEN_ROOM_WAIT_S` for room: its producer would otherwise
+        wait `target.capture_wait_s` for an answer that never comes, then drive it again."""
+        from specbus.core.errors import StoreFull
+
+        deadline, delay = time.monotonic() + (DRIVEN_ROOM_WAIT_S if driven else 0.0), 0.05
+        while True:
+            try:
+                return self._store.put(sample_id, tensors, gen)
+            except StoreFull:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     def _task(self, seq: int) -> dict:
         resp = self._http().get(f"{self.intake_url}{TASKS_PATH}/{seq}", timeout=10.0)
