@@ -21,11 +21,22 @@ t) and the attention mask is `valid_BW`, so a row attends exactly to its verifie
 Once the dead columns exceed `slack` (or sequences leave the batch, `retire`) a cache is
 compacted: each row's valid columns gathered to the right (`right_align`), one gather per
 layer. Keys are cached after the rotary embedding, so moving a column changes nothing.
+
+Host round trips: a greedy round waits for the device once (the target's argmax and the
+drafts, fetched together, decide each row's acceptance on the host). The drafts stay on the
+device from the chain to the verify forward, and what the host adds (the rows' next tokens,
+positions, the emitted tokens the drafter extends with) goes over in one copy each, from
+pinned memory without waiting. On a GPU shared by several processes every wait for the
+device also waits for the others' time slices: the first batched server on an H200 (three
+replicas and a trainer on one GPU) waited ~65 times a round, one small tensor per row, and
+ran ~0.3 s a round. Sampled rows draw on the host (the request's own CPU generator), one
+wait per draw.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -43,32 +54,55 @@ from specbus.core.models.llama_eagle3 import DecodeCache
 from specbus.core.models.target import AuxCapture
 from torch import nn
 
-Proposal = tuple[list[int], list[torch.Tensor]]  # drafts, and their distributions when sampling
+
+@dataclass
+class Proposals:
+    """A round's drafts: row j's first `counts[j]` (<= its `k[j]`) entries of `drafts_BK` (the
+    rest of the row is filler, never accepted) and, when row j samples, the distribution each
+    of its drafts was drawn from (`q_probs[j]`; [] when greedy)."""
+
+    drafts_BK: torch.Tensor
+    counts: list[int]
+    q_probs: list[list[torch.Tensor]]
 
 
 class BatchDrafter(Protocol):
     """The draft's side of a `SpecBatch`: row j is the batch's j-th sequence."""
 
-    def extend(self, aux_TA: Sequence[torch.Tensor], follow_T: Sequence[torch.Tensor],
+    def extend(self, aux_BTA: torch.Tensor, follow_BT: torch.Tensor, lengths: Sequence[int],
                start: Sequence[int]) -> None:  # fmt: skip
-        """Per row: forget context positions from `start[j]` on, then add the positions of
-        `aux_TA[j]` (the target's aux features of token p) and `follow_T[j]` (token p + 1)."""
+        """Per row j: forget context positions from `start[j]` on, then add its first
+        `lengths[j]` positions p = start[j] + t: the target's aux features of token p
+        (`aux_BTA[j, t]`) and token p + 1 (`follow_BT[j, t]`)."""
 
     def propose(self, next_tok: Sequence[int], n: Sequence[int], k: Sequence[int],
-                sampling: Sequence[Sampling | None]) -> list[Proposal]:  # fmt: skip
+                sampling: Sequence[Sampling | None]) -> Proposals:  # fmt: skip
         """Per row, up to `k[j]` drafts after its `n[j]` verified tokens (`Drafter.propose`)."""
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep these rows only, in this order (finished sequences leave the batch)."""
 
 
-def right_align(valid_BW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def to_device(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """Host numbers (a list, nested lists) as a tensor on `device`: on CUDA copied from pinned
+    memory without waiting for the device (a pageable copy can wait for the whole stream)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def right_align(
+    valid_BW: torch.Tensor, keep: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gather that packs every row's valid columns to the right, order kept: (`index_BV`,
-    `valid_BV`), V = the most valid columns of a row; the index of a padding column is 0."""
+    `valid_BV`), V = `keep`, the most valid columns of a row (counted here when None: one
+    wait for the device); the index of a padding column is 0."""
     width = valid_BW.shape[1]
     cols = torch.arange(width, device=valid_BW.device).expand_as(valid_BW)
     ordered = torch.where(valid_BW, cols, -1).sort(dim=1).values  # -1 (invalid) first
-    keep = int(valid_BW.sum(1).max()) if valid_BW.numel() else 0
+    if keep is None:
+        keep = int(valid_BW.sum(1).max()) if valid_BW.numel() else 0
     index = ordered[:, width - keep :]
     return index.clamp(min=0), index >= 0
 
@@ -81,7 +115,7 @@ def _gather(x_BNWD: torch.Tensor, rows: torch.Tensor, index_BV: torch.Tensor) ->
 
 def _forget_from(valid_BW: torch.Tensor, start: Sequence[int]) -> torch.Tensor:
     """`valid_BW` with each row's valid columns past its first `start[j]` turned invalid."""
-    limit = torch.tensor(list(start), device=valid_BW.device)[:, None]
+    limit = to_device(list(start), valid_BW.device)[:, None]
     return valid_BW & (valid_BW.long().cumsum(1) <= limit)
 
 
@@ -99,15 +133,20 @@ class RowDrafters:
     def __init__(self, drafters: Sequence[Drafter]):
         self.drafters = list(drafters)
 
-    def extend(self, aux_TA, follow_T, start) -> None:
+    def extend(self, aux_BTA, follow_BT, lengths, start) -> None:
         """Each row's `Drafter.extend`."""
-        for d, a, f, s in zip(self.drafters, aux_TA, follow_T, start, strict=True):
-            d.extend(a[None], f, s)
+        for j, (d, m, s) in enumerate(zip(self.drafters, lengths, start, strict=True)):
+            d.extend(aux_BTA[j : j + 1, :m], follow_BT[j, :m], s)
 
-    def propose(self, next_tok, n, k, sampling) -> list[Proposal]:
+    def propose(self, next_tok, n, k, sampling) -> Proposals:
         """Each row's `Drafter.propose`."""
-        return [d.propose(t, m, kk, s)
-                for d, t, m, kk, s in zip(self.drafters, next_tok, n, k, sampling, strict=True)]  # fmt: skip
+        got = [d.propose(t, m, kk, s)
+               for d, t, m, kk, s in zip(self.drafters, next_tok, n, k, sampling, strict=True)]  # fmt: skip
+        width = max(k, default=0)
+        rows = [(list(d[:kk]) + [0] * width)[:width] for (d, _), kk in zip(got, k, strict=True)]
+        drafts = torch.tensor(rows, dtype=torch.long).view(len(rows), width)  # moved by the batch
+        counts = [min(len(d), kk) for (d, _), kk in zip(got, k, strict=True)]
+        return Proposals(drafts, counts, [q for _, q in got])
 
     def select(self, rows) -> None:
         """Keep these rows' drafters."""
@@ -126,78 +165,80 @@ class ChainBatch:
         self.last_h: torch.Tensor | None = None  # [B, 1, H]
         self.n: list[int] = []  # verified positions of each row in the cache
 
-    def extend(self, aux_TA, follow_T, start) -> None:
+    def extend(self, aux_BTA, follow_BT, lengths, start) -> None:
         """Drop each row's positions from `start[j]` on (the chain's own, a rejection's), add
-        the new ones at positions start[j].. (ragged: a padded block, its padding invalid)."""
-        lengths = [int(f.numel()) for f in follow_T]
-        rows, width = len(lengths), max(lengths)
-        device = follow_T[0].device
+        the new ones at positions start[j].. (ragged: the block's padding is invalid)."""
+        rows, width = follow_BT.shape
+        device = follow_BT.device
         cache = self.cache
         if cache.valid_BL is None:
             cache.valid_BL = torch.zeros((rows, 0), dtype=torch.bool, device=device)
         old = _forget_from(cache.valid_BL, start)
+        lens_start = to_device([list(lengths), list(start)], device)
         t = torch.arange(width, device=device)
-        new_BT = t[None] < torch.tensor(lengths, device=device)[:, None]
-        positions_BT = torch.tensor(list(start), device=device)[:, None] + t[None]
-        cache.valid_BL = torch.cat([old, new_BT], dim=1)
-        aux = _pad_rows([a.to(self.dtype) for a in aux_TA], width)
-        hidden = self.draft.backbone(self.draft.embed(_pad_rows(list(follow_T), width)),
-                                     self.draft.project(aux), positions_BT, cache)  # fmt: skip
-        last = torch.tensor([n - 1 for n in lengths], device=device)
-        self.last_h = hidden[torch.arange(rows, device=device), last][:, None]
-        self.n = [s + n for s, n in zip(start, lengths, strict=True)]
+        cache.valid_BL = torch.cat([old, t[None] < lens_start[0][:, None]], dim=1)
+        positions_BT = lens_start[1][:, None] + t[None]
+        hidden = self.draft.backbone(self.draft.embed(follow_BT),
+                                     self.draft.project(aux_BTA.to(self.dtype)), positions_BT,
+                                     cache)  # fmt: skip
+        self.last_h = hidden[torch.arange(rows, device=device), lens_start[0] - 1][:, None]
+        self.n = [s + m for s, m in zip(start, lengths, strict=True)]
         if cache.valid_BL.shape[1] - max(self.n) > self.slack:
-            self._compact(torch.arange(rows, device=device))
+            self._compact(list(range(rows)))
 
-    def propose(self, next_tok, n, k, sampling) -> list[Proposal]:
+    def propose(self, next_tok, n, k, sampling) -> Proposals:
         """Up to `k[j]` drafts per row (`ChainDrafter.propose`), the chain run as far as the
-        longest; a row past its own `k[j]` is fed a filler and draws nothing (its random
-        stream is the batch-1 session's). The chain's positions stay in the cache until the
-        next `extend` forgets them."""
+        longest (a greedy chain stays on the device: no wait); a sampling row past its own
+        `k[j]` is fed a filler and draws nothing (its random stream is the batch-1
+        session's). The chain's positions stay in the cache until the next `extend`."""
         del next_tok  # the chain starts from the output at n-1
         most = max(k, default=0)
-        drafts: list[list[int]] = [[] for _ in k]
         q_probs: list[list[torch.Tensor]] = [[] for _ in k]
-        if most <= 0:
-            return list(zip(drafts, q_probs, strict=True))
         draft, cache, hidden = self.draft, self.cache, self.last_h
         device = hidden.device
+        greedy = all(s is None for s in sampling)
+        n_B = to_device(list(n), device)
+        tokens: list[torch.Tensor] = []
         for i in range(1, most + 1):
             logits_BV = draft.compute_logits(hidden)[:, -1]
             ids = logits_BV.argmax(-1)
-            greedy = (ids + draft.d2t[ids]).tolist()
-            fed = []
-            for j, s in enumerate(sampling):
-                if i > k[j]:
-                    fed.append(0)
-                    continue
-                if s is None:
-                    token = greedy[j]
-                else:
-                    q_d = s.draft_probs(logits_BV[j])
-                    token = _to_target(draft, torch.tensor(s.draw(q_d), device=device))
-                    q_probs[j].append(_on_target_vocab(draft, q_d))
-                drafts[j].append(token)
-                fed.append(token)
+            fed = ids + draft.d2t[ids]
+            if not greedy:
+                fed = self._drawn(fed, logits_BV, i, k, sampling, q_probs)
+            tokens.append(fed)
             if i < most:
-                positions = torch.tensor([[m - 1 + i] for m in n], device=device)
                 ones = torch.ones((len(k), 1), dtype=torch.bool, device=device)
                 cache.valid_BL = torch.cat([cache.valid_BL, ones], dim=1)
-                hidden = draft.backbone(draft.embed(torch.tensor(fed, device=device)[:, None]),
-                                        hidden, positions, cache)  # fmt: skip
-        return list(zip(drafts, q_probs, strict=True))
+                hidden = draft.backbone(draft.embed(fed[:, None]), hidden,
+                                        (n_B - 1 + i)[:, None], cache)  # fmt: skip
+        drafts = torch.stack(tokens, 1) if tokens else torch.zeros((len(k), 0), dtype=torch.long,
+                                                                   device=device)  # fmt: skip
+        return Proposals(drafts, list(k), q_probs)
+
+    def _drawn(self, greedy_B, logits_BV, i: int, k, sampling, q_probs) -> torch.Tensor:
+        """Chain step i with sampling rows: each draws from the draft at its temperature with
+        its own generator (a row past its `k[j]` is fed its argmax and draws nothing)."""
+        draft, fed = self.draft, greedy_B.tolist()
+        for j, s in enumerate(sampling):
+            if s is None or i > k[j]:
+                continue
+            q_d = s.draft_probs(logits_BV[j])
+            fed[j] = _to_target(draft, torch.tensor(s.draw(q_d), device=logits_BV.device))
+            q_probs[j].append(_on_target_vocab(draft, q_d))
+        return to_device(fed, logits_BV.device)
 
     def select(self, rows) -> None:
         """Keep these rows (compacting the cache)."""
-        index = torch.tensor(list(rows), dtype=torch.long, device=self.last_h.device)
-        self._compact(index)
-        self.last_h = self.last_h.index_select(0, index)
+        self._compact(list(rows))
+        self.last_h = self.last_h.index_select(0, to_device(list(rows), self.last_h.device))
         self.n = [self.n[j] for j in rows]
 
-    def _compact(self, rows: torch.Tensor) -> None:
+    def _compact(self, rows: list[int]) -> None:
         cache = self.cache
-        index, valid = right_align(cache.valid_BL.index_select(0, rows))
-        cache.k, cache.v = _gather(cache.k, rows, index), _gather(cache.v, rows, index)
+        index_rows = to_device(rows, cache.valid_BL.device)
+        index, valid = right_align(cache.valid_BL.index_select(0, index_rows),
+                                   keep=max(self.n[j] for j in rows))  # fmt: skip
+        cache.k, cache.v = _gather(cache.k, index_rows, index), _gather(cache.v, index_rows, index)
         cache.valid_BL = valid
 
 
@@ -257,10 +298,14 @@ class SpecBatch:
         self.tokens = [[t] for t in self.next_tok]  # generated so far (the prefill's first)
         self.accepted: list[list[int]] = [[] for _ in prompts]  # drafts accepted per round
         self._seq = [[*p.tolist(), t] for p, t in zip(prompts, self.next_tok, strict=True)]
-        mine = [aux_BWA[i, self.pads[i] :] for i in self.rows]
-        self._aux = [[a] for a in mine] if keep_aux else None
-        drafter.extend(mine, [self._follow(i, 0, n) for i, n in enumerate(lengths)],
-                       [0] * len(prompts))  # fmt: skip
+        # the drafter's context: each prompt's positions, moved to the left of its row
+        t = torch.arange(width)
+        index = to_device((t[None] + torch.tensor(self.pads)[:, None]).clamp(max=width - 1).tolist(),
+                          self.device)  # fmt: skip
+        aux_BTA = aux_BWA.gather(1, index[..., None].expand(-1, -1, aux_BWA.shape[-1]))
+        self._aux = [[aux_BTA[i, :n]] for i, n in enumerate(lengths)] if keep_aux else None
+        follow = [self._seq[i][1 : n + 1] + [0] * (width - n) for i, n in enumerate(lengths)]
+        drafter.extend(aux_BTA, to_device(follow, self.device), lengths, [0] * len(prompts))
 
     def _first(self, i: int, logits_V: torch.Tensor) -> int:
         s = self.sampling[i]
@@ -283,25 +328,24 @@ class SpecBatch:
         (tokens emitted, drafts accepted)."""
         rows, k = self.rows, [max(int(x), 0) for x in k]
         old_n = [self.n[i] for i in rows]
-        props = self.drafter.propose([self.next_tok[i] for i in rows], old_n, k,
-                                     [self.sampling[i] for i in rows])  # fmt: skip
-        drafts = [p[0][:kk] for p, kk in zip(props, k, strict=True)]
-        width = 1 + max(len(d) for d in drafts)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, (i, d) in enumerate(zip(rows, drafts, strict=True)):
-            ids[j, : 1 + len(d)] = torch.tensor([self.next_tok[i], *d])
-        positions = torch.tensor(old_n)[:, None] + torch.arange(width)[None]
-        logits = self._forward(ids, positions, torch.ones_like(ids, dtype=torch.bool))
+        sampling = [self.sampling[i] for i in rows]
+        prop = self.drafter.propose([self.next_tok[i] for i in rows], old_n, k, sampling)
+        most = max(prop.counts, default=0)
+        width = 1 + most
+        host = to_device([[self.next_tok[i], *range(m, m + width)] for i, m in zip(rows, old_n, strict=True)],
+                         self.device)  # next token, positions  # fmt: skip
+        drafts_BK = prop.drafts_BK[:, :most].to(self.device, non_blocking=True)
+        ids = torch.cat([host[:, :1], drafts_BK], dim=1)
+        logits = self._forward(ids, host[:, 1:], torch.ones_like(ids, dtype=torch.bool))
         aux_BTA = self.aux.concat()
-        greedy = logits.argmax(-1).tolist() if any(self.sampling[i] is None for i in rows) else None
-        out, kept = [], torch.zeros((len(rows), width), dtype=torch.bool)
-        for j, (i, d) in enumerate(zip(rows, drafts, strict=True)):
-            s = self.sampling[i]
+        seen = torch.cat([logits.argmax(-1), drafts_BK], dim=1).tolist()  # the one wait
+        out = []
+        for j, (i, s) in enumerate(zip(rows, sampling, strict=True)):
+            drafts = seen[j][width : width + prop.counts[j]]
             if s is None:
-                emitted, a = greedy_prefix(d, greedy[j])
+                emitted, a = greedy_prefix(drafts, seen[j][:width])
             else:
-                emitted, a = sampled_accept(d, props[j][1][: len(d)], logits[j], s)
-            kept[j, : a + 1] = True
+                emitted, a = sampled_accept(drafts, prop.q_probs[j][: len(drafts)], logits[j], s)
             self._seq[i][old_n[j] + 1 :] = emitted
             if self._aux is not None:
                 self._aux[i].append(aux_BTA[j, : a + 1])
@@ -309,10 +353,11 @@ class SpecBatch:
             self.tokens[i].extend(emitted)
             self.accepted[i].append(a)
             out.append((emitted, a))
-        self.valid_BW[:, -width:] = kept.to(self.device)
-        self.drafter.extend([aux_BTA[j, : a + 1] for j, (_, a) in enumerate(out)],
-                            [self._follow(i, old_n[j], a + 1) for j, (i, (_, a))
-                             in enumerate(zip(rows, out, strict=True))], old_n)  # fmt: skip
+        lengths = [a + 1 for _, a in out]
+        longest = max(lengths)
+        host = to_device([[len(e), *e, *[0] * (longest - len(e))] for e, _ in out], self.device)
+        self.valid_BW[:, -width:] = torch.arange(width, device=self.device)[None] < host[:, :1]
+        self.drafter.extend(aux_BTA[:, :longest], host[:, 1:], lengths, old_n)
         if self.valid_BW.shape[1] - max(self.n[i] for i in rows) > self.slack:
             self._compact(list(range(len(rows))))
         return out
@@ -323,10 +368,10 @@ class SpecBatch:
         if not gone:
             return
         keep = [j for j, i in enumerate(self.rows) if i not in gone]
-        self.rows = [self.rows[j] for j in keep]
         if keep:
             self._compact(keep)
             self.drafter.select(keep)
+        self.rows = [self.rows[j] for j in keep]
 
     def swap(self, drafter: BatchDrafter) -> None:
         """Continue every sequence with `drafter` (class doc); needs `keep_aux`. If building
@@ -336,15 +381,21 @@ class SpecBatch:
         for i in self.rows:
             if len(self._aux[i]) > 1:
                 self._aux[i] = [torch.cat(self._aux[i], dim=0)]
-        drafter.extend([self._aux[i][0] for i in self.rows],
-                       [self._follow(i, 0, self.n[i]) for i in self.rows],
-                       [0] * len(self.rows))  # fmt: skip
+        lengths = [self.n[i] for i in self.rows]
+        width = max(lengths)
+        follow = [
+            self._seq[i][1 : n + 1] + [0] * (width - n)
+            for i, n in zip(self.rows, lengths, strict=True)
+        ]
+        drafter.extend(_pad_rows([self._aux[i][0] for i in self.rows], width),
+                       to_device(follow, self.device), lengths, [0] * len(self.rows))  # fmt: skip
         self.drafter = drafter
 
     def _compact(self, keep: Sequence[int]) -> None:
         """Keep rows `keep` of the target cache, their valid columns right-aligned."""
-        rows = torch.tensor(list(keep), dtype=torch.long, device=self.device)
-        index, self.valid_BW = right_align(self.valid_BW.index_select(0, rows))
+        rows = to_device(list(keep), self.device)
+        index, self.valid_BW = right_align(self.valid_BW.index_select(0, rows),
+                                           keep=max(self.n[self.rows[j]] for j in keep))  # fmt: skip
         for holder, name in _cache_tensors(self.cache):
             if isinstance(name, str):
                 setattr(holder, name, _gather(getattr(holder, name), rows, index))
