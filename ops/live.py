@@ -287,7 +287,8 @@ def run_serve(cfg: RunConfig, *, intake_url: str | None = None, token: str | Non
                     or (read_endpoint(cfg) or {}).get("token"))  # fmt: skip
 
         sink = CaptureSink(url_of, token_of, server_id=f"{socket.gethostname()}-{os.getpid()}",
-                           engine=engine.name, queue_size=cfg.live.queue,
+                           # a wave's captures arrive together: room for two waves
+                           engine=engine.name, queue_size=max(cfg.live.queue, 2 * cfg.live.serve_batch),
                            verify=trusting(cfg.live.tls_ca)).start()  # fmt: skip
     metrics = Metrics()
     drafts = Speculation(cfg, engine, metrics, bus_url, spec) if spec else None

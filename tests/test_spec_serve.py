@@ -424,4 +424,4 @@ def test_a_draft_that_cannot_take_over_leaves_requests_on_theirs(engine, chat_ta
         assert job.finish_reason != "error" and server.text_of(job.output_ids) == reference(
             engine, server, q, 20)  # fmt: skip
         assert job.spec.versions == [0]
-    assert "handing it to version 3 failed" in caplog.text
+    assert "handing them to version 3 failed" in caplog.text

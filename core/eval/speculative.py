@@ -63,10 +63,15 @@ def _crop(cache, keep: int) -> None:
         cache.crop(-remove)
 
 
+def _cache_kw(target: nn.Module) -> str:
+    """The target forward's KV-cache argument: `cache` on transformers >= 5.24, else
+    `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
 def _forward(target: nn.Module, ids_1T: torch.Tensor, cache):
-    """Target forward with a KV cache (`cache=` on transformers >= 5.24, else past_key_values)."""
-    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    return target(input_ids=ids_1T, use_cache=True, **{name: cache}).logits
+    """Target forward with a KV cache."""
+    return target(input_ids=ids_1T, use_cache=True, **{_cache_kw(target): cache}).logits
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -81,7 +81,11 @@ class Sampling:
 def greedy_accept(drafts: list[int], logits_TV: torch.Tensor) -> tuple[list[int], int]:
     """Greedy verification: (tokens emitted, drafts accepted). `logits_TV[i]` is the target's
     prediction after the i-th fed token ([next_tok, d1..dk] fed, T = k + 1)."""
-    greedy = logits_TV.argmax(-1).tolist()
+    return greedy_prefix(drafts, logits_TV.argmax(-1).tolist())
+
+
+def greedy_prefix(drafts: list[int], greedy: list[int]) -> tuple[list[int], int]:
+    """`greedy_accept` given the target's argmax at each fed position (`greedy`, T long)."""
     a = 0
     while a < len(drafts) and drafts[a] == greedy[a]:
         a += 1

@@ -58,10 +58,15 @@ class TTTCache:
 
 @dataclass
 class DecodeCache:
-    """Causal KV cache for inference: `k/v [B, N, T, D]` (kv heads already repeated)."""
+    """Causal KV cache for inference: `k/v [B, N, T, D]` (kv heads already repeated).
+
+    `valid_BL` (ragged batches, `core.eval.batch`): which key columns are real, covering the
+    columns a forward is about to append too (the caller sets it before the forward);
+    None: every column of every row."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    valid_BL: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -70,6 +75,8 @@ class DecodeCache:
 
     def crop(self, length: int) -> None:
         """Keep the first `length` positions (the verified prefix after a rejection)."""
+        if self.valid_BL is not None:
+            self.valid_BL = self.valid_BL[:, :length]
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 

@@ -262,6 +262,8 @@ class Attention(nn.Module):
             allowed = torch.ones(seq, past + seq, dtype=torch.bool, device=q.device).tril(
                 diagonal=past
             )
+            if cache.valid_BL is not None:  # a ragged batch: padding and dropped columns
+                allowed = allowed[None, None] & cache.valid_BL[:, None, None, :]
             out = F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=allowed)
         return self.o_proj(out.transpose(1, 2).reshape(b, seq, self.num_heads * self.head_dim))
 

@@ -2,8 +2,8 @@
 
 A live run trains from the traffic of a `specbus serve --speculative` server that decodes with
 the draft being trained (reloaded at every checkpoint through the run KV): the embedded broker,
-`specbus intake`, `--trainers` ranks, the server (`--servers` replicas: each verifies one
-request at a time, so replicas raise the data rate), and users (`ops/traffic.py`, the `openai`
+`specbus intake`, `--trainers` ranks, the server (`--servers` replicas; each verifies a wave
+of up to `--serve-batch` requests in one forward a round), and users (`ops/traffic.py`, the `openai`
 client, Poisson arrivals of GSM8K or ShareGPT prompts, greedy) for `--loop-minutes`.
 Measured, from the server's own `/metrics` (`ops/served.py`):
 - the served acceptance over time: tokens per verify of every draft version (k =
@@ -258,8 +258,9 @@ def add_loop_args(p) -> None:
     g.add_argument("--data", default="gsm8k", help="gsm8k, sharegpt, or a JSONL path")
     g.add_argument("--trainers", type=int, default=1)
     g.add_argument("--servers", type=int, default=1,
-                   help="speculative server replicas (each batch-1 verifies: more data per "
-                   "minute for the trainers)")  # fmt: skip
+                   help="speculative server replicas (more data per minute for the trainers "
+                   "on a CPU; on one GPU the processes time-share it: prefer one replica "
+                   "with a larger --serve-batch)")  # fmt: skip
     g.add_argument("--draft-tokens", type=int, default=3, help="k, the EAGLE3 chain")
     g.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE3's draft vocabulary")
     g.add_argument("--goal", type=float, default=2.0, help="tokens per verify to reach")

@@ -254,11 +254,15 @@ class Generator:
                             if f is not None:
                                 final[i].append(f[i, skip:])
                 nxt = []
+                # greedy rows: one argmax for the wave, one wait for the device per step
+                greedy = logits[:, -1].argmax(-1).tolist() if not all(gens) else None
                 for i, j in enumerate(wave):
                     if not active[i]:
                         nxt.append(self.pad_id)
                         continue
-                    token = self._choose(logits[i, -1], j, gens[i])
+                    token = (
+                        greedy[i] if gens[i] is None else self._choose(logits[i, -1], j, gens[i])
+                    )
                     nxt.append(token)
                     active[i] = not self.take(j, [token])
                 ids = torch.tensor(nxt, dtype=torch.long)[:, None]

@@ -1,23 +1,30 @@
 """`specbus serve --speculative`: lossless speculative decoding with the run's draft, hot-swapped.
 
-The decoding is core/eval's draft-and-verify (`SpecSession`: EAGLE3 chains of k drafts,
-DFlash-family blocks; greedy verification at temperature 0, rejection sampling otherwise),
-the same code the evaluation measures acceptance with. Here it serves requests:
+The decoding is core/eval's draft-and-verify (EAGLE3 chains of k drafts, DFlash-family
+blocks; greedy verification at temperature 0, rejection sampling otherwise), the same
+verification the evaluation measures acceptance with. Here it serves requests:
 - A wave (`Generator`'s: the requests waiting when it starts, up to `live.serve_batch`) is
-  decoded a round at a time, round-robin over its requests (each a batch-1 `SpecSession`);
-  every round's tokens stream to the user as they are verified.
+  one `SpecBatch` (`core.eval.batch`): one left-padded prefill, then a round at a time,
+  every request's drafts verified in ONE target forward (the EAGLE3 chain drafted batched
+  too, `ChainBatch`; DFlash-family blocks row by row), each request keeping its own accepted
+  prefix; a finished request leaves the batch. Every round's tokens stream to the users as
+  they are verified. Each request's output is the one it would get decoded alone
+  (`SpecSession`, batch 1; tests/test_spec_batch.py).
 - The draft is the `DraftSlot`'s: the reloader (`ops/reload.py`, following the run's
   checkpoint pointer) builds a new draft off the worker thread and publishes it; the worker
-  takes it between two rounds of a request (`SpecSession.swap`: the new draft's context is
+  hands the wave to it between two rounds (`SpecBatch.swap`: the new draft's context is
   rebuilt from the verified positions' target features, one draft forward; the target's
   cache is kept). So a reload never fails a request and never stalls one for more than a
   round; the outputs stay the target's (greedy: the same tokens; sampled: the same
-  distribution) whatever draft serves.
+  distribution) whatever draft serves. A draft that cannot take over (its hand-over raises)
+  leaves the wave on the draft it had.
 - Capture is unchanged: a captured request's rows are the target's over `prompt +
   output[:-1]` (prefill, then the verified prefix of every verify forward), and its record
   carries the version of the draft that served its last round.
 - `SpecStats` counts the served acceptance (accepted drafts and tokens per verify, tokens/s)
-  per draft version and per request, for `/metrics`, TensorBoard and the response itself.
+  per draft version and per request, for `/metrics`, TensorBoard and the response itself (a
+  verify is one request's round: a batched round of B requests counts B verifies, its
+  worker time split over them).
 
 The draft version is the step of the checkpoint it was loaded from (0: the untrained draft).
 """
@@ -33,8 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from specbus.core.eval.batch import SpecBatch, batch_drafter
 from specbus.core.eval.block import BlockDrafter
-from specbus.core.eval.speculative import ChainDrafter, SpecSession
+from specbus.core.eval.speculative import ChainDrafter
 from specbus.core.eval.verify import Sampling
 from specbus.core.models.target import AuxCapture
 from torch import nn
@@ -56,6 +64,10 @@ class ServedDraft:
     def drafter(self, target: nn.Module):
         """A fresh `Drafter` of this draft for one sequence."""
         return BlockDrafter(self.model, target) if self.block else ChainDrafter(self.model)
+
+    def batch_drafter(self, target: nn.Module, rows: int):
+        """A fresh `BatchDrafter` of this draft for `rows` sequences (`core.eval.batch`)."""
+        return batch_drafter([self.drafter(target) for _ in range(rows)])
 
     def drafts_per_round(self, k: int) -> int:
         """An EAGLE3 chain drafts `k` tokens a round; a block, its own count (at most its size)."""
@@ -232,17 +244,6 @@ class SpecStats:
             self._hist[2].observe(seconds)
 
 
-class _Run:
-    """One request of a wave being decoded."""
-
-    def __init__(self, job, session: SpecSession, draft: ServedDraft, k: int):
-        self.job, self.session, self.version = job, session, draft.version
-        self.k = draft.drafts_per_round(k)
-        self.spec = job.spec
-        self.active = True
-        self.unusable: int | None = None  # a version this request could not be handed to
-
-
 def _sampling(job, seed_of) -> Sampling | None:
     if job.temperature <= 0:
         return None
@@ -253,75 +254,100 @@ def _sampling(job, seed_of) -> Sampling | None:
 @torch.no_grad()
 def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
                 stats: SpecStats | None, seed_of) -> list[tuple[list, list]]:  # fmt: skip
-    """Decode `wave` (jobs of `gen`, a `Generator`) speculatively (module doc); returns each
-    job's captured rows (aux chunks, final chunks), empty when it is not captured."""
+    """Decode `wave` (jobs of `gen`, a `Generator`) speculatively, all its requests in one
+    `SpecBatch` (module doc); returns each job's captured rows (aux chunks, final chunks),
+    empty when it is not captured."""
     model = gen.model
     wanted = [gen.sink.wants(j.request_id) if gen.sink is not None else None for j in wave]
     rows = gen.capture_hooks() if any(w is not None for w in wanted) else None
     kept: list[tuple[list, list]] = [([], []) for _ in wave]
 
-    def keep(i: int, upto: int | None) -> None:
+    def keep(order: list[int], spans: list[slice]) -> None:
+        """The rows the last target forward recorded: row j is request order[j]."""
         if rows is None:
             return
         a, f = rows.take_batch()
-        if wanted[i] is not None:
-            kept[i][0].append(a[0, :upto])
-            if f is not None:
-                kept[i][1].append(f[0, :upto])
+        for j, (i, span) in enumerate(zip(order, spans, strict=True)):
+            if wanted[i] is not None:
+                kept[i][0].append(a[j, span])
+                if f is not None:
+                    kept[i][1].append(f[j, span])
 
-    runs: list[_Run] = []
     with AuxCapture(model, list(draft.aux_layers)) as aux:
         if rows is not None:
             rows.recording = True
         try:
-            for i, job in enumerate(wave):
-                job.spec = SpecRecord()
-                session = SpecSession(model, draft.drafter(model),
-                                      torch.tensor(job.prompt_ids, dtype=torch.long), aux,
-                                      sampling=_sampling(job, seed_of), keep_aux=True)  # fmt: skip
-                keep(i, None)
-                run = _Run(job, session, draft, k)
-                run.active = not gen.take(job, session.tokens[:1])
-                runs.append(run)
-            while any(r.active for r in runs):
-                for i, run in enumerate(runs):
-                    if run.active:
-                        _round(gen, run, slot, k, stats)
-                        keep(i, run.session.accepted[-1] + 1)
+            wave_run = _Wave(gen, wave, draft, k, aux, seed_of)
+            keep(list(range(len(wave))), [slice(p, None) for p in wave_run.batch.pads])
+            while wave_run.batch.rows:
+                order = list(wave_run.batch.rows)
+                accepted = wave_run.round(slot, stats)
+                keep(order, [slice(0, a + 1) for a in accepted])
         finally:
             if rows is not None:
                 rows.recording = False
-    for run in runs:
-        run.spec.seconds = time.monotonic() - run.spec.started
+    for job in wave:
+        job.spec.seconds = time.monotonic() - job.spec.started
         if stats is not None:
-            stats.request(run.spec, len(run.job.output_ids))
+            stats.request(job.spec, len(job.output_ids))
     return kept
 
 
-def _round(gen, run: _Run, slot: DraftSlot, k: int, stats: SpecStats | None) -> None:
-    """One verify round of `run`, on the slot's current draft (swapped in first if new)."""
-    current = slot.current()
-    if current is not None and current.version not in (run.version, run.unusable):
+class _Wave:
+    """The requests of one wave in one `SpecBatch`, on one draft version at a time."""
+
+    def __init__(self, gen, wave: list, draft: ServedDraft, k: int, aux, seed_of):
+        self.gen, self.wave, self.k = gen, wave, k
+        self.version, self.per_round = draft.version, draft.drafts_per_round(k)
+        self.unusable: int | None = None  # a version the wave could not be handed to
+        for job in wave:
+            job.spec = SpecRecord()
+        self.batch = SpecBatch(
+            gen.model, draft.batch_drafter(gen.model, len(wave)),
+            [torch.tensor(j.prompt_ids, dtype=torch.long) for j in wave], aux,
+            sampling=[_sampling(j, seed_of) for j in wave], keep_aux=True, pad_id=gen.pad_id,
+        )  # fmt: skip
+        self.batch.retire([i for i, j in enumerate(wave)
+                           if gen.take(j, self.batch.tokens[i][:1])])  # fmt: skip
+
+    def round(self, slot: DraftSlot, stats: SpecStats | None) -> list[int]:
+        """One verify round of every request left, on the slot's current draft (handed over
+        first if new); returns the drafts each row accepted (the batch's row order)."""
+        current = slot.current()
+        if current is not None and current.version not in (self.version, self.unusable):
+            self._swap(current, stats)
+        batch, wave = self.batch, self.wave
+        ks = [min(self.per_round, wave[i].max_tokens - len(wave[i].output_ids) - 1)
+              for i in batch.rows]  # drafting past a request's end is wasted work  # fmt: skip
+        order = list(batch.rows)
+        t0 = time.monotonic()
+        results = batch.step(ks)
+        share = (time.monotonic() - t0) / len(order)  # the worker's time, split over the rows
+        done = []
+        for i, (emitted, accepted) in zip(order, results, strict=True):
+            spec = wave[i].spec
+            spec.verifies, spec.accepted, spec.tokens = (spec.verifies + 1,
+                                                         spec.accepted + accepted,
+                                                         spec.tokens + len(emitted))  # fmt: skip
+            if not spec.versions or spec.versions[-1] != self.version:
+                spec.versions.append(self.version)
+            if stats is not None:
+                stats.round(self.version, accepted, len(emitted), share)
+            if self.gen.take(wave[i], emitted):
+                done.append(i)
+        batch.retire(done)
+        return [a for _, a in results]
+
+    def _swap(self, current: ServedDraft, stats: SpecStats | None) -> None:
         t0 = time.monotonic()
         try:
-            run.session.swap(current.drafter(gen.model))
-        except Exception as e:  # noqa: BLE001 - the request goes on with the draft it had
-            run.unusable = current.version
-            log.warning("request %s stays on draft version %s: handing it to version %s "
-                        "failed: %s", run.job.request_id, run.version, current.version, e)  # fmt: skip
+            self.batch.swap(current.batch_drafter(self.gen.model, len(self.batch.rows)))
+        except Exception as e:  # noqa: BLE001 - the wave goes on with the draft it had
+            self.unusable = current.version
+            log.warning("requests %s stay on draft version %s: handing them to version %s "
+                        "failed: %s", [self.wave[i].request_id for i in self.batch.rows],
+                        self.version, current.version, e)  # fmt: skip
         else:
-            run.version, run.k = current.version, current.drafts_per_round(k)
+            self.version, self.per_round = current.version, current.drafts_per_round(self.k)
             if stats is not None:
                 stats.swapped(time.monotonic() - t0)
-    job = run.job
-    room = job.max_tokens - len(job.output_ids)  # drafting past it is wasted work
-    t0 = time.monotonic()
-    emitted, accepted = run.session.step(min(run.k, room - 1))
-    spec = run.spec
-    spec.verifies, spec.accepted, spec.tokens = (spec.verifies + 1, spec.accepted + accepted,
-                                                 spec.tokens + len(emitted))  # fmt: skip
-    if not spec.versions or spec.versions[-1] != run.version:
-        spec.versions.append(run.version)
-    if stats is not None:
-        stats.round(run.version, accepted, len(emitted), time.monotonic() - t0)
-    run.active = not gen.take(job, emitted)
