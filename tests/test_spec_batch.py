@@ -100,15 +100,23 @@ def test_a_batched_wave_equals_each_sequence_decoded_alone(tiny, name, temperatu
         for i in range(len(PROMPTS)):
             want = alone(target, layers, drafts, make, i, temperature)
             assert got[i] == want, (i, got[i], want)
-    assert isinstance(batch_drafter([make(first)] * 2), ChainBatch if name == "eagle3" else RowDrafters)
+    assert isinstance(
+        batch_drafter([make(first)] * 2), ChainBatch if name == "eagle3" else RowDrafters
+    )
     ragged = [r for r in rounds if len(set(r)) > 1]
     assert len(ragged) >= 3, rounds  # rows of one round accepted different numbers of drafts
     assert any(a > 0 for r in rounds for a in r)
 
 
 def test_right_align_packs_each_rows_valid_columns_to_the_right_in_order():
-    valid = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    valid = torch.tensor(
+        [[0, 1, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 1]], dtype=torch.bool
+    )
     index, packed = right_align(valid)
     assert index.shape == (3, 5)
     assert packed.tolist() == [[False, False, True, True, True], [False] * 4 + [True], [True] * 5]
-    assert index[0, 2:].tolist() == [1, 2, 4] and index[1, 4] == 0 and index[2].tolist() == [0, 1, 2, 3, 5]
+    assert (
+        index[0, 2:].tolist() == [1, 2, 4]
+        and index[1, 4] == 0
+        and index[2].tolist() == [0, 1, 2, 3, 5]
+    )

@@ -50,7 +50,9 @@ def _run(generator, jobs) -> None:
 
 def main(argv=None) -> int:
     """The benchmark (module doc)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -121,7 +123,11 @@ def main(argv=None) -> int:
                 with torch.no_grad():
                     holder.fulls = [q + greedy_generate(engine.model, torch.tensor(q), args.max_tokens + 4, eos)
                                     for q in prompts]  # fmt: skip
-                slot.publish(OracleDraft(1, holder, block=False, aux_layers=tuple(loader.strategy.aux_layers)))
+                slot.publish(
+                    OracleDraft(
+                        1, holder, block=False, aux_layers=tuple(loader.strategy.aux_layers)
+                    )
+                )
         sink = _Sink(cap)
         gen = Generator(engine, sink, max_new_tokens=args.max_tokens, max_batch=args.wave,
                         start=False, drafts=slot, num_draft_tokens=args.draft_tokens,
