@@ -179,12 +179,19 @@ class DraftConfig(Section):
 
 
 class DominoConfig(Section):
-    """Domino's correction head and its schedule-dependent loss weight."""
+    """Domino's correction head, its label layout and its schedule-dependent loss weight.
+
+    The defaults are SpecForge's Domino recipe (and what SGLang 0.5.23 serves: it refuses a
+    `pure_draft_prefix_len` other than 1). `shift_label`: block position k predicts token
+    anchor+k+1 (else anchor+k, position 0 unsupervised); `pure_draft_prefix_len`: the first
+    drafted tokens of a block that take the base logits alone (no GRU correction)."""
 
     lambda_start: float = Field(1.0, ge=0, le=1)  # base-loss weight at step 0
     lambda_decay_ratio: float = Field(0.5, gt=0, le=1)  # reaches 0 after this fraction of steps
     emb_dim: int = Field(256, ge=1)  # embed_proj width
     gru_hidden_dim: int = Field(256, ge=1)
+    shift_label: bool = True
+    pure_draft_prefix_len: int = Field(1, ge=0)
 
 
 class DSparkConfig(Section):
