@@ -257,7 +257,7 @@ class TrainingConfig(Section):
 
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = (0.9, 0.999)  # torch's AdamW default, as both references
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_ratio: float = Field(0.1, gt=0, le=1)  # wsd: the final fraction of steps that decays to 0
     warmup_ratio: float = Field(0.015, ge=0, le=1)
