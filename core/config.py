@@ -16,23 +16,21 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
+from specbus.core.config_methods import (  # noqa: F401  (re-exported: the per-method sections)
+    DominoConfig,
+    DSparkConfig,
+    PEagleSection,
+    Section,
+)
 from specbus.core.errors import ConfigError
 from specbus.core.registry import ENGINES, MODES, STORES, STRATEGIES
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-class Section(BaseModel):
-    """A config section: strict (`extra="forbid"`: a typo is an error) and validated on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class BusConfig(Section):
@@ -178,34 +176,6 @@ class DraftConfig(Section):
     draft_vocab_size: int = Field(32000, ge=1)
 
 
-class DominoConfig(Section):
-    """Domino's correction head, its label layout and its schedule-dependent loss weight.
-
-    The defaults are SpecForge's Domino recipe (and what SGLang 0.5.23 serves: it refuses a
-    `pure_draft_prefix_len` other than 1). `shift_label`: block position k predicts token
-    anchor+k+1 (else anchor+k, position 0 unsupervised); `pure_draft_prefix_len`: the first
-    drafted tokens of a block that take the base logits alone (no GRU correction)."""
-
-    lambda_start: float = Field(1.0, ge=0, le=1)  # base-loss weight at step 0
-    lambda_decay_ratio: float = Field(0.5, gt=0, le=1)  # reaches 0 after this fraction of steps
-    emb_dim: int = Field(256, ge=1)  # embed_proj width
-    gru_hidden_dim: int = Field(256, ge=1)
-    shift_label: bool = True
-    pure_draft_prefix_len: int = Field(1, ge=0)
-
-
-class DSparkConfig(Section):
-    """DSpark's Markov and confidence heads and its loss mix (CE + L1 + confidence)."""
-
-    ce_alpha: float = Field(0.1, ge=0)
-    l1_alpha: float = Field(0.9, ge=0)
-    confidence_alpha: float = Field(1.0, ge=0)
-    markov_rank: int = Field(128, ge=0)  # 0: no Markov head (SGLang's DSPARK needs one)
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
-    confidence_head: bool = True
-    confidence_with_markov: bool = False
-
-
 class StrategyConfig(Section):
     """The training algorithm (a name of `core.registry.STRATEGIES`) and its draft."""
 
@@ -223,6 +193,7 @@ class StrategyConfig(Section):
     chunk_blocks: int = Field(128, ge=0)  # blocks per logits chunk (0: all at once)
     domino: DominoConfig = DominoConfig()
     dspark: DSparkConfig = DSparkConfig()
+    peagle: PEagleSection = PEagleSection()
 
     @field_validator("name")
     @classmethod
