@@ -209,7 +209,54 @@ def run(name: str, steps: int = 3) -> Report:
     ref_params = dict(ref.named_parameters())
     for pname, p in ours.named_parameters():
         report.check(f"weights after {steps} AdamW steps", p.detach(), ref_params[pname].detach())
+    export_check(report, strategy, ours, embed, head, gen)
     return report
+
+
+def export_check(report: Report, strategy, ours, embed, head, gen) -> None:
+    """Export the trained draft (fp32), load it with speculators' own `from_pretrained` (the
+    class from `speculators_model_type`, the verifier's heads from a verifier directory) and
+    compare its loss with ours on a fresh batch and the same rows."""
+    import tempfile
+    from pathlib import Path
+
+    import speculators.models.peagle.core as ref_core
+    import torch
+    from safetensors.torch import save_file
+    from specbus.core.strategies.peagle import sample_cod
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+    from speculators.losses import resolve_loss_config
+    from transformers import LlamaConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        verifier = Path(tmp) / "verifier"
+        verifier.mkdir()
+        LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L_TARGET,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    architectures=["LlamaForCausalLM"]).save_pretrained(verifier)  # fmt: skip
+        save_file({"model.embed_tokens.weight": embed, "lm_head.weight": head,
+                   "model.norm.weight": torch.ones(H)}, str(verifier / "model.safetensors"))  # fmt: skip
+        out = strategy.export(ours, Path(tmp) / "export", dtype="float32", verifier=verifier)
+        config = SpeculatorModelConfig.from_pretrained(str(out))
+        config.transformer_layer_config._attn_implementation = "eager"
+        loaded = SpeculatorModel.from_pretrained(str(out), config=config).float()
+        report.check("export: loaded class is PEagleDraftModel",
+                     float(type(loaded).__name__ == "PEagleDraftModel"), 1.0)  # fmt: skip
+        loaded.verifier_norm = torch.nn.Identity()
+        batch = strategy.collate(samples(99))
+        t = batch.tensors
+        cod = sample_cod(t["loss_mask"][0], DEPTHS, 0.7, 0.2, 12, gen)
+        ref_core.generate_cod_sample_indices = lambda *a, c=cod, **k: c
+        with torch.no_grad():
+            _, ref_loss, _ = loaded(
+                hidden_states=t["hidden_states"], input_ids=t["input_ids"],
+                document_ids=t["document_ids"], loss_mask=t["loss_mask"],
+                verifier_last_hidden_states=t["target"], num_depths=DEPTHS,
+                loss_config=resolve_loss_config("kl_div", "eager"),
+            )  # fmt: skip
+            t["cod_anchor"], t["cod_depth"] = cod
+            loss, _ = strategy.forward_loss(ours, batch)
+        report.check("export: loss of the loaded draft", loss, ref_loss)
 
 
 def main() -> int:
