@@ -37,10 +37,17 @@ def load_trained_draft(cfg: RunConfig, checkpoint: str | Path = "latest"):
 
 def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: str | Path) -> Path:
     """Export checkpoint `checkpoint` (latest, best, a path) of the run as an SGLang draft directory
-    `out` (EAGLE3, DFLASH, DSPARK); the directory."""
+    `out` (EAGLE3, DFLASH, DSPARK; P-EAGLE as the speculators directory vLLM serves); the
+    directory."""
     draft = load_trained_draft(cfg, checkpoint)
     if hasattr(draft, "config") and getattr(draft.config, "projector", None) is not None:
         from specbus.core.export.dflash import export_dflash
 
         return export_dflash(draft, out)
+    from specbus.core.models.peagle import PEagleDraft
+
+    if isinstance(draft, PEagleDraft):  # vLLM serves it (speculators format), SGLang does not
+        from specbus.core.export.peagle import export_peagle
+
+        return export_peagle(draft, out, verifier=resolve_target_dir(cfg.target.model))
     return export_draft(draft, out)
