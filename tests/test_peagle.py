@@ -102,9 +102,8 @@ def test_the_loss_is_the_masked_kl_to_the_teacher_over_every_row(tiny_target):
     loss, m = s.forward_loss(draft, batch)
     pos = anchor + depth
     ids = torch.where(depth > 0, torch.full_like(pos, s.mask_token_id), t["input_ids"][0, pos])
-    emb, hidden = draft.rows(ids[None], t["hidden_states"][:, pos], depth > 0)
-    out = draft(emb, hidden, pos[None], peagle_allow(anchor, depth, t["document_ids"][0]))
-    logits = draft.lm_head(out)[0].detach()
+    allow = peagle_allow(anchor, depth, t["document_ids"][0])
+    logits = draft(ids[None], t["hidden_states"][:, pos], depth > 0, pos[None], allow)[0].detach()
     teacher = t["target"][0, pos] @ s.heads.lm_head[draft.t2d].T
     kl = (F.softmax(teacher, -1) * (F.log_softmax(teacher, -1) - F.log_softmax(logits, -1))).sum(-1)
     w = t["loss_mask"][0, pos].float()
@@ -171,10 +170,9 @@ def test_decoded_drafts_are_the_training_rows_argmax(tiny_target, target_lm, lay
         depth > 0, torch.full_like(pos, s.mask_token_id), ids[0, 1:][pos.clamp(max=n - 1)]
     )
     with torch.no_grad():
-        emb, hidden = draft.rows(row_ids[None], feats[:, pos.clamp(max=n - 1)], depth > 0)
         allow = peagle_allow(anchor, depth, torch.zeros(n, dtype=torch.long), 5)
-        out = draft(emb, hidden, pos[None], allow)
-        picked = draft.lm_head(out)[0, n - 1 :].argmax(-1)
+        logits = draft(row_ids[None], feats[:, pos.clamp(max=n - 1)], depth > 0, pos[None], allow)
+        picked = logits[0, n - 1 :].argmax(-1)
     assert drafts == (picked + draft.d2t[picked]).tolist()
 
 

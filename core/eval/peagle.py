@@ -40,17 +40,16 @@ def draft_parallel(
     ids = torch.cat([follow_M, torch.full((k - 1,), draft.config.mask_token_id, device=device)])
     is_mask = torch.arange(m + k - 1, device=device) >= m
     aux = torch.cat([aux_1MA, aux_1MA.new_zeros(1, k - 1, aux_1MA.shape[-1])], dim=1)
-    emb, hidden = draft.rows(ids[None], aux, is_mask)
     q_pos = torch.arange(start, n + k - 1, device=device)
     k_pos = torch.arange(0, n + k - 1, device=device)
     allow = k_pos[None] <= q_pos[:, None]
     if draft.config.sliding_window is not None:
         in_window = k_pos[None] > q_pos[:, None] - draft.config.sliding_window
         allow = allow & (in_window | (k_pos >= n)[None])  # mask rows: the chain, no window
-    out = draft(emb, hidden, q_pos[None], allow, caches)
+    logits = draft(ids[None], aux, is_mask, q_pos[None], allow, caches)
     for cache in caches:  # keep the depth-0 rows only
         cache[0], cache[1] = cache[0][:, :, :n], cache[1][:, :, :n]
-    picked = draft.lm_head(out[:, m - 1 :])[0].argmax(-1)  # rows n-1, n, ..., n+k-2
+    picked = logits[0, m - 1 :].argmax(-1)  # rows n-1, n, ..., n+k-2
     return (picked + draft.d2t[picked]).tolist()
 
 

@@ -240,15 +240,17 @@ class PEagleDraft(nn.Module):
 
     def forward(
         self,
-        emb_1SH: torch.Tensor,
-        hidden_1SH: torch.Tensor,
+        ids_1S: torch.Tensor,
+        aux_1SA: torch.Tensor,
+        is_mask_S: torch.Tensor,
         positions_1S: torch.Tensor,
         allow_SK: torch.Tensor,
         caches: list | None = None,
     ) -> torch.Tensor:
-        """The rows' post-norm hidden `[1, S, H]` through every layer (logits: `lm_head`).
-        `caches[i]` (decoding): layer i's keys/values of earlier rows, `allow_SK` then spans them."""
-        h = hidden_1SH
+        """The rows' draft-vocabulary logits `[1, S, Vd]` (every trained parameter is used inside
+        this call: a DDP/FSDP wrapper sees one forward). `caches[i]` (decoding): layer i's
+        keys/values of earlier rows, `allow_SK` then spans them."""
+        emb, h = self.rows(ids_1S, aux_1SA, is_mask_S)
         for i, layer in enumerate(self.layers):
-            h = layer(emb_1SH, h, positions_1S, allow_SK, None if caches is None else caches[i])
-        return self.norm(h)
+            h = layer(emb, h, positions_1S, allow_SK, None if caches is None else caches[i])
+        return self.lm_head(self.norm(h))

@@ -114,10 +114,8 @@ def peagle_loss(
     position = anchor + depth
     is_mask = depth > 0
     ids = torch.where(is_mask, torch.full_like(position, mask_token_id), input_ids_1T[0, position])
-    emb, hidden = draft.rows(ids[None], hidden_states_1TA[:, position], is_mask)
     allow = peagle_allow(anchor, depth, document_ids_1T[0], draft.config.sliding_window)
-    out = model(emb, hidden, position[None], allow)
-    logits = draft.lm_head(out)  # [1, S, Vd]
+    logits = model(ids[None], hidden_states_1TA[:, position], is_mask, position[None], allow)
     with torch.no_grad():
         head = lm_head_VH[draft.t2d.to(lm_head_VH.device)]
         teacher = F.linear(target_1TH.to(head.dtype), head)[:, position]
