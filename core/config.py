@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from specbus.core.audit import AuditConfig  # the capture audit's section (core/audit.py)
+from specbus.core.config_methods import (  # noqa: F401  (re-exported: the per-method sections)
+    DominoConfig,
+    DSparkConfig,
+    PEagleSection,
+    Section,
+)
 from specbus.core.errors import ConfigError
 from specbus.core.registry import ENGINES, MODES, STORES, STRATEGIES
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-class Section(BaseModel):
-    """A config section: strict (`extra="forbid"`: a typo is an error) and validated on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class BusConfig(Section):
@@ -172,27 +172,6 @@ class DraftConfig(Section):
     draft_vocab_size: int = Field(32000, ge=1)
 
 
-class DominoConfig(Section):
-    """Domino's correction head and its schedule-dependent loss weight."""
-
-    lambda_start: float = Field(1.0, ge=0, le=1)  # base-loss weight at step 0
-    lambda_decay_ratio: float = Field(0.5, gt=0, le=1)  # reaches 0 after this fraction of steps
-    emb_dim: int = Field(256, ge=1)  # embed_proj width
-    gru_hidden_dim: int = Field(256, ge=1)
-
-
-class DSparkConfig(Section):
-    """DSpark's Markov and confidence heads and its loss mix (CE + L1 + confidence)."""
-
-    ce_alpha: float = Field(0.1, ge=0)
-    l1_alpha: float = Field(0.9, ge=0)
-    confidence_alpha: float = Field(1.0, ge=0)
-    markov_rank: int = Field(128, ge=0)  # 0: no Markov head (SGLang's DSPARK needs one)
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
-    confidence_head: bool = True
-    confidence_with_markov: bool = False
-
-
 class StrategyConfig(Section):
     """The training algorithm (a name of `core.registry.STRATEGIES`) and its draft."""
 
@@ -215,6 +194,7 @@ class StrategyConfig(Section):
     checkpoint_tokens: int | None = Field(65536, ge=1)
     domino: DominoConfig = DominoConfig()
     dspark: DSparkConfig = DSparkConfig()
+    peagle: PEagleSection = PEagleSection()
 
     @field_validator("name")
     @classmethod
@@ -248,7 +228,7 @@ class TrainingConfig(Section):
 
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = (0.9, 0.999)  # torch's AdamW default, as both references
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_ratio: float = Field(0.1, gt=0, le=1)  # wsd: the final fraction of steps that decays to 0
     warmup_ratio: float = Field(0.015, ge=0, le=1)

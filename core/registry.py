@@ -97,6 +97,7 @@ STRATEGIES = Registry(
         ("dflash", "specbus.core.strategies.dflash:DFlashFamilyStrategy"),
         ("domino", "specbus.core.strategies.dflash:DominoStrategy"),
         ("dspark", "specbus.core.strategies.dflash:DSparkStrategy"),
+        ("peagle", "specbus.core.strategies.peagle:PEagleStrategy"),
     ],
 )
 # store.uri scheme -> `(StoreConfig, store_id, path, query) -> FeatureStore` (core/store)

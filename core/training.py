@@ -4,7 +4,8 @@ The bus trainer (consumers/trainer.py) and the benchmarks' single-process loop
 (ops/bench/local_loop.py) both call `train_step`. None of this imports the bus or a store.
 
 Schedules (per optimizer step, factor on `training.lr`): linear warmup over
-`ceil(warmup_ratio * total)` steps from 0, then
+`floor(warmup_ratio * total)` steps (SpecForge's `int(warmup_ratio * total_steps)`; speculators
+rounds the same way), factor (step + 1) / warmup, then
 - cosine: half-cosine from 1 to 0 at `total`;
 - wsd: 1 until the last `decay_ratio * total` steps, then linear to 0;
 - constant: 1.
@@ -43,7 +44,7 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
 
 def lr_factor(step: int, total: int, cfg: TrainingConfig) -> float:
     """The schedule's multiplier at optimizer step `step` (0-based) of `total`."""
-    warmup = math.ceil(cfg.warmup_ratio * total)
+    warmup = int(cfg.warmup_ratio * total)  # floor, as the references (none below 1/ratio)
     if step < warmup:
         return (step + 1) / warmup
     if cfg.schedule == "constant":

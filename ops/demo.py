@@ -63,8 +63,10 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
     }
     if getattr(args, "url", None):
         defaults["bus.url"] = args.url
-    if user.strategy.name == "eagle3":
+    if user.strategy.name in ("eagle3", "peagle"):  # a reduced draft vocabulary
         defaults["strategy.draft.draft_vocab_size"] = 8192
+        if user.strategy.name == "peagle":  # peagle has no TTT unroll
+            del defaults["strategy.ttt_length"]
     else:  # DFlash family on a CPU: smaller blocks and fewer anchors per sample
         defaults["strategy.block_size"] = 8
         defaults["strategy.num_anchors"] = 64

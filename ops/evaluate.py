@@ -4,7 +4,8 @@ EAGLE3 drafts are measured by replay (`core.eval.replay`): the target's greedy c
 every prompt is decoded once, batched, and shared by both drafts; each draft then drafts and
 is verified against it exactly as in live speculative decoding. `live_check` prompts are also
 decoded live with the trained draft (real draft-and-verify, lossless-checked) and their
-acceptance compared with the replay's. DFlash-family drafts are decoded live (block drafting).
+acceptance compared with the replay's. DFlash-family drafts are decoded live (block drafting),
+P-EAGLE drafts live too (parallel drafting of `num_depths` tokens).
 """
 
 from __future__ import annotations
@@ -124,6 +125,10 @@ def compare_drafts(
             return _compare_live_blocks(
                 engine, strategy, untrained, trained, prompts, max_new_tokens, eos, phase
             )
+        if strategy.name == "peagle":  # parallel drafting of its num_depths tokens, live
+            return _compare_live_blocks(
+                engine, strategy, untrained, trained, prompts, max_new_tokens, eos, phase
+            )
         return _compare_replayed(
             engine, strategy, untrained, trained, prompts,
             num_draft_tokens, max_new_tokens, eos, live_check, phase,
@@ -192,10 +197,12 @@ def one_thread():
 def _compare_live_blocks(engine, strategy, untrained, trained, prompts, max_new_tokens, eos,
                          phase) -> Comparison:  # fmt: skip
     from specbus.core.eval.block import block_generate
+    from specbus.core.eval.peagle import peagle_generate
 
-    k = block_drafts(trained.config)
+    parallel = strategy.name == "peagle"
+    k = trained.config.num_depths if parallel else block_drafts(trained.config)
     kwargs = dict(
-        generate=block_generate,
+        generate=peagle_generate if parallel else block_generate,
         aux_layers=strategy.aux_layers,
         num_draft_tokens=k,
         max_new_tokens=max_new_tokens,

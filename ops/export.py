@@ -43,16 +43,24 @@ def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: str | Path,
                       fmt: str = "sglang") -> Path:  # fmt: skip
     """Export checkpoint `checkpoint` (latest, best, a path) of the run as a draft directory
     `out`; returns it. `fmt`: "sglang" (EAGLE3, DFLASH, DSPARK: what SGLang loads) or
-    "speculators" (what vLLM serves and vLLM's `speculators` loads: core/export/speculators.py)."""
+    "speculators" (what vLLM serves and vLLM's `speculators` loads: core/export/speculators.py).
+    A P-EAGLE draft is always written in the speculators format (vLLM serves it, SGLang does
+    not)."""
     draft = load_trained_draft(cfg, checkpoint)
+    if fmt not in FORMATS:
+        raise ExportError(f"export format {fmt!r} is not one of {list(FORMATS)}")
+    from specbus.core.models.peagle import PEagleDraft
+
+    if isinstance(draft, PEagleDraft):  # vLLM serves it (speculators format), SGLang does not
+        from specbus.core.export.peagle import export_peagle
+
+        return export_peagle(draft, out, verifier=resolve_target_dir(cfg.target.model))
     if fmt == "speculators":
         from specbus.core.export.speculators import export_speculators
 
         steps = getattr(cfg.strategy, "ttt_length", None) or 3  # the draft length it trained for
         return export_speculators(draft, out, verifier=resolve_target_dir(cfg.target.model),
                                   speculative_tokens=steps)  # fmt: skip
-    if fmt != "sglang":
-        raise ExportError(f"export format {fmt!r} is not one of {list(FORMATS)}")
     if hasattr(draft, "config") and getattr(draft.config, "projector", None) is not None:
         from specbus.core.export.dflash import export_dflash
 

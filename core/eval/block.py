@@ -7,8 +7,10 @@ context cache (positions 0..n-1), and `next_tok` (token n) chosen by the target 
 through it. The draft runs the block [next_tok, MASK x (K-1)] at positions n..n+K-1 in one
 forward (it sees the whole context and its own block) and drafts:
 - dflash: block positions 1..K-1 through the target lm_head, one token each: K-1 tokens;
-- domino: the same base logits plus the GRU correction, position by position (the GRU reads the
-  embeddings of the tokens drafted so far, as in training it reads the true ones);
+- domino: K-1 tokens from the base logits of positions 1..K-1 (0..K-2 with `shift_label`)
+  plus, after the pure-draft prefix, the GRU correction, position by position (the GRU reads
+  the embeddings of next_tok and the tokens drafted so far, as in training it reads the true
+  ones; SGLang's `domino_greedy_rollout`);
 - dspark: block positions 0..K-1 (position k predicts token n+k+1) plus the Markov bias of the
   previous token (next_tok, then the drafted ones): K tokens.
 Each token is the argmax (greedy) or drawn from the draft's distribution at the request's
@@ -82,12 +84,16 @@ def _draft_block(draft, target, cache, next_tok: int, start: int, pick: _Pick) -
         return [pick(row) for row in head(hidden[:, 1:].to(w_dtype))[0]]
     if cfg.projector == "domino":
         base = head(hidden.to(w_dtype))[0]  # [K, V]
+        first = 0 if cfg.shift_label else 1  # the block position of the first draft
         drafts, state, prev = [], None, next_tok
-        for k in range(1, cfg.block_size):
+        for k in range(first, first + cfg.block_size - 1):
             emb = embed(torch.tensor([[prev]], device=device)).to(draft.fc.weight.dtype)
             out, state = draft.prefix_gru(emb, state)
-            feat = torch.cat([hidden[:, k : k + 1], out.to(hidden.dtype)], dim=-1)
-            prev = pick(base[k] + draft.embed_proj(feat)[0, 0].to(base.dtype))
+            logits = base[k]
+            if k >= cfg.suffix_start:  # the pure-draft prefix keeps the base logits
+                feat = torch.cat([hidden[:, k : k + 1], out.to(hidden.dtype)], dim=-1)
+                logits = logits + draft.embed_proj(feat)[0, 0].to(base.dtype)
+            prev = pick(logits)
             drafts.append(prev)
         return drafts
     base = head(hidden.to(w_dtype))[0]  # dspark: [K, V], position k -> token start+k+1

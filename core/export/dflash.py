@@ -8,8 +8,9 @@ SGLang's `models/dflash.py`, `models/dspark.py`, `speculative/dflash_utils.py` a
 config.json: `architectures`, `model_type` qwen3, widths, head counts, `head_dim`, eps, rope,
 `vocab_size`, `num_hidden_layers`, `layer_types` (all full attention), `block_size`,
 `num_target_layers`, `dflash_config` {`target_layer_ids`, `mask_token_id`, `block_size`,
-`projector_type`; Domino: `emb_dim`, `gru_hidden_dim`, `shift_label` false,
-`pure_draft_prefix_len` 0; DSpark: `markov_rank`, `markov_head_type`}; DSpark also top-level
+`projector_type`; Domino: `emb_dim`, `gru_hidden_dim`, `shift_label` and
+`pure_draft_prefix_len` as trained (SGLang 0.5.23 serves only `pure_draft_prefix_len` 1, the
+default: another value is refused here); DSpark: `markov_rank`, `markov_head_type`}; DSpark also top-level
 `markov_rank`, `markov_head_type`, `mask_token_id`, `enable_confidence_head`,
 `confidence_head_with_markov`, `sample_from_anchor` true (position 0 drafts the first token).
 
@@ -86,8 +87,13 @@ def config_dict(cfg: DFlashConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     if cfg.projector == "domino":
         dflash.update(
             projector_type="domino", emb_dim=cfg.emb_dim, gru_hidden_dim=cfg.gru_hidden_dim,
-            shift_label=False, pure_draft_prefix_len=0,
+            shift_label=cfg.shift_label, pure_draft_prefix_len=cfg.pure_draft_prefix_len,
         )  # fmt: skip
+    if cfg.projector == "domino" and cfg.pure_draft_prefix_len != 1:
+        raise ExportError(
+            f"Domino export refused: SGLang serves pure_draft_prefix_len 1 only, the draft was "
+            f"trained with {cfg.pure_draft_prefix_len} (strategy.domino.pure_draft_prefix_len)"
+        )
     if cfg.projector == "dspark":
         if cfg.markov_rank <= 0:
             raise ExportError(
@@ -134,6 +140,10 @@ def config_from_dict(d: dict[str, Any]) -> DFlashConfig:
         initializer_range=float(d.get("initializer_range", 0.02)),
         emb_dim=int(dflash.get("emb_dim", 256)),
         gru_hidden_dim=int(dflash.get("gru_hidden_dim", 256)),
+        shift_label=bool(dflash.get("shift_label", False)) and projector == "domino",
+        pure_draft_prefix_len=int(dflash.get("pure_draft_prefix_len", 0) or 0)
+        if projector == "domino"
+        else 0,
         markov_rank=int(d.get("markov_rank", dflash.get("markov_rank", 0)) or 0),
         markov_head_type=str(d.get("markov_head_type", "vanilla")),
         confidence_head=bool(d.get("enable_confidence_head", False)),

@@ -81,9 +81,11 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     initializer_range: float = 0.02
-    # Domino
+    # Domino (label layout: SpecForge's draft-config defaults; the strategy sets its recipe's)
     emb_dim: int = 256
     gru_hidden_dim: int = 256
+    shift_label: bool = False
+    pure_draft_prefix_len: int = 0
     # DSpark
     markov_rank: int = 0
     markov_head_type: str = "vanilla"
@@ -107,10 +109,24 @@ class DFlashConfig:
             )
         if self.confidence_with_markov and self.markov_rank <= 0:
             raise ConfigError("strategy.dspark.confidence_with_markov needs markov_rank > 0")
+        if self.projector == "domino" and (
+            self.pure_draft_prefix_len < 0 or self.suffix_start >= self.block_size
+        ):
+            raise ConfigError(
+                f"strategy.domino.pure_draft_prefix_len={self.pure_draft_prefix_len} leaves no "
+                f"corrected position in a block of {self.block_size}"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(
                 f"strategy.mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
             )
+
+    @property
+    def suffix_start(self) -> int:
+        """Domino: the first block position whose logits get the GRU correction (SpecForge's
+        `DominoDraftModel.suffix_start`): the pure-draft prefix, after position 0 when
+        position 0 predicts nothing (labels not shifted)."""
+        return self.pure_draft_prefix_len + (0 if self.shift_label else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,14 +443,21 @@ class DFlashDraft(nn.Module):
     def domino_logits(
         self, base_BNKV: torch.Tensor, hidden_BNKH: torch.Tensor, prev_emb_BNKH: torch.Tensor
     ) -> torch.Tensor:
-        """Domino's final logits: position k >= 1 adds embed_proj(hidden_k, GRU(prev_0..k-1))."""
+        """Domino's final logits: block position k >= `suffix_start` adds
+        embed_proj(hidden_k, GRU state after the previous tokens of its label); the others keep
+        the base logits. `prev_emb_BNKH`: the embeddings of the tokens at anchor+0..K-1 (shifted
+        labels: the GRU reads up to position k, whose label is k+1) or of the labels at
+        anchor+0..K-1 (not shifted: it reads up to k-1, position 0 being the anchor)."""
         b, n, k = base_BNKV.shape[:3]
-        gru_in = prev_emb_BNKH[:, :, : k - 1].reshape(b * n, k - 1, -1)
-        gru_out = self.prefix_gru(gru_in.to(self.fc.weight.dtype))[0].reshape(b, n, k - 1, -1)
+        start = self.config.suffix_start
+        steps = k if self.config.shift_label else k - 1
+        gru_in = prev_emb_BNKH[:, :, :steps].reshape(b * n, steps, -1)
+        gru_out = self.prefix_gru(gru_in.to(self.fc.weight.dtype))[0].reshape(b, n, steps, -1)
+        first = start if self.config.shift_label else start - 1  # the GRU state of position start
         residual = self.embed_proj(
-            torch.cat([hidden_BNKH[:, :, 1:], gru_out.to(hidden_BNKH.dtype)], -1)
+            torch.cat([hidden_BNKH[:, :, start:], gru_out[:, :, first:].to(hidden_BNKH.dtype)], -1)
         )
-        return torch.cat([base_BNKV[:, :, :1], base_BNKV[:, :, 1:] + residual], dim=2)
+        return torch.cat([base_BNKV[:, :, :start], base_BNKV[:, :, start:] + residual], dim=2)
 
     def confidence_logits(
         self, hidden: torch.Tensor, prev_ids: torch.Tensor

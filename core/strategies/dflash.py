@@ -217,6 +217,8 @@ class DFlashFamilyStrategy:
             rope_scaling=target.rope_scaling,
             emb_dim=domino.emb_dim,
             gru_hidden_dim=domino.gru_hidden_dim,
+            shift_label=self.projector == "domino" and domino.shift_label,
+            pure_draft_prefix_len=domino.pure_draft_prefix_len if self.projector == "domino" else 0,
             markov_rank=dspark.markov_rank if self.projector == "dspark" else 0,
             markov_head_type=dspark.markov_head_type,
             confidence_head=self.projector == "dspark" and dspark.confidence_head,

@@ -16,10 +16,13 @@ Objectives (`*_loss`, pure: inputs -> (loss, metrics); `model` is called once):
 - dflash: position k predicts token anchor+k through the target lm_head;
   w[n,k] = keep * (anchor+k < L) * (k >= 1) * loss_mask[anchor+k] * exp(-(k-1)/gamma);
   loss = sum(CE * w) / sum(w).
-- domino: the same labels; final logits = base + embed_proj(hidden_k, GRU(emb(tokens
-  anchor..anchor+k-1))) for k >= 1 (teacher forced); loss = (1-lambda) * CE_final + lambda *
-  CE_base (each sum(CE*w) / (sum(w) + 1e-6)); lambda = lambda_start * (1 - step / (ratio *
-  total)) clamped to [0, 1], 0 when the total is unknown.
+- domino: labels as dflash, or with `shift_label` (the draft config's) position k predicts
+  anchor+k+1 for every k, w = keep * in range * loss_mask[anchor+k+1] * exp(-k/gamma); final
+  logits = base + embed_proj(hidden_k, GRU(emb(tokens before the label, from the anchor's)))
+  for k >= suffix_start = pure_draft_prefix_len (+1 unshifted), base alone before (teacher
+  forced); loss = (1-lambda) * CE_final + lambda * CE_base (each sum(CE*w) / (sum(w) +
+  1e-6)); lambda = lambda_start * (1 - step / (ratio * total)) clamped to [0, 1], 0 when the
+  total is unknown.
 - dspark: position k (0..K-1) predicts token anchor+k+1; eval mask = keep * in range *
   loss_mask, cut at the first unsupervised position of the block; w = eval * exp(-k/gamma);
   logits = base + Markov bias of the previous token (the anchor, then the true tokens);
@@ -126,19 +129,27 @@ def _ce(logits_BNKV: torch.Tensor, target_BNK: torch.Tensor) -> torch.Tensor:
 
 def block_targets(
     input_ids_BL: torch.Tensor, loss_mask_BL: torch.Tensor, anchors_BN: torch.Tensor,
-    keep_BN: torch.Tensor, block_size: int, gamma: float | None,
+    keep_BN: torch.Tensor, block_size: int, gamma: float | None, shift: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(target, mask, weights), each [B, N, K], of the blocks at `anchors_BN`: position k > 0
-    of a kept block, in range and supervised, counts; weighted by exp(-(k-1)/gamma) (1
-    without `gamma`)."""
-    offsets = torch.arange(block_size, device=input_ids_BL.device)
+    """(target, mask, weights), each [B, N, K], of the blocks at `anchors_BN`. Not shifted:
+    position k predicts token anchor+k, k > 0 counts, weight exp(-(k-1)/gamma); `shift`:
+    position k predicts anchor+k+1, every k counts, weight exp(-k/gamma) (Domino's
+    `shift_label`). A kept block's position counts when its label is in range and supervised;
+    weights are 1 without `gamma`."""
+    device = input_ids_BL.device
+    positions = torch.arange(block_size, device=device)
+    offsets = positions + 1 if shift else positions
     target, in_range, _ = gather_blocks(input_ids_BL, anchors_BN, offsets)
     lm, _, _ = gather_blocks(loss_mask_BL.float(), anchors_BN, offsets)
-    mask = keep_BN[:, :, None].float() * in_range.float() * (offsets > 0).float() * lm
+    mask = keep_BN[:, :, None].float() * in_range.float()
+    if not shift:
+        mask = mask * (offsets > 0).float()
+    mask = mask * lm
+    first = 0 if shift else 1  # the position of the first drafted token
     decay = (
-        torch.exp(-(offsets - 1).clamp(min=0).float() / gamma)
+        torch.exp(-(positions - first).clamp(min=0).float() / gamma)
         if gamma
-        else torch.ones(block_size, device=offsets.device)
+        else torch.ones(block_size, device=device)
     )
     return target, mask, mask * decay
 
@@ -254,12 +265,19 @@ def domino_loss(
         anchors_BN=anchors_BN, keep_BN=keep_BN, embed_VH=embed_VH,
         mask_token_id=mask_token_id, block_size=block_size, attention=attention,
     )  # fmt: skip
+    shift = draft.config.shift_label
     target, mask, weights = block_targets(input_ids_BL, loss_mask_BL, anchors_BN, keep_BN,
-                                          block_size, gamma)  # fmt: skip
+                                          block_size, gamma, shift=shift)  # fmt: skip
+    # the tokens the GRU reads: the block's own (anchor+0..K-1) when labels are shifted, else
+    # the labels (whose first is the anchor token)
+    prev = target
+    if shift:
+        own = torch.arange(block_size, device=input_ids_BL.device)
+        prev = gather_blocks(input_ids_BL, anchors_BN, own)[0]
 
-    def terms(h, tgt, m, w):
+    def terms(h, prv, tgt, m, w):
         base = _logits(h, lm_head_VH)
-        final = draft.domino_logits(base, h, F.embedding(tgt, embed_VH))
+        final = draft.domino_logits(base, h, F.embedding(prv, embed_VH))
         final_ce, base_ce = _ce(final, tgt), _ce(base, tgt)
         with torch.no_grad():
             pred, base_pred = final.argmax(-1), base.argmax(-1)
@@ -276,7 +294,8 @@ def domino_loss(
         )  # fmt: skip
 
     (final_num, base_num, den, correct, base_correct, acc_den, acc_num, base_acc_num, blocks,
-     correct_K, den_K, ce_K) = chunked_sum(terms, hidden, target, mask, weights, chunk=chunk_blocks)  # fmt: skip
+     correct_K, den_K, ce_K) = chunked_sum(terms, hidden, prev, target, mask, weights,
+                                           chunk=chunk_blocks)  # fmt: skip
     final_loss = final_num / (den + 1e-6)
     base_loss = base_num / (den + 1e-6)
     loss = (1.0 - lambda_base) * final_loss + lambda_base * base_loss
@@ -291,7 +310,7 @@ def domino_loss(
         "base_accept_len": base_acc_num / (blocks + 1e-6),
         "lambda_base": torch.tensor(float(lambda_base)),
     }
-    _position_metrics(metrics, correct_K, den_K, ce_K, first=1)
+    _position_metrics(metrics, correct_K, den_K, ce_K, first=0 if shift else 1)
     return loss, metrics
 
 

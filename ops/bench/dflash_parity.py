@@ -18,7 +18,10 @@ different lengths (right-padded), random loss masks, a draft with grouped-query 
 `sample_anchors` and patched into the reference's sampler). It compares the loss, the metrics
 the reference reports (per position for DSpark), every parameter gradient, and then three
 AdamW steps (fresh fixed anchors each step; losses and final weights) in fp32 at rtol 1e-4 /
-atol 1e-5, and prints the worst relative error per quantity.
+atol 1e-5, and prints the worst relative error per quantity. Domino runs in both label
+layouts: `domino` (SpecForge's recipe: `shift_label` true, `pure_draft_prefix_len` 1),
+`domino-unshifted` (`shift_label` false, prefix 1) and `domino-p0` (false, 0: specbus's
+layout before the settings existed).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import sys
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 V, H, L_TARGET, BLOCK, ANCHORS, MASK = 96, 32, 4, 4, 6, 1
+# Domino variants: name -> (shift_label, pure_draft_prefix_len)
+DOMINO = {"domino": (True, 1), "domino-unshifted": (False, 1), "domino-p0": (False, 0)}
 LAYERS = [1, 2]
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -61,9 +66,14 @@ class Report:
             self.failures.append(f"{quantity}: {str(e).splitlines()[0]}")
 
 
-def reference_config(projector: str):
+def projector_of(name: str) -> str:
+    return "domino" if name in DOMINO else name
+
+
+def reference_config(name: str):
     from transformers import Qwen3Config
 
+    projector = projector_of(name)
     cfg = Qwen3Config(
         vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
@@ -74,7 +84,9 @@ def reference_config(projector: str):
     cfg.num_target_layers = L_TARGET
     dflash = {"target_layer_ids": LAYERS, "mask_token_id": MASK}
     if projector == "domino":
-        dflash |= {"projector_type": "domino", "emb_dim": 24, "gru_hidden_dim": 16}
+        shift, prefix = DOMINO[name]
+        dflash |= {"projector_type": "domino", "emb_dim": 24, "gru_hidden_dim": 16,
+                   "shift_label": shift, "pure_draft_prefix_len": prefix}  # fmt: skip
     if projector == "dspark":
         dflash |= {"projector_type": "dspark", "markov_rank": 8, "markov_head_type": "vanilla",
                    "confidence_head_alpha": 1.0, "attention_mode": "gqa"}  # fmt: skip
@@ -83,15 +95,18 @@ def reference_config(projector: str):
     return cfg
 
 
-def ours_config(projector: str):
+def ours_config(name: str):
     from specbus.core.models.dflash import DFlashConfig
 
+    projector = projector_of(name)
+    shift, prefix = DOMINO.get(name, (False, 0))
     return DFlashConfig(
         hidden_size=H, intermediate_size=64, num_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, vocab_size=V, target_layer_ids=LAYERS,
         num_target_layers=L_TARGET, block_size=BLOCK, mask_token_id=MASK, projector=projector,
         max_position_embeddings=256, emb_dim=24, gru_hidden_dim=16,
         markov_rank=8 if projector == "dspark" else 0, confidence_head=projector == "dspark",
+        shift_label=shift, pure_draft_prefix_len=prefix,
     )  # fmt: skip
 
 
@@ -116,7 +131,7 @@ def make_batch(seed: int):
     return ids, mask, aux, final
 
 
-def run(projector: str, steps: int = 3, attention: str = "eager", fused: bool = False) -> Report:
+def run(name: str, steps: int = 3, attention: str = "eager", fused: bool = False) -> Report:
     import torch
     from specbus.core.models.dflash import DFlashDraft
     from specbus.core.strategies.base import StepContext
@@ -133,11 +148,12 @@ def run(projector: str, steps: int = 3, attention: str = "eager", fused: bool = 
     from specforge.modeling.draft.dspark import DSparkDraftModel
     from specforge.training.strategies.base import linear_lambda_base
 
-    report = Report(projector)
+    report = Report(name)
+    projector = projector_of(name)
     torch.manual_seed(0)
     ref_cls = {"dflash": DFlashDraftModel, "domino": DominoDraftModel, "dspark": DSparkDraftModel}
-    ref_draft = ref_cls[projector](reference_config(projector)).float()
-    ours = DFlashDraft(ours_config(projector))
+    ref_draft = ref_cls[projector](reference_config(name)).float()
+    ours = DFlashDraft(ours_config(name))
     ref_state = {k: v for k, v in ref_draft.state_dict().items() if "rotary_emb" not in k}
     missing, unexpected = ours.load_state_dict(ref_state, strict=False)
     if missing or unexpected:
@@ -155,7 +171,9 @@ def run(projector: str, steps: int = 3, attention: str = "eager", fused: bool = 
     )  # fmt: skip
     wrapper = {
         "dflash": lambda: ref_mod.OnlineDFlashModel(**common),
-        "domino": lambda: ref_mod.OnlineDominoModel(**common),
+        "domino": lambda: ref_mod.OnlineDominoModel(
+            **common, shift_label=DOMINO.get(name, (False, 0))[0]
+        ),
         "dspark": lambda: ref_mod.OnlineDSparkModel(**common),
     }[projector]()
     ref_opt = torch.optim.AdamW([p for p in ref_draft.parameters() if p.requires_grad], lr=1e-2)
@@ -234,7 +252,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--strategies", default="dflash,domino,dspark")
+    ap.add_argument("--strategies", default="dflash,domino,domino-unshifted,domino-p0,dspark")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument(
         "--attention",

@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--set", action="append", default=[], help="more dotted config overrides")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -61,6 +62,7 @@ def main() -> None:
             "training.warmup_ratio=0.02",
             "training.micro_batch=1",
             "data.epochs=1",
+            *args.set,
         ],
     )
     t0 = time.perf_counter()
