@@ -361,6 +361,14 @@ class TelemetryConfig(Section):
     tensorboard: bool = True
     tensorboard_dir: Path | None = None  # None: <run_dir>/tb
     otel: bool = True  # exporters come from the standard OTEL_* environment variables
+    # Weights & Biases: the same scalars as TensorBoard (core/wandb_log.py); off by default,
+    # `pip install specbus[wandb]`. offline: written under <wandb_dir>/wandb (`wandb sync`
+    # uploads it); online: needs WANDB_API_KEY.
+    wandb: bool = False
+    wandb_project: str = "specbus"
+    wandb_entity: str | None = None
+    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_dir: Path | None = None  # None: <run_dir>
 
 
 class RunConfig(Section):

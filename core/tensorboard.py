@@ -42,6 +42,10 @@ _GROUPS: dict[str, str] = {
     "skipped": "bus/skipped",
     "missing": "bus/missing",
     "gpu_peak_gib": "device/gpu_peak_gib",
+    "checkpoint_step": "checkpoint/step",  # the last checkpoint's
+    "checkpoint_seconds": "checkpoint/write_seconds",
+    "checkpoint_bytes": "checkpoint/bytes",
+    "checkpoint_lineage_bytes": "checkpoint/lineage_bytes",
 }
 _SKIP = {"step"}
 
