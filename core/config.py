@@ -353,22 +353,7 @@ class LiveConfig(Section):
         return self
 
 
-class TelemetryConfig(Section):
-    """Logs and traces: OpenTelemetry exporters come from the standard OTEL_* variables."""
-
-    service_name: str = "specbus"
-    # TensorBoard scalars of rank 0's log rows, when `tensorboard` is installed (core/tensorboard.py)
-    tensorboard: bool = True
-    tensorboard_dir: Path | None = None  # None: <run_dir>/tb
-    otel: bool = True  # exporters come from the standard OTEL_* environment variables
-    # Weights & Biases: the same scalars as TensorBoard (core/wandb_log.py); off by default,
-    # `pip install specbus[wandb]`. offline: written under <wandb_dir>/wandb (`wandb sync`
-    # uploads it); online: needs WANDB_API_KEY.
-    wandb: bool = False
-    wandb_project: str = "specbus"
-    wandb_entity: str | None = None
-    wandb_mode: Literal["offline", "online"] = "offline"
-    wandb_dir: Path | None = None  # None: <run_dir>
+from specbus.core.config_telemetry import TelemetryConfig  # noqa: E402 - it needs Section
 
 
 class RunConfig(Section):

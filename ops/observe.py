@@ -1,6 +1,7 @@
 """What rank 0 reports each log interval besides the console: TensorBoard scalars
-(core/tensorboard.py), Weights & Biases scalars (core/wandb_log.py, `telemetry.wandb`) and the
-run's progress in its KV (read by `specbus top`).
+(core/tensorboard.py), Weights & Biases scalars (core/wandb_log.py, `telemetry.wandb`), the
+same as Prometheus series at its `/metrics` (ops/metrics_http.py, `telemetry.metrics_port`)
+and the run's progress in its KV (read by `specbus top`).
 
 `reporter(cfg, on_log, rank, ...)` composes them into the trainer's `on_log` hook; neither can
 stop training (a failed write is logged once; a progress write never waits for the broker).
@@ -40,8 +41,11 @@ def reporter(
     wandb = _wandb(cfg)
     progress = _ProgressWriter(loop, run) if run is not None else None
     failed: set[str] = set()
+    last: dict[str, Row] = {}
+    _metrics(cfg, lambda: last.get("row"))
 
     def report(row: Row) -> None:
+        last["row"] = row  # what /metrics serves until the next one
         if on_log is not None:
             on_log(row)
         for name, sink in (("tensorboard", writer), ("wandb", wandb), ("progress", progress)):
@@ -75,13 +79,26 @@ def _wandb(cfg: RunConfig) -> Any:
     return writer
 
 
-_TRACKERS: list[Any] = []  # W&B runs this process opened: finished at exit
+def _metrics(cfg: RunConfig, row: Callable[[], Row | None]) -> None:
+    """Trainer rank 0's `/metrics`: the last log row's scalars as Prometheus series
+    (ops/metrics_http.py), closed at exit."""
+    from specbus.core.prometheus import Metrics
+    from specbus.ops.metrics_http import RowCollector, serve_metrics
+
+    metrics = Metrics()
+    metrics.registry.register(RowCollector("specbus_trainer", row))
+    server = serve_metrics(metrics, cfg, "trainer")
+    if server is not None:
+        _TRACKERS.append(server)
+
+
+_TRACKERS: list[Any] = []  # W&B runs and /metrics servers this process opened: closed at exit
 
 
 @atexit.register
 def finish_trackers() -> None:
-    """Finish the W&B runs this process opened (at exit; an in-process caller that is done
-    with a run, a test, may call it earlier). Idempotent."""
+    """Finish the W&B runs and stop the `/metrics` servers this process opened (at exit; an
+    in-process caller that is done with a run, a test, may call it earlier). Idempotent."""
     while _TRACKERS:
         try:
             _TRACKERS.pop().close()
