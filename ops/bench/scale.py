@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 
 from specbus.core.config import build_config, dump_config
-from specbus.ops.bench.sampling import Fit, fit, human, proc_stats, slope_line, tree_bytes
+from specbus.ops.bench.sampling import fit, human, proc_stats, slope_line, tree_bytes
 from specbus.ops.launch import Launcher
 from specbus.ops.services.nats import NatsServer
 
@@ -146,33 +146,44 @@ def tenths(rows: list[dict], warmup: int) -> list[float]:
 
 
 def analyse(rows: list[dict], history: list[dict], warmup: int, target: int) -> dict:
-    """The slopes against samples trained and their values at `target` samples."""
+    """The slopes against samples trained (over the run after `warmup`, and over its second
+    half alone: a series that fills up and stops, the ledger's recent ids or the allocator's
+    arenas, has its steady slope there, which is what `target` extrapolates) and the values
+    at `target` samples."""
     after = [r for r in rows if r["trained"] >= warmup]
-    xs = [float(r["trained"]) for r in after]
     out: dict = {
         "trained": rows[-1]["trained"] if rows else 0,
         "seconds": rows[-1]["t"] if rows else 0,
     }
-    fits: dict[str, tuple[Fit, str]] = {}
+    series: dict[str, tuple[list[tuple[float, float]], str]] = {}
     names = sorted({k.rsplit(".", 1)[0] for r in after for k in r if k.endswith(".rss_bytes")})
     for name in names:
-        pts = [(x, r[f"{name}.rss_bytes"]) for x, r in zip(xs, after, strict=True)
-               if f"{name}.rss_bytes" in r]  # fmt: skip
-        if len(pts) >= 3:
-            fits[f"rss {name}"] = (fit(*map(list, zip(*pts, strict=True))), "B")
+        series[f"rss {name}"] = ([(float(r["trained"]), r[f"{name}.rss_bytes"]) for r in after
+                                  if f"{name}.rss_bytes" in r], "B")  # fmt: skip
     for key in ("samples_bytes", "tasks_bytes", "store_bytes"):
-        fits[key.replace("_", " ")] = (fit(xs, [float(r[key]) for r in after]), "B")
-    saves = {}
-    for row in history:  # one point per checkpoint (the rows after it repeat it)
-        if "checkpoint_step" in row:
-            saves[row["checkpoint_step"]] = row
-    pts = sorted(saves.values(), key=lambda r: r["checkpoint_step"])
+        series[key.replace("_", " ")] = ([(float(r["trained"]), float(r[key])) for r in after], "B")
+    saves = {row["checkpoint_step"]: row for row in history if "checkpoint_step" in row}
     per_step = out["trained"] / max(1.0, history[-1]["step"]) if history else 0.0
-    cx = [r["checkpoint_step"] * per_step for r in pts]
-    if len(pts) >= 2:
-        fits["checkpoint size"] = (fit(cx, [r["checkpoint_bytes"] for r in pts]), "B")
-        fits["checkpoint write"] = (fit(cx, [r["checkpoint_seconds"] for r in pts]), "s")
-        fits["lineage file"] = (fit(cx, [r["checkpoint_lineage_bytes"] for r in pts]), "B")
+    for name, key, unit in (("checkpoint size", "checkpoint_bytes", "B"),
+                            ("checkpoint write", "checkpoint_seconds", "s"),
+                            ("lineage file", "checkpoint_lineage_bytes", "B")):  # fmt: skip
+        series[name] = ([(r["checkpoint_step"] * per_step, float(r[key]))
+                         for _, r in sorted(saves.items())], unit)  # fmt: skip
+    fits, lines = {}, []
+    for name, (pts, unit) in series.items():
+        if len(pts) < 3:
+            continue
+        whole = fit([x for x, _ in pts], [y for _, y in pts])
+        mid = (pts[0][0] + pts[-1][0]) / 2
+        tail = [(x, y) for x, y in pts if x >= mid]
+        late = fit([x for x, _ in tail], [y for _, y in tail]) if len(tail) >= 3 else whole
+        fits[name] = {"slope_per_sample": whole.slope, "slope_se": whole.slope_se,
+                      "late_slope_per_sample": late.slope, "late_slope_se": late.slope_se,
+                      "points": whole.n, "last": pts[-1][1], "at_target": late.at(target),
+                      "unit": unit}  # fmt: skip
+        lines.append(slope_line(name, whole, unit, "sample") + f"; second half "
+                     f"{human(late.slope, unit)}/sample (+- {human(late.slope_se, unit)}) -> "
+                     f"{human(late.at(target), unit)} at {target:,}")  # fmt: skip
     rates = tenths(rows, warmup)
     out["refs_per_s_tenths"] = [round(r, 1) for r in rates]
     if rates:
@@ -181,11 +192,7 @@ def analyse(rows: list[dict], history: list[dict], warmup: int, target: int) -> 
             sum(rates[:3]) / len(rates[:3])
         )
         out["hours_at_target"] = target / out["refs_per_s"] / 3600
-    out["fits"] = {name: {"slope_per_sample": f.slope, "slope_se": f.slope_se, "points": f.n,
-                          "at_target": f.at(target), "unit": unit}
-                   for name, (f, unit) in fits.items()}  # fmt: skip
-    out["lines"] = [slope_line(name, f, unit, "sample") + f"  -> {human(f.at(target), unit)} at "
-                    f"{target:,}" for name, (f, unit) in fits.items()]  # fmt: skip
+    out["fits"], out["lines"] = fits, lines
     return out
 
 
