@@ -1,5 +1,6 @@
-"""The soak benchmark (ops/bench/soak.py): its verdict on synthetic series, and a short soak of
-a real live run (intake, serve, trainer, traffic, nats-server as processes) in the slow tier."""
+"""The soak benchmark (ops/bench/soak.py): its verdict on synthetic series, and a 2-minute soak
+of a real live run (intake, serve, trainer, traffic, nats-server as processes) in the slow
+tier."""
 
 from __future__ import annotations
 
@@ -31,15 +32,15 @@ def test_the_verdict_fails_a_leak_and_passes_flat_and_warming_series():
 
 @pytest.mark.slow
 def test_a_short_soak_of_a_live_run_keeps_every_series_bounded(tmp_path):
-    """3 minutes of traffic sampled every 15 s (the benchmark's hour, shortened for the slow
-    tier): every process lives, refs are trained, and no series grows past its bound."""
-    args = soak.parse(["--minutes", "3", "--sample-s", "15", "--qps", "1",
+    """2 minutes of traffic sampled every 10 s (the benchmark's hour, shortened to keep the
+    slow tier's time): every process lives, refs are trained, no series grows past its bound."""
+    args = soak.parse(["--minutes", "2", "--sample-s", "10", "--qps", "1",
                        "--work", str(tmp_path)])  # fmt: skip
     out = soak.run(args)
     assert out["trained"] > 0, out["rows"][-1]
     for name in ("intake", "serve", "trainer-0", "traffic", "nats-server"):
         for kind in ("rss_bytes", "fds", "threads"):
-            assert out["series"][f"{kind}.{name}"]["points"] >= 6, sorted(out["series"])
+            assert out["series"][f"{kind}.{name}"]["points"] >= 8, sorted(out["series"])
     for key in ("store_bytes", "stream_bytes.samples", "lag_refs"):
         assert key in out["series"], sorted(out["series"])
     assert out["ok"], "\n".join(out["lines"])
