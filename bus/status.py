@@ -33,7 +33,11 @@ async def _stream(bus: Bus, name: str) -> dict[str, Any] | None:
         "last_seq": s.last_seq,
         "consumers": s.consumer_count,
         "subjects": info.config.subjects,
+        # retention: past either limit the oldest messages go (what replay can still reach
+        # is first_seq..last_seq)
         "max_age_s": info.config.max_age,
+        "max_bytes": info.config.max_bytes if info.config.max_bytes is not None else -1,
+        "max_msgs": info.config.max_msgs if info.config.max_msgs is not None else -1,
     }
 
 

@@ -41,7 +41,8 @@ log = logging.getLogger("specbus.bus")
 
 # Fields the server refuses to change on an existing stream / consumer.
 _FIXED_STREAM = ("retention", "storage")
-_MUTABLE_STREAM = ("subjects", "max_age", "duplicate_window", "num_replicas", "allow_direct")
+_MUTABLE_STREAM = ("subjects", "max_age", "max_bytes", "duplicate_window", "num_replicas",
+                   "allow_direct")  # fmt: skip
 _FIXED_CONSUMER = ("ack_policy",)
 _MUTABLE_CONSUMER = ("ack_wait", "max_deliver", "max_ack_pending")
 
@@ -64,15 +65,13 @@ def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
         allow_direct=True,
     )
     return [
-        StreamConfig(name=names.tasks_stream, subjects=[names.tasks], max_age=0, **common),
-        StreamConfig(
-            name=names.samples_stream,
-            subjects=[names.samples],
-            max_age=cfg.samples_max_age_s,
-            **common,
-        ),
-        StreamConfig(name=names.dead_stream, subjects=names.dead_subjects(), max_age=0, **common),
-    ]
+        StreamConfig(name=names.tasks_stream, subjects=[names.tasks], max_age=cfg.tasks_max_age_s,
+                     max_bytes=cfg.tasks_max_bytes, **common),
+        StreamConfig(name=names.samples_stream, subjects=[names.samples],
+                     max_age=cfg.samples_max_age_s, max_bytes=cfg.samples_max_bytes, **common),
+        StreamConfig(name=names.dead_stream, subjects=names.dead_subjects(),
+                     max_age=cfg.dead_max_age_s, max_bytes=cfg.dead_max_bytes, **common),
+    ]  # fmt: skip
 
 
 def consumer_config(group: str, cfg: BusConfig) -> ConsumerConfig:

@@ -40,12 +40,22 @@ from specbus.core.telemetry import link_to_current, span
 log = logging.getLogger("specbus.loader")
 
 
+def _key(lease: Lease) -> tuple[int, str, int]:
+    """The ledger key of a leased ref: (SAMPLES seq, sample id, the TASKS seq it came from)."""
+    ref: SampleRef = lease.record
+    return lease.seq, ref.sample_id, ref.task_seq
+
+
 class BusSource(LeaseSettlement):
     """The disaggregated `core.source.Source`: `group` is this rank's member of the run's
     "trainers" group; refs of another strategy/target/tokenizer or missing a `features` name
     are dead-lettered; `trained` (the loader's ledger) skips refs already in the model; `store`
     (the run's section) opens the stores refs name and bounds the wait for an unavailable one
     (`store.unavailable_give_up_s`, the lease kept alive meanwhile)."""
+
+    # Its tensors live in a store every rank reads: the loader frees them only after the next
+    # lockstep exchange (every rank has recorded them by then; consumers/loader.py).
+    shared_store = True
 
     def __init__(
         self,
@@ -71,7 +81,9 @@ class BusSource(LeaseSettlement):
         # refs' stores are opened with the run's store settings (crc, http token, pools)
         self.store_cfg = store if store is not None else StoreConfig()
         self._stores: dict[str, Any] = {}
-        self._retired: list[int] = []
+        self._retired: list[tuple[int, str, int]] = []
+        self._later: list[SampleRef] = []  # skipped refs whose keys the next release frees
+        self._later_lock = threading.Lock()
         self.stats = {"recaptures": 0, "dead_letters": 0, "skipped": 0, "audited": 0,
                       "capture_mismatch": 0}  # fmt: skip
 
@@ -111,7 +123,7 @@ class BusSource(LeaseSettlement):
         log.warning("dead-lettering sample seq %d: %s: %s", lease.seq, reason, detail)
         await self.runbus.dead_letter(lease, reason, detail)
         self.stats["dead_letters"] += 1
-        self._retired.append(lease.seq)
+        self._retired.append(_key(lease))
 
     async def _recapture(self, lease: Lease, why: Exception) -> None:
         ref: SampleRef = lease.record
@@ -137,6 +149,9 @@ class BusSource(LeaseSettlement):
             return
         again = task.model_copy(update={"generation": ref.generation + 1, "source": "recapture"})
         await self.runbus.publisher.publish(self.runbus.names.tasks, again)
+        # superseded: the ref and its task are settled (a copy of either, or a republish of
+        # the task, is never recaptured again)
+        self._retired.append(_key(lease))
         log.info(
             "recapture of %s requested (g%d -> g%d): %s",
             ref.sample_id,
@@ -146,7 +161,6 @@ class BusSource(LeaseSettlement):
         )
         await lease.ack()  # superseded by the recapture: done, never trained
         self.stats["recaptures"] += 1
-        self._retired.append(lease.seq)
 
     # -- Source protocol -----------------------------------------------------------------
     async def take(self, n: int, timeout_s: float) -> list[Item]:
@@ -165,18 +179,21 @@ class BusSource(LeaseSettlement):
         return items
 
     async def _release_skipped(self, ref: SampleRef) -> None:
-        """The keys of a ref the ledger already holds, settled at take time: freed now."""
-        with contextlib.suppress(StoreError):
-            (await self._store(ref.store_uri)).release(ref)
+        """The keys of a ref the ledger already holds, settled at take time: freed with the
+        next `release` (after the loader's next lockstep exchange, when every rank's ledger
+        holds the sample: a rank reading them meanwhile must not find them gone)."""
+        with self._later_lock:
+            self._later.append(ref)
 
     async def _take_one(self, lease: Lease) -> Item | None:
         """The item of one leased ref, or None when it was settled here instead."""
         ref: SampleRef = lease.record
-        if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
+        if self.trained is not None and self.trained.contains(*_key(lease)):
             await lease.ack()
             if self._problem(ref) is None:  # its keys (maybe another generation's)
                 await self._release_skipped(ref)
             self.stats["skipped"] += 1
+            self._retired.append(_key(lease))  # its sequence and task are settled
             return None
         problem = self._problem(ref)
         if problem:
@@ -192,9 +209,10 @@ class BusSource(LeaseSettlement):
                 keepalive=lease.in_progress,
             )
         except (FeatureMissing, IntegrityError) as e:
-            if self.trained is not None and self.trained.contains(lease.seq, ref.sample_id):
+            if self.trained is not None and self.trained.contains(*_key(lease)):
                 await lease.ack()  # trained (and released) by another rank meanwhile
                 self.stats["skipped"] += 1
+                self._retired.append(_key(lease))
             else:
                 await self._recapture(lease, e)
             return None
@@ -225,6 +243,7 @@ class BusSource(LeaseSettlement):
             redelivered=lease.deliveries > 1,
             stored=ref,
             nbytes=ref.nbytes,
+            task_seq=ref.task_seq,
         )
 
     async def _audited(self, lease: Lease, ref: SampleRef, tensors) -> bool:
@@ -265,10 +284,16 @@ class BusSource(LeaseSettlement):
         return await self.runbus.drained(TRAINERS)
 
     def release(self, items: list[Item]) -> None:
-        """Free the items' tensors in their stores (after ack): a released ref that comes
-        again (a resume's replay) is recaptured from its task."""
+        """Free the items' tensors in their stores (after ack, and after the next lockstep
+        exchange: `Loader`), and those of refs skipped at take time since the last call: a
+        released ref that comes again (a resume's replay) is recaptured from its task."""
+        with self._later_lock:
+            later, self._later = self._later, []
         for item in items:
             self.store(item.stored.store_uri).release(item.stored)
+        for ref in later:
+            with contextlib.suppress(StoreError):
+                self.store(ref.store_uri).release(ref)
 
     def checkpointed(self) -> None:
         """Nothing held back: `release` frees at once."""
@@ -277,8 +302,8 @@ class BusSource(LeaseSettlement):
         """The store's residency as this rank sees it (None before the first ref)."""
         return next(iter(self._stores.values())).usage() if self._stores else None
 
-    def drain_retired(self) -> list[int]:
-        """Sequences retired here (dead-lettered, superseded) since the last call."""
+    def drain_retired(self) -> list[tuple[int, str, int]]:
+        """Keys retired here (dead-lettered, superseded, skipped) since the last call."""
         out, self._retired = self._retired, []
         return out
 

@@ -1,7 +1,10 @@
 """Checkpoints: full resume state, atomic writes, rotation, `latest` and `best`.
 
 A checkpoint is a directory `step-XXXXXXXX/` holding `state.pt` (model, optimizer,
-scheduler, RNG, step, SAMPLES cursor, lineage) and `meta.json` (step, score, plan). The
+scheduler, RNG, step, the ledger: SAMPLES cursor, settled tasks, recent ids, and how much of
+the lineage file is its lineage) and `meta.json` (step, score, plan). The lineage file
+(`lineage.jsonl`, consumers/lineage.py) sits beside the checkpoints: `save` appends the ids
+trained since the last one before writing `state.pt`. The
 `plan` is the part of the run config a resume must agree with (strategy, draft, target
 fingerprint, data, batch geometry, world size): `load()` refuses a checkpoint whose plan
 differs and names the differing keys, so a resume never silently trains something else.
@@ -17,11 +20,13 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from specbus.consumers import lineage
 from specbus.core.errors import CheckpointError
 
 
@@ -84,15 +89,39 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.plan = json.loads(json.dumps(plan, default=str))  # what meta.json will hold
         self.keep = keep
+        # the last save: step, seconds, bytes of its directory, the lineage file's length
+        self.last_save: dict[str, float] | None = None
+
+    @property
+    def lineage_path(self) -> Path:
+        """The lineage file of these checkpoints."""
+        return self.directory / lineage.LINEAGE_FILE
+
+    def _append_lineage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Append the ledger's new ids to the lineage file (cut at the previous checkpoint's
+        length first: a save killed after its append left lines no checkpoint counts); the
+        state to write, which counts them instead of holding them."""
+        lin = state.get("lineage")
+        if not isinstance(lin, dict) or "append" not in lin:
+            return state
+        base_count, base_bytes = lin["base"]
+        end = lineage.append(self.lineage_path, int(base_bytes), lin["append"])
+        if end != lin["bytes"] or base_count + len(lin["append"]) != lin["count"]:
+            raise CheckpointError(f"lineage file {self.lineage_path}: {end} bytes written, the "
+                                  f"ledger counts {lin['bytes']}")  # fmt: skip
+        kept = {"file": lin["file"], "count": lin["count"], "bytes": end}
+        return {**state, "lineage": kept}
 
     def save(self, step: int, state: dict[str, Any], score: float | None = None) -> Path:
         """Write a checkpoint for `step`; update `latest` (and `best` when `score` is higher)."""
+        t0 = time.perf_counter()
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"step-{step:08d}"
         final = self.directory / name
         tmp = self.directory / f".{name}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        state = self._append_lineage(state)
         torch.save(state, tmp / "state.pt")
         (tmp / "meta.json").write_text(
             json.dumps({"step": step, "score": score, "plan": self.plan}, indent=1)
@@ -108,6 +137,13 @@ class CheckpointManager:
         ):
             _atomic_write(self.directory / "best", name)
         self._rotate()
+        lin = state.get("lineage")
+        self.last_save = {
+            "step": float(step),
+            "seconds": time.perf_counter() - t0,
+            "bytes": float(sum(p.stat().st_size for p in final.iterdir())),
+            "lineage_bytes": float(lin["bytes"]) if isinstance(lin, dict) else 0.0,
+        }
         return final
 
     def _meta(self, pointer: Path) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ sample enters the final model's lineage exactly once.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -51,3 +52,55 @@ class SamplesCursor:
     def from_dict(cls, d: dict) -> SamplesCursor:
         """The cursor `to_dict` wrote."""
         return cls(floor=int(d["floor"]), done_above={int(s) for s in d["done_above"]})
+
+
+class SeqSet:
+    """A set of stream sequences held as sorted disjoint ranges `[lo, hi]`: its size is the
+    number of gaps, not of members. The ledger's TASKS set: the task messages whose sample is
+    settled (trained, or never to be), filled roughly in order, so the ranges stay few (a gap
+    per task still in flight, or dead-lettered by a producer)."""
+
+    def __init__(self) -> None:
+        self._lo: list[int] = []
+        self._hi: list[int] = []
+
+    def add(self, seq: int) -> None:
+        """Add `seq` (idempotent), merging it with its neighbours."""
+        if seq <= 0:
+            return
+        i = bisect.bisect_right(self._lo, seq) - 1  # the range starting at or before seq
+        if i >= 0 and seq <= self._hi[i]:
+            return
+        joins_left = i >= 0 and self._hi[i] == seq - 1
+        joins_right = i + 1 < len(self._lo) and self._lo[i + 1] == seq + 1
+        if joins_left and joins_right:
+            self._hi[i] = self._hi[i + 1]
+            del self._lo[i + 1], self._hi[i + 1]
+        elif joins_left:
+            self._hi[i] = seq
+        elif joins_right:
+            self._lo[i + 1] = seq
+        else:
+            self._lo.insert(i + 1, seq)
+            self._hi.insert(i + 1, seq)
+
+    def __contains__(self, seq: int) -> bool:
+        i = bisect.bisect_right(self._lo, seq) - 1
+        return i >= 0 and seq <= self._hi[i]
+
+    def __len__(self) -> int:
+        """How many ranges it holds (its size in memory and in a checkpoint)."""
+        return len(self._lo)
+
+    def to_list(self) -> list[list[int]]:
+        """A JSON-able form: `[[lo, hi], ...]`."""
+        return [[lo, hi] for lo, hi in zip(self._lo, self._hi, strict=True)]
+
+    @classmethod
+    def from_list(cls, ranges: list) -> SeqSet:
+        """The set `to_list` wrote."""
+        out = cls()
+        for lo, hi in ranges:
+            out._lo.append(int(lo))
+            out._hi.append(int(hi))
+        return out

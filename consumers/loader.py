@@ -7,9 +7,12 @@ candidates and filtering them against the ledger (`plan_round`); at the end of t
 ragged `Window` of what every rank still holds (fewer items, none on some ranks, weighted so
 that the step is the mean over the samples it trains); then None (also on a stop or a spent
 time budget, after giving back what it holds). `commit(window)` records, acks, then releases
-(a live source holds the tensors until `checkpointed()`, after the next checkpoint). It owns
-the `Ledger` (a `Stateful`). docs/architecture.md, "Exactly once into the model" and
-"Lockstep".
+(a live source holds the tensors until `checkpointed()`, after the next checkpoint). From a
+store every rank reads (`Source.shared_store`) the release waits for the next lockstep
+exchange (or the checkpoint's barrier): past it every rank has recorded the window, so a rank
+that finds a ref's tensors gone knows from its own ledger whether it was trained (no
+recapture of a trained sample). It owns the `Ledger` (a
+`Stateful`). docs/architecture.md, "Exactly once into the model" and "Lockstep".
 """
 
 from __future__ import annotations
@@ -110,6 +113,11 @@ class Loader:
         self._held: list[Item] = []  # taken from _ready, waiting for the window to fill
         self._parked: list[Item] = []  # duplicates of an item another rank trains this step
         self._leased_items: dict[int, Item] = {}
+        # A source whose store other ranks read (`shared_store`) gets its releases after the
+        # next lockstep exchange; one of its own rank's (colocated mem://) at once.
+        self._defer_release = bool(getattr(source, "shared_store", False))
+        self._release_next: list[Item] = []  # settled, freed after the next lockstep exchange
+        self._retired: list = []  # keys this rank settled as trained on its own (gathered)
         self._lock = threading.Lock()
         self._upstream = Upstream(done=False)
         self._requeried = False
@@ -214,7 +222,7 @@ class Loader:
                 except queue.Empty:
                     break
                 if self.ledger.contains(*item.key):
-                    self._settle_trained([item])
+                    self._settle_trained([item], alone=True)
                 else:
                     self._held.append(item)
             out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
@@ -236,6 +244,7 @@ class Loader:
                 ack_pending=upstream.ack_pending if status == Status.ENDED else -1,
                 unsettled=self.source.unsettled(),
             )  # fmt: skip
+            self._release_settled()  # every rank is past its last commit
             if decision in (Decision.TRAIN, Decision.RAGGED):
                 window = self._plan_window(ragged=decision is Decision.RAGGED)
                 if window is not None:
@@ -263,12 +272,15 @@ class Loader:
         `ragged` (the end of the data): the ragged window of what is left, when any rank has
         anything left to train, else None (the next round ends)."""
         candidates = self._held[: self.need]
-        mine = ([i.key for i in candidates], [i.nbytes for i in candidates],
-                self.source.drain_retired())  # fmt: skip
+        retired, self._retired = self.source.drain_retired() + self._retired, []
+        mine = ([i.key for i in candidates], [i.nbytes for i in candidates], retired)
         rows = gather_objects(mine)
         for _, _, retired in rows:
             self.ledger.retire(retired)
         plans = plan_round(self.ledger, [keys for keys, _, _ in rows])
+        # duplicates settled by this round: their sequences (and tasks) are done, on every rank
+        self.ledger.retire(keys[i] for (keys, _, _), p in zip(rows, plans, strict=True)
+                           for i in p.trained)  # fmt: skip
         plan = plans[rank()]
         self._settle_trained([candidates[i] for i in plan.trained])
         self._parked.extend(candidates[i] for i in plan.parked)
@@ -324,13 +336,17 @@ class Loader:
         trained = [i for i in self._held if self.ledger.contains(*i.key)]
         if trained:
             self._held = [i for i in self._held if not self.ledger.contains(*i.key)]
-            self._settle_trained(trained)
+            self._settle_trained(trained, alone=True)
 
-    def _settle_trained(self, items: list[Item]) -> None:
+    def _settle_trained(self, items: list[Item], *, alone: bool = False) -> None:
         """Already in the model: ack (the broker may have lost the first ack) and release,
-        never train. A lost ack here only costs another redelivery, filtered again."""
+        never train. A lost ack here only costs another redelivery, filtered again. `alone`:
+        settled by this rank's own look (not by a round's plan): its keys go to the other
+        ranks with the next gather, so every ledger retires the same sequences."""
         if not items:
             return
+        if alone:
+            self._retired.extend(i.key for i in items)
         self.stats["duplicates"] += len(items)
         log.info(
             "rank %d: %d delivered item(s) already trained, acked and released (seq %s)",
@@ -338,7 +354,7 @@ class Loader:
         )  # fmt: skip
         self.loop.call(self.source.ack(items, confirm=False))
         self._forget(items)
-        self.source.release(items)
+        self._release_later(items)
         for item in items:
             item.tensors = {}
 
@@ -372,8 +388,7 @@ class Loader:
                 # lost its place, and answers no ack beyond it) only means a redelivery, filtered.
                 log.warning("rank %d: %s; they will be redelivered and filtered", rank(), e)
         self._forget(window.items)
-        with span("release", attributes={"samples": len(window.items)}):
-            self.source.release(window.items)  # live: held until `checkpointed`
+        self._release_later(window.items)
         for item in window.items:
             item.tensors = {}
         if self._parked:
@@ -386,9 +401,28 @@ class Loader:
         answers the same): the trainer checkpoints now, so that the source frees them."""
         return self.hold_limit_bytes is not None and self.held_bytes >= self.hold_limit_bytes
 
+    def _release_later(self, items: list[Item]) -> None:
+        """Settled items: freed after the next lockstep exchange (a shared store), else now."""
+        self._release_next.extend(items)
+        if not self._defer_release:
+            self._release_settled()
+
+    def _release_settled(self) -> None:
+        """Free what was committed or settled before the lockstep exchange (or barrier) just
+        passed: every rank has recorded it (live: the source holds it until `checkpointed`)."""
+        if not self._release_next:
+            return
+        items, self._release_next = self._release_next, []
+        with span("release", attributes={"samples": len(items)}):
+            self.source.release(items)
+
     def checkpointed(self) -> None:
-        """A durable checkpoint holds every committed window: the source frees what its
-        `release` held back (live mode). Every rank calls it after the checkpoint's barrier."""
+        """A durable checkpoint holds every committed window: the ledger lets go of the ids
+        it appended to the lineage file, and the source frees what its `release` held back
+        (live mode). Every rank calls it after the checkpoint's barrier (a trainer without
+        checkpoints after each commit: none will ever hold them)."""
+        self._release_settled()
+        self.ledger.flushed()
         self.source.checkpointed()
         self.held_bytes = 0
 
@@ -405,6 +439,7 @@ class Loader:
             held = list(self._leased_items.values())
         self._held, self._parked = [], []
         self._ready = queue.Queue()
+        self._release_settled()  # the ranks end or stop together, past their last commit
         try:
             if held:
                 self.loop.call(self.source.nak(held))

@@ -78,18 +78,24 @@ class TrainerHooks:
 
 @dataclass
 class TrainResult:
-    """How `Trainer.fit` ended: steps and samples trained, the lineage (sample ids in training
-    order), the metric history, the last checkpoint, and whether a stop request ended it."""
+    """How `Trainer.fit` ended: steps and samples trained, the metric history, the last
+    checkpoint, whether a stop request ended it, and the ledger (`lineage`: the sample ids in
+    training order, read from the lineage file when asked for)."""
 
     steps: int
     samples: int
-    lineage: list[str]
     history: list[dict[str, float]]
     checkpoint: str | None
     stopped: bool = False  # ended by a stop request, not by the end of data or max_steps
     # the run's dead letters at the end, {"tasks"|"samples": {"explicit"|"max_deliveries": n}}
     # (rank 0, ops/train.py; None: not counted)
     dead_letters: dict[str, dict[str, int]] | None = None
+    ledger: Any = field(default=None, repr=False)
+
+    @property
+    def lineage(self) -> list[str]:
+        """The sample ids in the model, in training order (read on demand)."""
+        return self.ledger.lineage if self.ledger is not None else []
 
 
 def _scalar(v: Any) -> float:
@@ -123,6 +129,8 @@ class Trainer:
         self._interval = self._new_interval()
         self._last_checkpoint: str | None = None
         self._last_checkpoint_step = self.state.step
+        if checkpoints is not None:  # the ledger's lineage goes to the file beside them
+            loader.ledger.lineage_path = checkpoints.lineage_path
 
     @staticmethod
     def _new_interval() -> dict[str, float]:
@@ -144,7 +152,8 @@ class Trainer:
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's content: full model and optimizer state (collective under FSDP)
-        and the loader's ledger (`cursor`, `lineage`)."""
+        and the loader's ledger (`cursor`, `ledger`, `lineage`: the ids since the last
+        checkpoint, which `CheckpointManager.save` appends to the lineage file)."""
         model_sd, optim_sd = full_state(self.model, self.optimizer)
         return {
             "model": trainable_state(getattr(self.model, "module", self.model), model_sd),
@@ -216,10 +225,10 @@ class Trainer:
         return TrainResult(
             self.state.step,
             self.samples,
-            list(self.loader.ledger.lineage),
             self.state.history,
             self._last_checkpoint,
             stopped=stopped,
+            ledger=self.loader.ledger,
         )
 
     def _step(self, window: Window) -> None:
@@ -281,6 +290,9 @@ class Trainer:
             row["store_peak_bytes"] = float(usage.peak_bytes)
         if torch.cuda.is_available():
             row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        saved = self.checkpoints.last_save if self.checkpoints is not None else None
+        if saved is not None:  # the last checkpoint: its step, write time and size
+            row.update({f"checkpoint_{k}": v for k, v in saved.items()})
         self.state.history.append(row)
         if self.hooks.on_log is not None and self.rank == 0:
             self.hooks.on_log(row)
@@ -361,7 +373,8 @@ class Trainer:
         if self.hooks.on_checkpoint is None:
             return
         pointer = {"step": self.state.step, "path": str(path), "samples": self.samples,
-                   "score": self.score()}  # fmt: skip
+                   "score": self.score(),
+                   "floor": self.loader.ledger.cursor.floor}  # a resume replays above it  # fmt: skip
         try:
             self.hooks.on_checkpoint(pointer)
         except Exception as e:  # noqa: BLE001 - a pointer is advice; the checkpoint is on disk

@@ -52,7 +52,15 @@ class BusConfig(Section):
     max_deliver: int = Field(5, ge=1)
     max_ack_pending: int = Field(256, ge=1)
     duplicate_window_s: float = Field(120.0, gt=0)
+    # Retention per stream (docs/bus.md, "Retention"): age in seconds (0: no age limit) and
+    # bytes (-1: no limit); past either the oldest messages go. TASKS: recapture reads a task
+    # back by sequence; SAMPLES: a resume replays from its checkpoint's floor; DEAD: inspection.
+    tasks_max_age_s: float = Field(0.0, ge=0)
+    tasks_max_bytes: int = Field(-1, ge=-1)
     samples_max_age_s: float = Field(7 * 24 * 3600.0, ge=0)  # 0: kept (recordings)
+    samples_max_bytes: int = Field(-1, ge=-1)
+    dead_max_age_s: float = Field(0.0, ge=0)
+    dead_max_bytes: int = Field(-1, ge=-1)
     nak_delay_s: float = Field(1.0, ge=0)
     heartbeat_s: float = Field(10.0, gt=0)
     fetch_timeout_s: float = Field(1.0, gt=0)
@@ -324,14 +332,7 @@ class LiveConfig(Section):
         return self
 
 
-class TelemetryConfig(Section):
-    """Logs and traces: OpenTelemetry exporters come from the standard OTEL_* variables."""
-
-    service_name: str = "specbus"
-    # TensorBoard scalars of rank 0's log rows, when `tensorboard` is installed (core/tensorboard.py)
-    tensorboard: bool = True
-    tensorboard_dir: Path | None = None  # None: <run_dir>/tb
-    otel: bool = True  # exporters come from the standard OTEL_* environment variables
+from specbus.core.config_telemetry import TelemetryConfig  # noqa: E402 - it needs Section
 
 
 class RunConfig(Section):

@@ -29,11 +29,12 @@ class Item:
     stored: Any = None  # what the source's store releases (a SampleRef, or the put's specs)
     redelivered: bool = False
     nbytes: int = 0  # bytes its tensors hold in the store (0: not counted by this source)
+    task_seq: int = 0  # the TASKS message it was captured from (0: none, or `seq` is one)
 
     @property
-    def key(self) -> tuple[int, str]:
-        """(stream sequence, sample id): what the ledger records and filters on."""
-        return self.seq, self.sample_id
+    def key(self) -> tuple[int, str, int]:
+        """(stream sequence, sample id, task sequence): what the ledger records and filters on."""
+        return self.seq, self.sample_id, self.task_seq
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,8 @@ class Upstream:
 class Trained(Protocol):
     """The trainer's record of what is in the model (`consumers.ledger.Ledger`)."""
 
-    def contains(self, seq: int, sample_id: str) -> bool:
-        """True when the item with this sequence or sample id is already in the model."""
+    def contains(self, seq: int, sample_id: str, task_seq: int = 0) -> bool:
+        """True when the item with this sequence, task or sample id is already settled."""
 
 
 class Source(Protocol):
@@ -63,6 +64,9 @@ class Source(Protocol):
     `checkpointed`, `unsettled`, `drain_retired`, `usage` are safe from the training thread."""
 
     stats: dict[str, float]
+    # True when other ranks read the store its items' tensors are in (SampleRefs): the loader
+    # then frees them only after the next lockstep exchange (absent: False, its own store)
+    shared_store: bool
 
     async def take(self, n: int, timeout_s: float) -> list[Item]:
         """Lease up to `n` items with their tensors loaded. Items that cannot be trained
@@ -97,9 +101,10 @@ class Source(Protocol):
         without checkpoints): free what `release` held back. A no-op for a source that frees
         at `release`."""
 
-    def drain_retired(self) -> list[int]:
-        """Sequences settled here that will never be trained (dead, superseded) since the
-        last call: the cursor passes them."""
+    def drain_retired(self) -> list[int | tuple[int, str, int]]:
+        """Sequences settled here that will never be trained (dead, superseded, or skipped as
+        already trained) since the last call, each a sequence or an item's `key` (which names
+        its task too): the ledger passes them."""
 
     def usage(self) -> Any:
         """The store's residency as this rank sees it (None when unknown)."""

@@ -50,6 +50,10 @@ _GROUPS: dict[str, str] = {
     "served_accept_length": "served/accept_length_by_version",
     "served_tokens_per_s": "served/tokens_per_s_by_version",
     "served_requests": "served/requests_by_version",
+    "checkpoint_step": "checkpoint/step",  # the last checkpoint's
+    "checkpoint_seconds": "checkpoint/write_seconds",
+    "checkpoint_bytes": "checkpoint/bytes",
+    "checkpoint_lineage_bytes": "checkpoint/lineage_bytes",
 }
 _SKIP = {"step"}
 

@@ -46,8 +46,8 @@ so the checks that follow still measure something.
 
 Checks after the run ends (all processes of the pipeline exited 0 within the deadline):
 
-- lineage: torch.load of <run_dir>/checkpoints/<latest>/state.pt: its lineage holds every fed
-  sample id (the TASKS stream's dataset tasks, `<task>-e<epoch>`) exactly once (any task
+- lineage: the latest checkpoint's (the prefix of <run_dir>/checkpoints/lineage.jsonl it
+  counts) holds every fed sample id (the TASKS stream's dataset tasks, `<task>-e<epoch>`) exactly once (any task
   count: a remainder over world * micro_batch * accumulation is trained in a ragged last
   step);
 - broker: the "trainers" and "producers" consumers have nothing pending and nothing
@@ -966,12 +966,12 @@ class Trial:
         return final
 
     def check_lineage(self, fed: list[str], ended: bool = True) -> dict:
-        import torch
+        from specbus.consumers.lineage import load_state
 
         ckpt = self.dir / "run" / "checkpoints"
         try:
             name = (ckpt / "latest").read_text().strip()
-            state = torch.load(ckpt / name / "state.pt", weights_only=False, map_location="cpu")
+            state = load_state(ckpt / name)  # the lineage from the file beside it
         except Exception as e:
             if ended:
                 self.fail("lineage", f"no final checkpoint: {e!r}")

@@ -163,6 +163,7 @@ def format_status(
             lines.append(
                 f"  {name:<34} {st['messages']:>8} msgs {size(st['bytes']):>10}  seq {st['first_seq']}..{st['last_seq']}"
             )
+            lines.append(f"  {'':<34} {retention(st)}")
     lines.append("consumers (now)")
     for group, c in s["consumers"].items():
         if c is None:
@@ -207,6 +208,8 @@ def format_status(
         lines.append(
             f"  checkpoint      {'none' if kv['checkpoint'] is None else json.dumps(kv['checkpoint'])}"
         )
+        if reach := replay_reach(s, kv["checkpoint"]):
+            lines.append(f"  {'':<15} {reach}")
     if s["dead_letters"] is not None:
         lines.append(
             f"dead letters     {s['dead_letters']}"
@@ -237,6 +240,38 @@ def format_status(
             + (" (dead-lettered capture_mismatch: specbus dead)" if audit["mismatches"] else "")
         )
     return "\n".join(lines)
+
+
+def retention(st: dict[str, Any]) -> str:
+    """A stream's retention as `specbus status` prints it: its limits (past either the oldest
+    messages go) and what replay can still reach."""
+    age = st.get("max_age_s") or 0
+    limits = [f"age {age / 86400:g} d" if age >= 86400 else f"age {age:g} s"] if age else []
+    if (st.get("max_bytes") or -1) > 0:
+        limits.append(f"bytes {size(st['max_bytes'])}")
+    if (st.get("max_msgs") or -1) > 0:
+        limits.append(f"messages {st['max_msgs']}")
+    kept = "kept until " + " or ".join(limits) if limits else "kept (no limit)"
+    reach = f"replay reaches seq {st['first_seq']}..{st['last_seq']}" if st["messages"] else ""
+    return f"retention: {kept}" + (f"; {reach}" if reach else "")
+
+
+def replay_reach(s: dict[str, Any], pointer: dict[str, Any] | None) -> str:
+    """Whether a resume from the latest checkpoint can replay what it needs: from the
+    checkpoint's floor + 1 on the trainers' stream (SAMPLES; TASKS when nothing was captured
+    into SAMPLES: colocated)."""
+    if not pointer or "floor" not in pointer:
+        return ""
+    tasks, samples, _ = s["streams"].values()
+    st = samples if samples and samples["last_seq"] else tasks
+    if not st:
+        return ""
+    start = int(pointer["floor"]) + 1
+    if start >= st["first_seq"]:
+        return f"a resume replays from seq {start}: within the stream"
+    return (f"a resume replays from seq {start}, but the stream starts at {st['first_seq']}: "
+            f"{st['first_seq'] - start} messages above the checkpoint are gone (retention), "
+            "a resume cannot train them")  # fmt: skip
 
 
 # ---------------------------------------------------------------- specbus top

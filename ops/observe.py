@@ -1,5 +1,7 @@
 """What rank 0 reports each log interval besides the console: TensorBoard scalars
-(core/tensorboard.py) and the run's progress in its KV (read by `specbus top`).
+(core/tensorboard.py), Weights & Biases scalars (core/wandb_log.py, `telemetry.wandb`), the
+same as Prometheus series at its `/metrics` (ops/metrics_http.py, `telemetry.metrics_port`)
+and the run's progress in its KV (read by `specbus top`).
 
 `reporter(cfg, on_log, rank, ...)` composes them into the trainer's `on_log` hook; neither can
 stop training (a failed write is logged once; a progress write never waits for the broker).
@@ -7,6 +9,7 @@ stop training (a failed write is logged once; a progress write never waits for t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +18,7 @@ from typing import Any
 
 from specbus.core.config import RunConfig
 from specbus.core.tensorboard import open_writer
+from specbus.core.wandb_log import open_wandb
 
 log = logging.getLogger("specbus.train")
 
@@ -34,13 +38,17 @@ def reporter(
     if rank != 0:
         return on_log
     writer = open_writer(cfg.resolved_tensorboard_dir, enabled=cfg.telemetry.tensorboard)
+    wandb = _wandb(cfg)
     progress = _ProgressWriter(loop, run) if run is not None else None
     failed: set[str] = set()
+    last: dict[str, Row] = {}
+    _metrics(cfg, lambda: last.get("row"))
 
     def report(row: Row) -> None:
+        last["row"] = row  # what /metrics serves until the next one
         if on_log is not None:
             on_log(row)
-        for name, sink in (("tensorboard", writer), ("progress", progress)):
+        for name, sink in (("tensorboard", writer), ("wandb", wandb), ("progress", progress)):
             if sink is None:
                 continue
             try:
@@ -51,6 +59,51 @@ def reporter(
                     log.warning("could not write %s: %s", name, e)
 
     return report
+
+
+def _wandb(cfg: RunConfig) -> Any:
+    """The W&B writer of `telemetry.wandb` (None: off, not installed, or it failed to start:
+    reporting never stops training), finished at exit."""
+    t = cfg.telemetry
+    if not t.wandb:
+        return None
+    try:
+        writer = open_wandb(t.wandb_dir or cfg.resolved_run_dir, enabled=True,
+                            project=t.wandb_project, entity=t.wandb_entity, name=cfg.run,
+                            mode=t.wandb_mode, config=cfg.model_dump(mode="json"))  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a tracker that cannot start is logged, not fatal
+        log.warning("could not start the Weights & Biases run: %s", e)
+        return None
+    if writer is not None:
+        _TRACKERS.append(writer)
+    return writer
+
+
+def _metrics(cfg: RunConfig, row: Callable[[], Row | None]) -> None:
+    """Trainer rank 0's `/metrics`: the last log row's scalars as Prometheus series
+    (ops/metrics_http.py), closed at exit."""
+    from specbus.core.prometheus import Metrics
+    from specbus.ops.metrics_http import RowCollector, serve_metrics
+
+    metrics = Metrics()
+    metrics.registry.register(RowCollector("specbus_trainer", row))
+    server = serve_metrics(metrics, cfg, "trainer")
+    if server is not None:
+        _TRACKERS.append(server)
+
+
+_TRACKERS: list[Any] = []  # W&B runs and /metrics servers this process opened: closed at exit
+
+
+@atexit.register
+def finish_trackers() -> None:
+    """Finish the W&B runs and stop the `/metrics` servers this process opened (at exit; an
+    in-process caller that is done with a run, a test, may call it earlier). Idempotent."""
+    while _TRACKERS:
+        try:
+            _TRACKERS.pop().close()
+        except Exception as e:  # noqa: BLE001 - the process is ending anyway
+            log.warning("could not finish the Weights & Biases run: %s", e)
 
 
 class _ProgressWriter:

@@ -15,9 +15,11 @@ from specbus.bus.topology import declare
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info, resolve_target_dir
+from specbus.core.prometheus import Metrics
 from specbus.core.store import open_store
 from specbus.core.strategies.base import build_strategy
 from specbus.core.telemetry import setup_tracing
+from specbus.ops.metrics_http import serve_metrics
 from specbus.producers.capture import CaptureStats, CaptureWorker
 from specbus.producers.driven import DrivenWorker
 from specbus.producers.engines.registry import build_engine
@@ -41,12 +43,31 @@ async def run_feeder(cfg: RunConfig, *, bus_url: str | None, on_progress=None) -
     _not_live(cfg, "feeder")
     if cfg.telemetry.otel:
         setup_tracing(f"{cfg.telemetry.service_name}-feeder")
-    prepared = await asyncio.to_thread(prepare, cfg)
-    async with await connect(cfg.bus, bus_url, name="specbus-feeder") as bus:
-        run = await declare(bus, cfg.bus, cfg.run)
-        return await feed(
-            run, prepared, manifest_of(cfg, prepared), cfg.data, on_progress=on_progress
-        )
+    progress = {"published": 0, "planned": 0, "waiting": 0}
+
+    def on_feed(published: int, planned: int, waiting: int | None) -> None:
+        progress.update(published=published, planned=planned, waiting=waiting or 0)
+        if on_progress is not None:
+            on_progress(published, planned, waiting)
+
+    metrics = Metrics()
+    metrics.read("specbus_feeder_published_tasks", "tasks published to TASKS",
+                 lambda: progress["published"], kind="counter")  # fmt: skip
+    metrics.read("specbus_feeder_planned_tasks", "tasks the feed publishes in all",
+                 lambda: progress["planned"])  # fmt: skip
+    metrics.read("specbus_feeder_held_back_tasks", "tasks not yet captured while the feeder "
+                 "waits for the producers (0: not waiting)", lambda: progress["waiting"])  # fmt: skip
+    server = serve_metrics(metrics, cfg, "feeder")  # while it runs
+    try:
+        prepared = await asyncio.to_thread(prepare, cfg)
+        async with await connect(cfg.bus, bus_url, name="specbus-feeder") as bus:
+            run = await declare(bus, cfg.bus, cfg.run)
+            return await feed(
+                run, prepared, manifest_of(cfg, prepared), cfg.data, on_progress=on_feed
+            )
+    finally:
+        if server is not None:
+            server.close()
 
 
 def _intake_of(cfg: RunConfig, driven: bool) -> dict:
@@ -105,9 +126,12 @@ async def run_producer(
                 unavailable_give_up_s=cfg.store.unavailable_give_up_s,
             )  # fmt: skip
             stop_on_sigterm(worker)
+            server = serve_metrics(producer_metrics(worker, store), cfg, "producer")
             try:
                 stats = await worker.run()
             finally:
+                if server is not None:
+                    server.close()
                 if sweeper is not None:
                     sweeper.cancel()
                 await group.close()
@@ -143,3 +167,28 @@ async def count_dead_letters(run, stats: CaptureStats, timeout_s: float = 30.0) 
         return
     stats.run_dead_letters = sum(counts.values())
     stats.dead_reasons = {k: n for k, n in counts.items() if n}
+
+
+def producer_metrics(worker, store) -> Metrics:
+    """A producer's `/metrics` series: its capture worker's counts and seconds, its store's
+    residency (read at scrape time)."""
+    metrics = Metrics()
+    stats = worker.stats
+    for name, attr, doc in (("tasks", "tasks", "tasks captured (or settled)"),
+                            ("samples", "samples", "samples stored and published"),
+                            ("failures", "failures", "failed captures"),
+                            ("dead_letters", "dead_letters", "tasks dead-lettered"),
+                            ("backpressure_waits", "backpressure_waits", "waits on backpressure"),
+                            ("capture_seconds", "capture_s", "seconds spent capturing"),
+                            ("tokens", "tokens", "tokens captured")):  # fmt: skip
+        metrics.read(f"specbus_producer_{name}", doc,
+                     lambda attr=attr: getattr(stats, attr), kind="counter")  # fmt: skip
+
+    def resident() -> float:
+        try:
+            return float(store.usage().resident_bytes)
+        except Exception:  # noqa: BLE001 - a store that cannot answer now: unknown
+            return float("nan")
+
+    metrics.read("specbus_producer_store_resident_bytes", "the store's residency", resident)
+    return metrics

@@ -255,7 +255,7 @@ def restore(
     """The state and ledger to start from: the latest checkpoint's with `resume` (fresh when
     there is none yet), else fresh. Raises `CheckpointError` for checkpoints without
     `resume`, or of another plan."""
-    state, ledger = TrainState(), Ledger()
+    state, ledger = TrainState(), Ledger(lineage_path=checkpoints.lineage_path)
     latest = checkpoints.resolve("latest")
     if resume and latest is not None:
         saved = checkpoints.load("latest")
@@ -375,7 +375,14 @@ def sweep_trained(cfg: RunConfig, ledger: Ledger, timeout_s: float | None = None
     try:
         store = cfg.store.build()
         try:
-            freed = store.sweep(ledger.trained_sample, timeout_s=timeout_s)
+            # What the store holds is bounded by its budget, the lineage by nothing: list the
+            # store's samples first (sweeping the recent ones), then stream the lineage file
+            # once for the rest.
+            held: set[str] = set()
+            freed = store.sweep(lambda sid: held.add(sid) or ledger.trained_sample(sid),
+                                timeout_s=0)  # fmt: skip
+            older = ledger.trained_among(held)
+            freed += store.sweep(older.__contains__, timeout_s=timeout_s)
         finally:
             store.close()
     except Exception as e:  # noqa: BLE001 - the next sweep (resume, end of run) retries

@@ -204,3 +204,45 @@ def test_status_and_top_tell_live_from_last_known_values_after_the_run(
     left = next(line for line in out.splitlines() if line.startswith("left over"))
     assert "2 refs were never trained" in left and "holds none of their tensors" in left, left
     assert "purge" not in left, left
+
+
+def test_retention_is_set_per_stream_and_status_shows_bytes_and_what_replay_reaches(
+    nats_server, run_id, bus_cfg, capsys
+):
+    """Issue 31: each stream's limits come from the config (declared and updated in place);
+    past a bytes limit the oldest refs go, and `specbus status` shows each stream's bytes,
+    its retention and the sequences replay can still reach, and says when the latest
+    checkpoint's resume would need refs that are gone."""
+    limits = {"samples_max_bytes": 8192, "tasks_max_age_s": 3600.0, "dead_max_bytes": 1 << 20}
+
+    async def setup():
+        bus, topo = await open_run(nats_server.url, bus_cfg.model_copy(update=limits), run_id)
+        await Publisher(bus).publish_many(
+            topo.names.samples, [make_ref(run_id, i) for i in range(40)]
+        )
+        await topo.kv.put_checkpoint({"step": 1, "path": "x", "samples": 2, "floor": 2})
+        infos = [await bus.js.stream_info(n) for n in (topo.names.tasks_stream,
+                 topo.names.samples_stream, topo.names.dead_stream)]  # fmt: skip
+        await bus.close()
+        return infos
+
+    tasks, samples, dead = asyncio.run(setup())
+    assert (tasks.config.max_age, tasks.config.max_bytes) == (3600.0, -1)
+    assert samples.config.max_bytes == 8192 and samples.state.bytes <= 8192
+    assert samples.state.first_seq > 3 and samples.state.last_seq == 40  # the oldest went
+    assert dead.config.max_bytes == 1 << 20
+    overrides = [f"run={run_id}", *(f"bus.{k}={v}" for k, v in limits.items())]
+    assert main(["status", "--url", nats_server.url, *overrides]) == 0
+    out = capsys.readouterr().out
+    first = samples.state.first_seq
+    assert f"retention: kept until age 7 d or bytes 8.0 KiB; replay reaches seq {first}..40" in out
+    assert "retention: kept until age 3600 s" in out  # TASKS (empty: nothing to reach)
+    assert f"replays from seq 3, but the stream starts at {first}: {first - 3} messages" in out
+
+    async def widen():  # a config with other limits updates the stream in place
+        bus, topo = await open_run(nats_server.url, bus_cfg, run_id)
+        info = await bus.js.stream_info(topo.names.samples_stream)
+        await bus.close()
+        return info
+
+    assert asyncio.run(widen()).config.max_bytes == -1

@@ -8,6 +8,7 @@ restart with an asynchronously flushed consumer state does; a dead member's leas
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 
 import pytest
@@ -19,7 +20,9 @@ from specbus.bus.replay import reposition
 from specbus.bus.subjects import TRAINERS, Names
 from specbus.bus.topology import declare
 from specbus.consumers.bus_source import BusSource
+from specbus.consumers.checkpoint import CheckpointManager
 from specbus.consumers.ledger import Ledger, plan_round
+from specbus.consumers.lineage import read_lineage
 from specbus.consumers.loader import Loader
 from specbus.consumers.lockstep import Decision, Status, decide
 from specbus.consumers.loop_thread import LoopThread
@@ -78,17 +81,17 @@ def test_decide_stop_and_deliveries_held_by_nobody(
 class _Rank:
     """One trainer rank's loader over the run's "trainers" group, driven by hand."""
 
-    def __init__(self, url: str, cfg, run: str, n: int, ghost: int = 0):
+    def __init__(self, url: str, cfg, run: str, n: int, ghost: int = 0, ledger=None):
         self.run, self.loop = run, LoopThread(f"test-{run}")
         self.bus = self.loop.call(connect(cfg, url, name=f"test-{run}"))
         self.topo = self.loop.call(declare(self.bus, cfg, run))
         self.store = open_store(f"mem://{run}")
-        self.loop.call(self._publish(n))
+        self.loop.call(self.publish([(i, i + 1) for i in range(n)]))
         self.loop.call(self.topo.kv.mark_feed_complete(n))
         if ghost:  # another member leases `ghost` refs and dies without a word (no nak)
             self.ghost_seqs = asyncio.run(self._ghost(url, cfg, ghost))
         self.group = self.loop.call(Leases.join(self.bus, run, TRAINERS))
-        self.ledger = Ledger()
+        self.ledger = ledger if ledger is not None else Ledger()
         source = BusSource(
             self.topo, self.group, strategy="eagle3",
             features=("hidden_states",), target_fingerprint="fp", tokenizer_fingerprint="fp",
@@ -99,18 +102,20 @@ class _Rank:
             ledger=self.ledger, prefetch=2, poll_s=0.05, fetch_timeout_s=0.2, heartbeat_s=0.5,
         )  # fmt: skip
 
-    async def _publish(self, n: int) -> None:
+    async def publish(self, refs: list[tuple[int, int]], msg_id: str = "") -> None:
+        """Refs of samples `s<i>` captured from TASKS seq `task_seq`, for (i, task_seq) in
+        `refs` (`msg_id`: a suffix of their dedup ids, for a republish past the window)."""
         publisher = Publisher(self.bus)
-        for i in range(n):
+        for i, task_seq in refs:
             specs = self.store.put(f"s{i}", {"hidden_states": torch.full((4,), float(i))})
             ref = SampleRef(
-                sample_id=f"s{i}", run_id=self.run, task_id=f"t{i}", task_seq=i + 1,
+                sample_id=f"s{i}", run_id=self.run, task_id=f"t{i}", task_seq=task_seq,
                 store_uri=f"mem://{self.run}", features=specs,
                 nbytes=sum(s.nbytes for s in specs.values()), num_tokens=4, strategy="eagle3",
                 target_fingerprint="fp", tokenizer_fingerprint="fp",
                 provenance=Provenance(producer_id="test", engine="hf", created_at=0.0),
             )  # fmt: skip
-            await publisher.publish(Names(self.run).samples, ref)
+            await publisher.publish(Names(self.run).samples, ref, msg_id=ref.msg_id + msg_id)
 
     async def _ghost(self, url: str, cfg, n: int) -> list[int]:
         bus = await connect(cfg, url, name="ghost")
@@ -150,8 +155,8 @@ class _Rank:
 def rank_of(nats_server, bus_cfg, run_id):
     made = []
 
-    def make(n: int, ghost: int = 0, **bus):
-        rank = _Rank(nats_server.url, bus_cfg.model_copy(update=bus), run_id, n, ghost)
+    def make(n: int, ghost: int = 0, ledger=None, **bus):
+        rank = _Rank(nats_server.url, bus_cfg.model_copy(update=bus), run_id, n, ghost, ledger)
         made.append(rank)
         return rank
 
@@ -226,3 +231,60 @@ def test_a_stop_gives_back_what_the_rank_holds_at_once(rank_of):
     assert sorted(sid for sid, _ in got) == [f"s{i}" for i in range(2, 8)] and took < 5.0
     assert any(deliveries > 1 for _, deliveries in got)  # the held ones came back
     assert rank.ledger.lineage == ["s0", "s1"]
+
+
+def test_training_past_a_compaction_keeps_exactly_once_in_bounded_state(rank_of, tmp_path):
+    """Issue 31: the ledger holds what is in flight, not the run. 40 refs train in steps of 2
+    with checkpoints every 2 steps and a by-id memory of 4 samples: each checkpoint's ledger
+    is the same size, the lineage is in the file beside the checkpoints. Then a producer's
+    republish of task 1 past the broker's duplicate window (sample s0 at a new SAMPLES
+    sequence, long out of the by-id memory) is filtered by its task, in the running ledger
+    and in one restored from the checkpoint; the new sample next to it trains once."""
+    checkpoints = CheckpointManager(tmp_path / "ckpt", plan={}, keep=100)
+    ledger = Ledger(recent_ids=4, lineage_path=checkpoints.lineage_path)  # as the Trainer's
+    rank = rank_of(40, ledger=ledger, ack_wait_s=30.0)
+    sizes = []
+    for step in range(1, 21):  # every ref: the last window is not followed by an end yet
+        window = rank.loader.next_window()
+        rank.loader.commit(window)
+        if step % 2 == 0:
+            path = checkpoints.save(step, rank.loader.state_dict())
+            rank.loader.checkpointed()
+            state = torch.load(path / "state.pt", weights_only=False)
+            sizes.append(len(pickle.dumps(state)))
+    assert len(ledger) == 40 and ledger.size() == {
+        "done_above": 0, "task_ranges": 1, "recent_ids": 4, "pending_ids": 0
+    }  # fmt: skip
+    assert state["cursor"] == {"floor": 40, "done_above": []}
+    assert state["ledger"]["tasks"] == [[1, 40]] and len(state["ledger"]["recent"]) == 4
+    assert max(sizes) - min(sizes) < 16, sizes  # a count and a length grow, nothing else
+    assert read_lineage(path) == [f"s{i}" for i in range(40)] == ledger.lineage
+
+    restored = Ledger(recent_ids=4)
+    restored.load_state_dict(checkpoints.load())
+    republished, new = (0, 1), (40, 41)  # (sample, task seq): s0 again from task 1; s40
+    assert restored.contains(41, "s0", 1) and not restored.contains(42, "s40", 41)
+    rank.loop.call(rank.publish([republished, new], msg_id=":again"))
+    windows = rank.train_to_end()
+    assert windows == [["s40"]], windows  # the ragged last step: s40 alone, s0 settled
+    assert ledger.lineage == [f"s{i}" for i in range(41)]
+    assert ledger.cursor.floor == 42 and ledger.size()["task_ranges"] == 1
+    info = rank.consumer()
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+
+
+def test_trained_tensors_are_freed_after_the_next_lockstep_exchange(rank_of):
+    """A rank frees what it trained only once every rank has recorded it (past the next
+    lockstep exchange), so another rank that reads a duplicate delivery and finds the
+    tensors gone knows from its own ledger that they were trained and never recaptures
+    them (a recapture of a trained sample would train it twice)."""
+    rank = rank_of(4, ack_wait_s=30.0)
+    first = rank.loader.next_window()
+    rank.loader.commit(first)
+    ids = [item.sample_id for item in first.items]
+    assert rank.store.usage().num_samples == 4  # committed, still held
+    second = rank.loader.next_window()  # its exchange comes after every rank's commit
+    assert rank.store.usage().num_samples == 2 and ids == ["s0", "s1"]
+    rank.loader.commit(second)
+    assert rank.loader.next_window() is None  # the end frees the rest
+    assert rank.store.usage().num_samples == 0

@@ -1,7 +1,7 @@
 """Observability of a real run (real broker, shm store, tiny target): one trace follows a
 sample from its feed to the step that trained it (in-process, and exported by separate
-processes to a real OTLP/HTTP receiver); rank 0 writes TensorBoard scalars; `specbus top
---once` shows the run."""
+processes to a real OTLP/HTTP receiver); rank 0 writes TensorBoard scalars, and the same to
+an offline Weights & Biases run; `specbus top --once` shows the run."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from specbus.core.telemetry import setup_tracing
 from specbus.ops.cli import main as cli_main
+from specbus.ops.observe import finish_trackers
 from specbus.ops.produce import run_feeder, run_producer
 from specbus.ops.train import run_trainer
 
@@ -54,13 +55,15 @@ def trained_run(tmp_path_factory, tiny_target, nats_server):
     exporter = InMemorySpanExporter()
     provider = setup_tracing("specbus-test", exporter=exporter)
     data = write_tokenised_data(tmp / "data.jsonl", 8)
-    cfg = pipeline_config(run, tmp / "run", tiny_target, data, store_uri=f"shm://{run}")
+    cfg = pipeline_config(run, tmp / "run", tiny_target, data, store_uri=f"shm://{run}",
+                          overrides=["telemetry.wandb=true"])  # offline, under the run dir  # fmt: skip
     asyncio.run(run_feeder(cfg, bus_url=nats_server.url))
     producer = threading.Thread(
         target=lambda: asyncio.run(run_producer(cfg, bus_url=nats_server.url))
     )
     producer.start()
     result = run_trainer(cfg, bus_url=nats_server.url)
+    finish_trackers()  # what the trainer process does at exit
     producer.join(60)
     provider.force_flush()
     spans = [
@@ -97,6 +100,28 @@ def test_rank0_writes_tensorboard_scalars(trained_run):
                 "bus/dead_letters"):  # fmt: skip
         assert tag in tags, sorted(tags)
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4]  # log_every 2, 4 steps
+
+
+def test_rank0_logs_the_tensorboard_scalars_to_an_offline_wandb_run(trained_run):
+    """`telemetry.wandb` (offline): the W&B run directory under the run dir holds the same
+    scalars as TensorBoard, under the same tags, at the same steps."""
+    from specbus.core.wandb_log import read_offline_scalars
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, _, _ = trained_run
+    (run_dir,) = (cfg.resolved_run_dir / "wandb").glob("offline-run-*")
+    rows = read_offline_scalars(run_dir)
+    assert [row["_step"] for row in rows] == [2, 4]  # log_every 2, 4 steps
+    acc = EventAccumulator(str(cfg.resolved_tensorboard_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {k for row in rows for k in row if not k.startswith("_")} == tags
+    for tag in tags:
+        board = [(e.step, e.value) for e in acc.Scalars(tag)]
+        logged = [(row["_step"], row[tag]) for row in rows if tag in row]
+        assert [s for s, _ in logged] == [s for s, _ in board], tag
+        for (_, a), (_, b) in zip(logged, board, strict=True):
+            assert a == pytest.approx(b, rel=1e-6), tag  # TensorBoard keeps float32
 
 
 def test_the_console_line_gives_the_worlds_samples_per_s_and_the_ranks():

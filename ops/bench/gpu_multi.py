@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from specbus.consumers.lineage import load_state
 from specbus.core.config import build_config, dump_config
 from specbus.ops.bench.random_target import QWEN3_8B, TINY, shm_uri, write_data, write_target
 from specbus.ops.launch import Launcher
@@ -134,7 +135,7 @@ class Run:
     def checkpoint(self) -> dict:
         ckpt = self.cfg.resolved_run_dir / "checkpoints"
         name = (ckpt / "latest").read_text().strip()
-        return torch.load(ckpt / name / "state.pt", weights_only=False, map_location="cpu")
+        return load_state(ckpt / name)  # the lineage read from the lineage file
 
     def profiles(self, step: int) -> dict[str, dict]:
         out = {}

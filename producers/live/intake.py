@@ -58,6 +58,7 @@ from specbus.core.errors import (
     StoreError,
     StoreUnavailable,
 )
+from specbus.core.prometheus import Metrics
 from specbus.core.store.base import parse_key
 from specbus.producers.live.driven import DrivenBook, add_routes, check_driven, record_generation
 from specbus.producers.live.refusals import (
@@ -134,6 +135,7 @@ class Intake:
         self.token = token
         self.poll_s = poll_s
         self.metrics = IntakeMetrics()
+        self._prom: Metrics | None = None  # the /metrics registry, made at the first scrape
         self.shed = ShedInputs(budget_bytes=cfg.store.budget_bytes)
         self._inflight = self._inflight_bytes = 0
         self._accepted_total = self._accepted_bytes_total = 0
@@ -396,29 +398,40 @@ class Intake:
 
     # -- metrics -----------------------------------------------------------------------
     def prometheus(self) -> str:
-        """`GET /metrics`: the answers, the shed inputs and records/s in Prometheus text."""
+        """`GET /metrics`: the answers, the shed inputs and records/s in Prometheus text
+        (`core.prometheus.Metrics`, with the process's own `process_*` series)."""
+        if self._prom is None:
+            self._prom = self._registry()
+        return self._prom.exposition()[0].decode()
+
+    def _registry(self) -> Metrics:
+        from prometheus_client import ProcessCollector
+
         m, s = self.metrics, self.shed
-        lines = [
-            "# HELP specbus_intake_records_total Capture records answered, by HTTP status and reason.",
-            "# TYPE specbus_intake_records_total counter",
-        ]
-        for (code, reason), n in sorted(m.answers.items()):
-            lines.append(f'specbus_intake_records_total{{code="{code}",reason="{reason}"}} {n}')
-        uptime = max(time.monotonic() - m.started, 1e-9)
-        accepted = m.total(200, "accepted")
-        shed = sum(n for (c, _), n in m.answers.items() if c == 429)
+        prom = Metrics()
+        ProcessCollector(registry=prom.registry)
+        prom.read("specbus_intake_records", "Capture records answered, by HTTP status and reason.",
+                  lambda: {(str(c), r): n for (c, r), n in sorted(m.answers.items())},
+                  kind="counter", labels=("code", "reason"))  # fmt: skip
+
+        def uptime() -> float:
+            return max(time.monotonic() - m.started, 1e-9)
+
+        def shed() -> int:
+            return sum(n for (c, _), n in m.answers.items() if c == 429)
+
         gauges = {
-            "specbus_intake_accepted_per_second": accepted / uptime,
-            "specbus_intake_shed_fraction": shed / max(accepted + shed, 1),
-            "specbus_intake_trainers_lag_bytes": s.lag_bytes + s.accepted_bytes_since,
-            "specbus_intake_trainers_lag_refs": s.lag_refs + s.accepted_since,
-            "specbus_intake_store_resident_bytes": s.resident_bytes,
-            "specbus_intake_store_budget_bytes": s.budget_bytes,
-            "specbus_intake_inflight": self._inflight,
+            "specbus_intake_accepted_per_second": lambda: m.total(200, "accepted") / uptime(),
+            "specbus_intake_shed_ratio": lambda: shed() / max(m.total(200, "accepted") + shed(), 1),
+            "specbus_intake_trainers_lag_bytes": lambda: s.lag_bytes + s.accepted_bytes_since,
+            "specbus_intake_trainers_lag_refs": lambda: s.lag_refs + s.accepted_since,
+            "specbus_intake_store_resident_bytes": lambda: s.resident_bytes,
+            "specbus_intake_store_budget_bytes": lambda: s.budget_bytes,
+            "specbus_intake_inflight": lambda: self._inflight,
         }
-        for name, value in gauges.items():
-            lines += [f"# TYPE {name} gauge", f"{name} {value:g}"]
-        return "\n".join(lines) + "\n"
+        for name, read in gauges.items():
+            prom.read(name, name.removeprefix("specbus_intake_").replace("_", " "), read)
+        return prom
 
 
 def build_app(intake: Intake):
