@@ -53,7 +53,7 @@ ADMIN = "admin"
 USERS = (*ROLES, ADMIN)  # the users of one run's account
 API = "$JS.API"
 KV_KEYS_FEEDER = ("manifest", "feed_complete")
-KV_KEYS_TRAINER = ("checkpoint", "train_complete", "recording")
+KV_KEYS_TRAINER = ("checkpoint", "train_complete", "recording", "progress", "world")
 
 
 def inbox_prefix(run: str, role: str) -> str:

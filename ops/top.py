@@ -21,14 +21,16 @@ from specbus.bus.status import run_status
 from specbus.bus.topology import open_kv
 from specbus.core.config import StoreConfig
 from specbus.ops.observe import samples_rate
-from specbus.ops.runview import clock, leftover, row_label, size, store_now
+from specbus.ops.runview import clock, leftover, row_label, size, store_now, world_lines
 
 
 async def snapshot(bus: Bus, run: str) -> dict[str, Any]:
-    """`run_status` plus the trainers' last log row (`progress`, None before the first)."""
+    """`run_status` plus the trainers' last log row (`progress`, None before the first) and
+    their world (`world`: size and re-formations, None before the first step)."""
     status = await run_status(bus, run)
     kv = await open_kv(bus, run)
     status["progress"] = None if kv is None else await kv.get_progress()
+    status["world"] = None if kv is None else await kv.get_world()
     return status
 
 
@@ -67,6 +69,7 @@ def render(
         f" | training {training}"
     )
     lines += _trainers_lines(s, now)
+    lines += world_lines(s.get("world"), shown=3)
     lines.append(f"{'group':<10} {'lag':>7} {'pending':>8} {'in flight':>10} "
                  f"{'redelivered':>12} {'ack floor':>10} {'lag bytes':>11}")  # fmt: skip
     for group, c in s["consumers"].items():
