@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specbus.core.errors import SpecbusError
 from specbus.ops.cli import add_common, config_of, resolve_url
-from specbus.ops.elastic import add_elastic_arguments
+from specbus.ops.elastic import add_elastic_arguments, serve_rendezvous
 from specbus.ops.observe import samples_rate
 
 log = logging.getLogger("specbus")
@@ -296,6 +296,10 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     )
     add_elastic_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("rendezvous", help="serve the elastic trainers' c10d rendezvous")
+    p.add_argument("--rdzv-endpoint", default="127.0.0.1:29400", help="HOST:PORT to serve")
+    p.set_defaults(func=lambda args: serve_rendezvous(args.rdzv_endpoint))
 
     p = sub.add_parser(
         "capture", help="capture the dataset once into a file:// store, as a recording"

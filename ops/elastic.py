@@ -294,6 +294,31 @@ def launch(args: argparse.Namespace, run: str, url: str) -> int:
     return 0
 
 
+def serve_rendezvous(endpoint: str) -> int:
+    """`specbus rendezvous --rdzv-endpoint HOST:PORT`: the c10d rendezvous store of the elastic
+    trainers in a process of its own, until SIGINT/SIGTERM. Without it the first agent started
+    on HOST serves the rendezvous, and its host must outlive the run; with it every agent is a
+    client (an agent whose port is taken connects instead), so any trainer host may die."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    store = TCPStore(host or "127.0.0.1", int(port), is_master=True, multi_tenant=True,
+                     wait_for_workers=False, timeout=timedelta(seconds=60))  # fmt: skip
+    print(f"rendezvous of the elastic trainers at {endpoint} (pid {os.getpid()}): run `specbus "
+          f"train --elastic MIN:MAX --rdzv-endpoint {endpoint}` on each trainer host; Ctrl-C "
+          "stops it", flush=True)  # fmt: skip
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(1.0):
+        pass
+    del store
+    return 0
+
+
 def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
     """`specbus train`'s elastic flags."""
     g = p.add_argument_group("elastic trainers (torch.distributed.elastic)")
@@ -303,8 +328,8 @@ def add_elastic_arguments(p: argparse.ArgumentParser) -> None:
                    "world down to MIN); implies --resume")  # fmt: skip
     g.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this host")
     g.add_argument("--rdzv-endpoint", default="127.0.0.1:29400",
-                   help="HOST:PORT of the c10d rendezvous: the first agent started on HOST "
-                   "serves it (it must stay up; etcd: run torchrun with --rdzv-backend etcd-v2)")  # fmt: skip
+                   help="HOST:PORT of the c10d rendezvous: `specbus rendezvous` there, else the "
+                   "first agent started on HOST serves it (and must stay up)")  # fmt: skip
     g.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
                    help="re-formations this host's agent may take after a failure")  # fmt: skip
     g.add_argument("--join-timeout", type=int, default=600,

@@ -153,10 +153,13 @@ def make_elastic(tmp_path, tiny_target, run_id):
 
 
 def finished_exactly_once(e: Elastic, *names: str) -> None:
+    """Every process that is not a victim exited 0; every fed sample trained once (the
+    count is odd: the last world trained the remainder in one ragged step), nothing left."""
     c = e.cluster
     c.assert_ok(c.wait("feeder", "producer-0", *names, timeout=600))
     assert len(assert_lineage(c, c.n)) == c.n
     assert_settled(c)
+    assert any("a last ragged step trains the 1 samples left" in c.log(n) for n in names)
     final = c.checkpoint_state()
     for rec in e.formations[1:]:  # each change of world: how long, what was trained again
         print(f"formation {rec['formation']}: world {rec['previous_world']} -> {rec['world']} "
@@ -170,7 +173,7 @@ def test_a_host_joins_then_dies_and_every_sample_is_trained_once(make_elastic, n
     same command joins (world 4, asserted mid-run); a kill -9 of that agent shrinks the world
     back to 2; the run completes exactly once, and each re-formation resumed from the step
     the previous world reached (0 steps retrained)."""
-    e = make_elastic(nats_server.url, 3000, per_agent=2)
+    e = make_elastic(nats_server.url, 3001, per_agent=2)
     c = e.cluster
     c.start("feeder", "feed")
     c.start("producer-0", "produce", "--id", "p0")
@@ -217,7 +220,7 @@ def test_a_host_joins_during_a_broker_outage(make_elastic, private_nats_server):
     give-back and the confirmed acks do not wait for the broker), saves its last step, and the
     new world waits for the broker, then resumes from that step: nothing retrained, nothing
     lost. One rank per agent."""
-    e = make_elastic(private_nats_server.url, 1200)
+    e = make_elastic(private_nats_server.url, 1201)
     c = e.cluster
     c.start("feeder", "feed")
     c.start("producer-0", "produce", "--id", "p0")
@@ -241,7 +244,7 @@ def test_a_host_dies_while_the_world_re_forms(make_elastic, nats_server):
     the survivor's new rank does not wait for the dead one past
     `training.elastic_init_timeout_s` (or stops with it), and the survivor forms a world of 1
     again, from the step the first world reached. One rank per agent."""
-    e = make_elastic(nats_server.url, 1500)
+    e = make_elastic(nats_server.url, 1501)
     c = e.cluster
     c.start("feeder", "feed")
     c.start("producer-0", "produce", "--id", "p0")
