@@ -81,7 +81,10 @@ class Bus:
         try:
             await self.nc.drain()
         except Exception:  # a dead broker at shutdown: nothing left to flush to
-            await self.nc.close()
+            try:
+                await self.nc.close()
+            except (OSError, nats.errors.Error) as e:  # its socket is gone already: closed
+                log.info("connection closed during an outage (%s)", e)
 
     async def __aenter__(self) -> Bus:
         return self

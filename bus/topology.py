@@ -53,6 +53,7 @@ KEY_TRAIN_COMPLETE = "train_complete"
 KEY_RECORDING = "recording"
 KEY_PROGRESS = "progress"  # rank 0's last log row (`specbus top`)
 KEY_AUDIT = "audit"  # audit.<trainer>: its capture audit counts (core/audit.py)
+KEY_WORLD = "world"  # the trainers' world and its formations (ops/elastic.py)
 
 
 def stream_configs(names: Names, cfg: BusConfig) -> list[StreamConfig]:
@@ -213,8 +214,8 @@ async def _ensure_consumer(bus: Bus, stream: str, want: ConsumerConfig) -> None:
 class RunKV:
     """The run's KV bucket: manifest (a `Manifest` record), feed-complete marker (task count),
     train-complete marker, latest checkpoint pointer, recording marker (`specbus capture`),
-    the trainers' last log row (`progress`), each trainer's capture audit counts (`audit.<name>`)
-    (JSON values).
+    the trainers' last log row (`progress`), each trainer's capture audit counts (`audit.<name>`),
+    their world and its formations (`world`) (JSON values).
 
     `get_*` return None when the key was never written. Every put overwrites (history 5), so
     a put retried after a lost answer writes the same value again. Reads and writes ride
@@ -344,6 +345,14 @@ class RunKV:
     async def put_progress(self, row: dict[str, Any]) -> int:
         """The trainers' last log row (rank 0, each log interval), with its wall time."""
         return await self._put(KEY_PROGRESS, row)
+
+    async def put_world(self, world: dict[str, Any]) -> int:
+        """The trainers' world as its rank 0 saw it at its first step, with past formations."""
+        return await self._put(KEY_WORLD, world)
+
+    async def get_world(self) -> dict[str, Any] | None:
+        """The trainers' world and its formations (None before the first world's first step)."""
+        return await self._get(KEY_WORLD)
 
     async def get_progress(self) -> dict[str, Any] | None:
         """The trainers' last log row, None before the first."""

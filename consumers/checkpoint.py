@@ -16,6 +16,7 @@ the previous checkpoint intact.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -124,13 +125,18 @@ class CheckpointManager:
         state = self._append_lineage(state)
         torch.save(state, tmp / "state.pt")
         (tmp / "meta.json").write_text(
-            json.dumps({"step": step, "score": score, "plan": self.plan}, indent=1)
+            json.dumps(
+                {"step": step, "samples": state.get("samples"), "score": score, "plan": self.plan},
+                indent=1,
+            )  # fmt: skip
         )
         for path in (tmp / "state.pt", tmp / "meta.json", tmp):
             _fsync(path)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _atomic_write(self.directory / "latest", name)
+        current = self.latest_step()
+        if current is None or step >= current:  # never back (survivors a step apart, see claim)
+            _atomic_write(self.directory / "latest", name)
         best = self._meta(self.directory / "best")
         if score is not None and (
             best is None or best.get("score") is None or score > best["score"]
@@ -145,6 +151,34 @@ class CheckpointManager:
             "lineage_bytes": float(lin["bytes"]) if isinstance(lin, dict) else 0.0,
         }
         return final
+
+    def latest_meta(self) -> dict[str, Any] | None:
+        """The `latest` checkpoint's meta.json (step, samples, score, plan); None when there
+        is none."""
+        return self._meta(self.directory / "latest")
+
+    def latest_step(self) -> int | None:
+        """The step of the `latest` checkpoint (None when there is none)."""
+        pointer = self.directory / "latest"
+        try:
+            return int(pointer.read_text().strip().split("-")[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def claim(self, step: int) -> bool:
+        """Whether this process is the one to save `step` after a failure: no checkpoint at or
+        past it exists, and no other process claimed it (the claim is a directory created
+        atomically, so of several surviving ranks exactly one saves, and a survivor that is a
+        step behind another never moves `latest` back)."""
+        latest = self.latest_step()
+        if latest is not None and latest >= step:
+            return False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(self.directory / f".claim-step-{step:08d}")
+        except FileExistsError:
+            return False
+        return True
 
     def _meta(self, pointer: Path) -> dict[str, Any] | None:
         try:
@@ -164,6 +198,11 @@ class CheckpointManager:
         for old in steps[: max(0, len(steps) - self.keep)]:
             if old.name not in protected:
                 shutil.rmtree(old, ignore_errors=True)
+        latest = self.latest_step()
+        for claim in self.directory.glob(".claim-step-*"):  # claims of saved or older steps
+            with contextlib.suppress(ValueError, OSError):
+                if latest is not None and int(claim.name.rsplit("-", 1)[1]) <= latest:
+                    claim.rmdir()
 
     def resolve(self, which: str | Path = "latest") -> Path | None:
         """`latest`, `best`, or a checkpoint directory -> its path (None when there is none)."""

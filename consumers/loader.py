@@ -18,6 +18,7 @@ recapture of a trained sample). It owns the `Ledger` (a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -109,6 +110,8 @@ class Loader:
         # store bytes of every rank's windows committed since the last `checkpointed()`, from
         # the lockstep gather: the same on every rank
         self.held_bytes = 0
+        # giving back on a stop or at the end: the last pull's expiry, the naks, a flush
+        self.give_back_s = fetch_timeout_s + 5.0
         self._ready: queue.Queue[Item] = queue.Queue()
         self._held: list[Item] = []  # taken from _ready, waiting for the window to fill
         self._parked: list[Item] = []  # duplicates of an item another rank trains this step
@@ -382,7 +385,7 @@ class Loader:
         self.held_bytes += window.nbytes
         with span("ack", attributes={"messages": len(window.items)}):
             try:
-                self.loop.call(self.source.ack(window.items))
+                self._call_unless_stopped(self.source.ack(window.items), "confirming the acks")
             except BusError as e:
                 # The ledger already holds them: an unconfirmed ack (the broker restarted and
                 # lost its place, and answers no ack beyond it) only means a redelivery, filtered.
@@ -394,6 +397,34 @@ class Loader:
         if self._parked:
             parked, self._parked = self._parked, []
             self._held[:0] = parked  # trained ones are settled by the next round's first look
+
+    def _call_unless_stopped(
+        self, coro, what: str, timeout_s: float | None = None, *, stoppable: bool = True
+    ) -> bool:
+        """Run `coro` on the bus loop and wait for it (its exception re-raised), but no longer
+        once this rank is asked to stop (`stoppable`), nor past `timeout_s`: False then (given
+        up: a confirmed ack through a broker outage, or giving back leases, is only a
+        redelivery when dropped, which the ledger filters; the stop must reach its checkpoint
+        before torchrun's shutdown timeout)."""
+        future = self.loop.submit(coro)
+        t0 = time.monotonic()
+        while True:
+            done, _ = concurrent.futures.wait([future], timeout=0.2)
+            if done:
+                future.result()
+                return True
+            waited = time.monotonic() - t0
+            late = timeout_s is not None and waited >= timeout_s
+            # a grace of 2 s: an ack the broker is about to answer is not worth a redelivery
+            stopped = stoppable and self.stop.is_set() and waited >= 2.0
+            if stopped or late:
+                future.cancel()
+                log.warning(
+                    "rank %d: gave up %s (%s): the broker does not answer; what it did not get "
+                    "comes again after its lease and is filtered", rank(), what,
+                    "asked to stop" if stopped else f"after {timeout_s:.0f}s",
+                )  # fmt: skip
+                return False
 
     @property
     def checkpoint_due(self) -> bool:
@@ -440,11 +471,15 @@ class Loader:
         self._held, self._parked = [], []
         self._ready = queue.Queue()
         self._release_settled()  # the ranks end or stop together, past their last commit
+        # Bounded: during a broker outage the naks wait in the client and its flush waits for
+        # the broker; a stop must still reach its checkpoint (the leases lapse and come back).
         try:
             if held:
-                self.loop.call(self.source.nak(held))
+                self._call_unless_stopped(self.source.nak(held), "giving back leases",
+                                          self.give_back_s, stoppable=False)  # fmt: skip
                 self._forget(held)  # their tensors stay in the store for the next lease holder
-            self.loop.call(self.source.give_back())
+            self._call_unless_stopped(self.source.give_back(), "giving back leases",
+                                      self.give_back_s, stoppable=False)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a dead broker: the leases lapse and come back
             log.warning(
                 "could not give back %d leases (they will be redelivered): %s", len(held), e

@@ -6,7 +6,9 @@ the window (ledger, ack, release); checkpoints hold the model, optimizer and the
 ledger; once one is written every rank lets its source free what it held back for it (live
 mode: trained tensors wait for the checkpoint that covers them, and one comes early when they
 reach the loader's limit, `Loader.checkpoint_due`). On a stop it saves the last step; after a
-failure rank 0 saves it when it can alone. The semantics (exactly once, stop and failure):
+failure (a peer gone) a surviving rank saves it when it can alone: the first survivor to claim
+the step (`CheckpointManager.claim`), so the step is saved whichever rank died, rank 0
+included. The semantics (exactly once, stop and failure, elastic re-formation):
 docs/architecture.md.
 """
 
@@ -68,25 +70,31 @@ class TrainerHooks:
     """What a trainer reports to: `on_log(row)` on rank 0 per log interval, `lag()` (the
     trainers' lag for a row, or None), `profile_dir` (for `training.profile_step`),
     `on_checkpoint(pointer)` on rank 0 after each checkpoint is written (step, path, samples,
-    score; best effort: it must not raise)."""
+    score; best effort: it must not raise); `on_first_step(step)` on every rank after the first
+    optimizer step of this process (the world's first: elastic re-formations are timed to it;
+    best effort: it must not raise)."""
 
     on_log: Callable[[dict[str, float]], None] | None = None
     lag: Callable[[], Any] | None = None
     profile_dir: Path | None = None
     on_checkpoint: Callable[[dict[str, Any]], None] | None = None
+    on_first_step: Callable[[int], None] | None = None
 
 
 @dataclass
 class TrainResult:
     """How `Trainer.fit` ended: steps and samples trained, the metric history, the last
-    checkpoint, whether a stop request ended it, and the ledger (`lineage`: the sample ids in
-    training order, read from the lineage file when asked for)."""
+    checkpoint, whether a stop request ended it and whether it was this rank's own (a signal to
+    this process) or a peer's (`stopped` without `stopped_here`: the world stopped under this
+    rank, e.g. an elastic re-formation), and the ledger (`lineage`: the sample ids in training
+    order, read from the lineage file when asked for)."""
 
     steps: int
     samples: int
     history: list[dict[str, float]]
     checkpoint: str | None
     stopped: bool = False  # ended by a stop request, not by the end of data or max_steps
+    stopped_here: bool = False  # the stop request was this rank's (a signal to this process)
     # the run's dead letters at the end, {"tasks"|"samples": {"explicit"|"max_deliveries": n}}
     # (rank 0, ops/train.py; None: not counted)
     dead_letters: dict[str, dict[str, int]] | None = None
@@ -131,6 +139,7 @@ class Trainer:
         self._last_checkpoint_step = self.state.step
         if checkpoints is not None:  # the ledger's lineage goes to the file beside them
             loader.ledger.lineage_path = checkpoints.lineage_path
+        self._first_step = True
 
     @staticmethod
     def _new_interval() -> dict[str, float]:
@@ -195,6 +204,9 @@ class Trainer:
                     else contextlib.nullcontext()
                 ):
                     self._step(window)
+                if self._first_step:
+                    self._first_step = False
+                    self._report_first_step()
                 if self.state.step % cfg.log_every == 0:
                     self._log()
                 if self.checkpoints is not None and self._checkpoint_due():
@@ -229,6 +241,7 @@ class Trainer:
             self._last_checkpoint,
             stopped=stopped,
             ledger=self.loader.ledger,
+            stopped_here=stopped and self.loader.stop.is_set(),
         )
 
     def _step(self, window: Window) -> None:
@@ -263,6 +276,14 @@ class Trainer:
         iv["tokens"] += window.num_tokens
         iv["steps"] += 1
 
+    def _report_first_step(self) -> None:
+        if self.hooks.on_first_step is None:
+            return
+        try:
+            self.hooks.on_first_step(self.state.step)
+        except Exception as e:  # noqa: BLE001 - a report never stops training
+            log.warning("could not report the first step %d: %s", self.state.step, e)
+
     def _log(self) -> None:
         iv = self._interval
         elapsed = max(time.perf_counter() - iv["t0"], 1e-9)
@@ -273,6 +294,7 @@ class Trainer:
         # the world's: every rank trains the same number of samples per step (lockstep)
         world = torch.distributed.get_world_size() if distributed() else 1
         row["world_samples_per_s"] = row["samples_per_s"] * world
+        row["world"] = float(world)
         row["tokens_per_s"] = iv["tokens"] / elapsed
         row["steps_per_s"] = iv["steps"] / elapsed
         row["data_wait_frac"] = iv["wait"] / elapsed
@@ -341,28 +363,29 @@ class Trainer:
         self.loader.checkpointed()
 
     def _save_alone(self) -> None:
-        """After a failure: rank 0 saves the last optimizer step when it can do so without its
-        peers (the draft is replicated, not sharded). Never raises."""
-        if (
-            self.checkpoints is None
-            or self.rank != 0
-            or self.state.step == 0
-            or self._last_checkpoint_step == self.state.step
-        ):
+        """After a failure: save the last optimizer step when this rank can do so without its
+        peers (the draft is replicated, not sharded). Every surviving rank tries, the first to
+        claim the step writes it (`CheckpointManager.claim`: none when a checkpoint at or past
+        it exists), so it is saved whichever rank died. Never raises."""
+        if self.checkpoints is None or self.state.step in (0, self._last_checkpoint_step):
             return
         if self.sharded and distributed():
-            log.warning(
-                "step %d not saved after the failure: the sharded draft needs every rank "
-                "(the run resumes from step %d)", self.state.step, self._last_checkpoint_step
-            )  # fmt: skip
+            if self.rank == 0:
+                log.warning(
+                    "step %d not saved after the failure: the sharded draft needs every rank "
+                    "(the run resumes from step %d)", self.state.step, self._last_checkpoint_step
+                )  # fmt: skip
             return
         try:
+            if not self.checkpoints.claim(self.state.step):
+                return  # another survivor saves it (or a checkpoint at or past it exists)
             path = self.checkpoints.save(self.state.step, self.state_dict(), score=self.score())
         except Exception as e:  # noqa: BLE001 - the original failure is what propagates
             log.warning("could not save step %d after the failure: %s", self.state.step, e)
             return
         self._last_checkpoint, self._last_checkpoint_step = str(path), self.state.step
-        log.warning("saved the checkpoint of step %d after the failure: %s", self.state.step, path)
+        log.warning("rank %d saved the checkpoint of step %d after the failure: %s", self.rank,
+                    self.state.step, path)  # fmt: skip
         self._announce_checkpoint(path)
         try:  # this rank's held tensors are covered now (the others' are swept at the resume)
             self.loader.checkpointed()

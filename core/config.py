@@ -253,6 +253,8 @@ class TrainingConfig(Section):
     # gradients and optimizer state sharded over the ranks (FSDP2), one reduce-scatter per step
     wrap: Literal["ddp", "fsdp"] = "ddp"
     prefetch: int = Field(2, ge=0)
+    # elastic trainers: how long a new world's ranks wait for each other at init (ops/elastic.py)
+    elastic_init_timeout_s: float = Field(120.0, gt=0)
     checkpoint_dir: Path | None = None  # None: <run_dir>/checkpoints
     checkpoint_every: int = Field(100, ge=1)
     keep_checkpoints: int = Field(3, ge=1)

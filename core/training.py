@@ -59,13 +59,21 @@ def lr_factor(step: int, total: int, cfg: TrainingConfig) -> float:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total_steps: int
+    optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total_steps: int, offset: float = 0.0
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """The LR schedule of `cfg.schedule` over `total_steps` optimizer steps (module doc); `ConfigError`
-    for `total_steps < 1`."""
+    for `total_steps < 1`. `offset`: optimizer step `s` is the schedule's step `s - offset` (a
+    world re-planned mid-run: the steps before it were of another size, see
+    `ops/train.plan_schedule`)."""
     if total_steps < 1:
         raise ConfigError(f"the schedule needs total_steps >= 1, got {total_steps}")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_steps, cfg))
+    if not offset:
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, total_steps, cfg)
+        )
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(max(0.0, s - offset), total_steps, cfg)
+    )
 
 
 @dataclass

@@ -7,7 +7,7 @@ config holds only public keys, each process signs the server's nonce with its se
 |---|---|
 | feeder | publish TASKS, write the run KV's manifest and feed-complete keys, read TASKS back |
 | producer | consume TASKS (group "producers": pull, ack), publish SAMPLES and TASKS dead letters |
-| trainer | consume SAMPLES (group "trainers": pull, ack, reset to a sequence), read SAMPLES back (direct get), dead-letter SAMPLES, republish a task for a recapture, write the checkpoint pointer and train-complete keys |
+| trainer | consume SAMPLES (group "trainers": pull, ack, reset to a sequence), read SAMPLES back (direct get), dead-letter SAMPLES, republish a task for a recapture, write the checkpoint pointer, train-complete, progress and world keys |
 | colocated | a trainer that captures its own tasks: the trainer's rights plus consuming TASKS (and resetting "producers": its resume) |
 | intake | publish SAMPLES, write the run KV's manifest (live mode: the intake writes it, there is no feeder), read TASKS (a driven run's tasks) |
 | observer | read-only: stream/consumer info, single messages and batches (direct get) of TASKS, SAMPLES and DEAD, the KV (`specbus status`, `specbus dead`) |
@@ -53,7 +53,7 @@ ADMIN = "admin"
 USERS = (*ROLES, ADMIN)  # the users of one run's account
 API = "$JS.API"
 KV_KEYS_FEEDER = ("manifest", "feed_complete")
-KV_KEYS_TRAINER = ("checkpoint", "train_complete", "recording")
+KV_KEYS_TRAINER = ("checkpoint", "train_complete", "recording", "progress", "world")
 
 
 def inbox_prefix(run: str, role: str) -> str:

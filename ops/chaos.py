@@ -37,6 +37,19 @@ advanced since the previous fault was repaired, so each lands after an ack in a 
     store        (mooncake) kill -9 the store node; start it again
     outageN      stop the broker (SIGTERM to `specbus up`, as Ctrl-C), leave everything else
                  running for N s (2, 10; 60 only with --slow), `specbus up` again
+    join         (elastic trials) start one more trainer agent, `specbus train --elastic 1:3`:
+                 the world grows by a rank; the harness waits for its first step
+    leave        (elastic trials) kill -9 a running trainer agent (its rank dies with it): the
+                 world shrinks by a rank; the harness waits for its first step
+
+A trial whose plan has a `join` or `leave` runs its trainers elastic (ops/elastic.py): a
+`specbus rendezvous` of its own (so that any agent may die) and two agents of one rank each,
+`specbus train --elastic 1:3 --nproc-per-node 1` (world 2, as the other trials); the plan keeps
+1 to 3 agents (a `join` at 3 becomes a `leave`, a `leave` at 1 a `join`); a `trainer[r]` kill
+in such a trial is left to torchrun (it restarts the agent's rank; nothing is restarted by
+hand). Each formation's record (the run KV's `world`) is in the report, with the seconds from
+the fault to the new world's first step. `join` and `leave` are not among the default victims
+(an elastic trial takes minutes): name them with `--victims`.
 
 A fault "landed" when, at the moment it fired, the trainers had acked (floor >= 1), the
 train-complete marker was absent and torchrun was running; the trial report records the
@@ -91,7 +104,9 @@ WINDOW = WORLD * MICRO * ACCUM
 PRODUCERS = 2
 KILLS = ("producer", "trainer", "broker", "up")
 OUTAGES = {"outage2": 2.0, "outage10": 10.0, "outage60": 60.0}
-ALL_VICTIMS = (*KILLS, "store", *OUTAGES)
+ELASTIC = ("join", "leave")  # trainer agents joining / dying: the trial's trainers are elastic
+ELASTIC_AGENTS = (1, 2, 3)  # an elastic trial keeps 1..3 agents of one rank; it starts with 2
+ALL_VICTIMS = (*KILLS, "store", *OUTAGES, *ELASTIC)
 # Mooncake services of a trial: short read lease, quick node-loss detection (as the tests').
 MOONCAKE_FAST = {"lease_ttl_ms": 500, "client_ttl_s": 2, "put_start_timeout_s": 2}
 MOONCAKE_SEGMENT = 128 << 20
@@ -173,6 +188,7 @@ def make_plan(
     lo, hi = WINDOW, max(WINDOW, int(tasks * 0.6))
     ats = sorted(rng.randint(lo, hi) for _ in range(n))
     out = []
+    agents = 2  # an elastic trial's agents (join/leave keep them within ELASTIC_AGENTS)
     for at in ats:
         victim = rng.choice(kinds)
         index = (
@@ -182,6 +198,13 @@ def make_plan(
             if victim == "trainer"
             else None
         )
+        if victim in ELASTIC:
+            if victim == "join" and agents == ELASTIC_AGENTS[-1]:
+                victim = "leave"
+            elif victim == "leave" and agents == ELASTIC_AGENTS[0]:
+                victim = "join"
+            agents += 1 if victim == "join" else -1
+            index = rng.randrange(agents + 1) if victim == "leave" else None  # which agent
         out.append(Fault(victim, at, index))
     return Plan(seed, store, tasks, out)
 
@@ -275,6 +298,19 @@ def _procs_mentioning(text: str) -> list[tuple[int, str]]:
 def _sigkill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def _metric_rows(logs: Path) -> list[dict]:
+    """Rank 0's log rows (`<run_dir>/logs/metrics.jsonl`), a torn line skipped."""
+    rows = []
+    try:
+        lines = (logs / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    return rows
 
 
 def _port_open(port: int) -> bool:
@@ -682,6 +718,10 @@ class Trial:
         self.config_path = self.dir / "run.yaml"
         self.shm_dir: Path | None = None
         self.mc_baseline = 0
+        self.elastic = any(f.victim in ELASTIC for f in plan.faults)
+        self.rendezvous: Role | None = None  # an elastic trial's `specbus rendezvous`
+        self.departed: list[Role] = []  # agents a `leave` killed (out of `roles`)
+        self.agents_started = 0
 
     # -- bookkeeping
     def t(self) -> float:
@@ -760,6 +800,9 @@ class Trial:
             self.roles[f"producer-{i}"] = Role(
                 self, f"producer-{i}", lambda i=i: self._cli("produce", "--id", f"p{i}")
             )
+        if self.elastic:
+            self._setup_elastic()
+            return
         self.roles["trainers"] = Role(
             self,
             "trainers",
@@ -770,6 +813,87 @@ class Trial:
     def launch(self) -> None:
         for role in self.roles.values():
             role.start()
+
+    # -- elastic trainers (join / leave)
+    def _setup_elastic(self) -> None:
+        """A rendezvous of its own (any agent may then die) and the first two agents."""
+        from specbus.ops.services.common import free_port
+
+        self.rdzv_endpoint = f"127.0.0.1:{free_port()}"
+        self.rendezvous = Role(self, "rendezvous", lambda: [
+            sys.executable, "-m", "specbus.ops.cli", "rendezvous", "--rdzv-endpoint",
+            self.rdzv_endpoint])  # fmt: skip
+        self.rendezvous.start()
+        self.wait_until(
+            lambda: "rendezvous of the elastic trainers at" in self.rendezvous.tail(5),
+            60.0, "the rendezvous",
+        )  # fmt: skip
+        for _ in range(2):
+            self._add_agent()
+
+    def _add_agent(self) -> Role:
+        """One more trainer agent (started by `launch`, or by a `join`)."""
+        name = "trainers" if self.agents_started == 0 else f"trainers-{self.agents_started}"
+        self.agents_started += 1
+        role = Role(self, name, lambda: self._cli(
+            "train", "--elastic", f"1:{ELASTIC_AGENTS[-1]}", "--nproc-per-node", "1",
+            "--rdzv-endpoint", self.rdzv_endpoint))  # fmt: skip
+        self.roles[name] = role
+        return role
+
+    def _trainer_roles(self) -> list[Role]:
+        return [r for n, r in self.roles.items() if n == "trainers" or n.startswith("trainers-")]
+
+    def _trainers_running(self) -> bool:
+        return any(r.running for r in self._trainer_roles())
+
+    def _trainers_done(self) -> bool:
+        return all(r.done for r in self._trainer_roles())
+
+    def _fire_elastic(self, fault: Fault) -> None:
+        """join: one more agent; leave: kill -9 a running agent (its rank dies with it);
+        trainer[r] under elastic agents: kill -9 rank r and let its agent re-form. Then wait
+        for the next world's first step (the run KV's `world`) and record it in the fault."""
+        before = self.probe.kv("world", None) or {}
+        t_fire, size = time.time(), before.get("world")
+        if fault.victim == "join":
+            self._add_agent().start()
+            expected = None if size is None else size + 1
+        elif fault.victim == "leave":
+            running = [r for r in self._trainer_roles() if r.running]
+            role = running[(fault.index or 0) % len(running)]
+            self.pids.update(_children(role.proc.pid))  # its rank: the orphan check looks
+            role.kill()
+            self.roles.pop(role.name)
+            self.departed.append(role)
+            fault.landed["agent"] = role.name
+            expected = None if size is None else size - 1
+        else:  # the world may be smaller than the plan's rank after a leave: rank 0 then
+            pid = self._trainer_pid(fault.index) or self._trainer_pid(0)
+            if pid is not None:
+                self.pids.add(pid)
+                _sigkill(pid)
+            expected = size
+
+        def formed():
+            world = self.probe.kv("world", None)
+            if world and world.get("formation", 0) > before.get("formation", 0):
+                return world
+            return {"missed": True} if self._trainers_done() else None
+
+        world = self.wait_until(formed, 400.0 + self._outage_total(), "the next world's step")
+        if "missed" in world:
+            fault.landed["world"] = {"missed": "the run ended before the next world stepped"}
+            self.fail("fault_missed", f"{fault.label}: the run ended before a new world stepped")
+            return
+        fault.landed["world"] = {
+            "from": size, "to": world["world"], "formation": world["formation"],
+            "fault_to_first_step_s": round(world["at"] - t_fire, 1),
+            "since_end_s": world.get("since_end_s"), "retrained": world.get("retrained"),
+        }  # fmt: skip
+        self.note(f"{fault.label}: {fault.landed['world']}")
+        if expected is not None and world["world"] != expected:
+            self.fail("reform", f"{fault.label}: a world of {world['world']}, not {expected}")
 
     # -- supervision
     def supervise(self) -> None:
@@ -818,15 +942,18 @@ class Trial:
 
     # -- faults
     def _trainer_pid(self, rank: int) -> int | None:
-        role = self.roles["trainers"]
-        if not role.running:
-            return None
-        for pid in _children(role.proc.pid):
-            if "specbus.ops.cli" in _cmdline(pid) and _environ(pid).get("RANK") == str(rank):
-                return pid
+        for role in self._trainer_roles():
+            if not role.running:
+                continue
+            for pid in _children(role.proc.pid):
+                if "specbus.ops.cli" in _cmdline(pid) and _environ(pid).get("RANK") == str(rank):
+                    return pid
         return None
 
     def _last_step(self) -> int | None:
+        if self.elastic:  # rank 0 may be any agent's: its rows
+            rows = [r for r in _metric_rows(self.dir / "run" / "logs") if "step" in r]
+            return int(rows[-1]["step"]) if rows else None
         text = self.roles["trainers"].log_path.read_text(errors="replace")
         steps = re.findall(r"(?:^|\] |:)\s*step (\d+)", text, flags=re.M)
         return int(steps[-1]) if steps else None
@@ -839,9 +966,9 @@ class Trial:
                 # Fire right after an ack that took the floor to `at`: the trainers' floor, or
                 # for a producer also the producers' floor (tasks captured), so that a producer
                 # kill lands mid-capture while there is capture left.
-                if self.roles["trainers"].done:
+                if self._trainers_done():
                     return {"missed": "training ended before the trigger"}
-                if self.broker.down_since is not None or not self.roles["trainers"].running:
+                if self.broker.down_since is not None or not self._trainers_running():
                     state.clear()
                     return None
                 groups = ("trainers", "producers") if fault.victim == "producer" else ("trainers",)
@@ -857,8 +984,10 @@ class Trial:
                 return None
 
             # The first trigger also waits for the processes to start: on the shared 2-core
-            # box at load 11-14, torchrun's ranks took ~2 minutes to import and load.
-            budget_s = 120.0 + self._outage_total() + (STARTUP_S if n == 0 else 0.0)
+            # box at load 11-14, torchrun's ranks took ~2 minutes to import and load; elastic
+            # agents start slower still (an agent, then its ranks) and re-form for minutes.
+            slack = 300.0 if self.elastic else 0.0
+            budget_s = 120.0 + slack + self._outage_total() + (STARTUP_S if n == 0 else 0.0)
             c = self.wait_until(ready, budget_s, f"ack floor {fault.at}")
             if "missed" in c:
                 fault.landed = c
@@ -867,12 +996,16 @@ class Trial:
             complete = self.probe.kv("train_complete")
             if self.plan.store != "mooncake" and fault.victim == "store":
                 continue
-            if fault.victim == "trainer" and self._trainer_pid(fault.index) is None:
+            if (
+                fault.victim == "trainer"
+                and not self.elastic
+                and self._trainer_pid(fault.index) is None
+            ):
                 self.wait_until(lambda f=fault: self._trainer_pid(f.index), 30, "trainer rank")
             fault.landed = {
                 "t": round(self.t(), 2), "group": c["group"], "ack_floor": c["ack_floor"], "delivered": c["delivered"],
                 "ack_pending": c["ack_pending"], "last_step_logged": self._last_step(),
-                "train_complete": complete, "torchrun_running": self.roles["trainers"].running,
+                "train_complete": complete, "torchrun_running": self._trainers_running(),
             }  # fmt: skip
             if complete not in (None,) or c["ack_floor"] < 1:
                 self.fail("fault_missed", f"{fault.label}: not mid-run ({fault.landed})")
@@ -884,7 +1017,9 @@ class Trial:
 
     def _fire(self, fault: Fault) -> None:
         v = fault.victim
-        if v == "producer":
+        if v in ELASTIC or (v == "trainer" and self.elastic):
+            self._fire_elastic(fault)
+        elif v == "producer":
             role = self.roles[f"producer-{fault.index}"]
             role.kill()
             role.start()
@@ -1044,6 +1179,8 @@ class Trial:
     def teardown(self) -> None:
         for role in getattr(self, "roles", {}).values():
             role.stop(timeout_s=10)
+        if self.rendezvous is not None:
+            self.rendezvous.stop(timeout_s=10)
         if self.probe is not None:
             self.probe.close()
             self.probe = None
@@ -1080,6 +1217,8 @@ def run_trial(plan: Plan, opts: Options, assets: dict[str, Path] | None = None) 
             final = trial.check_broker()
             report["broker"] = {k: v for k, v in final.items() if k != "fed"}
             report["lineage"] = trial.check_lineage(final.get("fed", []), ended)
+            if trial.elastic:  # every formation of the trainers' world, from the run KV
+                report["formations"] = (trial.probe.kv("world", None) or {}).get("history")
             for role in trial.roles.values():  # the store check needs every process gone
                 role.stop(timeout_s=10)
             report["store"] = trial.check_store()

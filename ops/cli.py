@@ -146,7 +146,7 @@ def format_status(
     """`run_status`'s dict (plus the trainers' last log row, `progress`, and the store read
     now, `store_now`) as the lines `specbus status` prints: what is read now is headed "now",
     the trainers' row "last known, as of" its time (ops/runview.py)."""
-    from specbus.ops.runview import clock, leftover, row_label
+    from specbus.ops.runview import clock, leftover, row_label, world_lines
 
     now = time.time() if now is None else now
     done = (s.get("kv") or {}).get("train_complete")
@@ -226,6 +226,7 @@ def format_status(
         if "store_bytes" in p:
             row += f"  store {size(p['store_bytes'])} resident then (peak {size(p.get('store_peak_bytes'))})"
         lines.append(row)
+    lines += ["  " + line for line in world_lines(s.get("world"))]
     store = s.get("store_now")
     if store is not None:
         lines.append(

@@ -17,7 +17,9 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from specbus.core.errors import SpecbusError
 from specbus.ops.cli import add_common, config_of, resolve_url
+from specbus.ops.elastic import add_elastic_arguments, serve_rendezvous
 from specbus.ops.observe import samples_rate
 
 log = logging.getLogger("specbus")
@@ -134,13 +136,21 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """`specbus train`: one trainer rank (ops/train.py), progress on rank 0."""
+    """`specbus train`: one trainer rank (ops/train.py), progress on rank 0; `--elastic
+    MIN:MAX`: this host's torchrun agent of the elastic trainers (ops/elastic.py); under an
+    elastic agent, a rank that resumes and tells its agent when its world must re-form."""
     from specbus.consumers.recording import is_run_name
+    from specbus.ops.elastic import Member, launch, main_of_member
 
     cfg = config_of(args)
+    if args.elastic:  # the agent needs no broker: a named one is passed on as is (its ranks wait)
+        if args.from_recording:
+            raise SpecbusError("--elastic trains from the broker, not --from-recording")
+        return launch(args, cfg.run, args.url or cfg.bus.url or resolve_url(args, cfg))
     # A recording's directory needs no broker (nor looks for one); a recording run's name does.
     needs_broker = not args.from_recording or is_run_name(args.from_recording)
     url = resolve_url(args, cfg) if needs_broker else None
+    member = Member.from_env()
     from specbus.ops.train import run_trainer
 
     if args.from_recording:  # W1: epochs over a recording (ops/offline.py)
@@ -156,7 +166,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"run {cfg.run}: {training_source(cfg, args.from_recording, url)}", flush=True)
-    result = run_trainer(cfg, bus_url=url, resume=args.resume, on_log=on_log)
+    if member is not None:  # an elastic rank: always resumes, says when its world must re-form
+        return main_of_member(
+            lambda: report(run_trainer(cfg, bus_url=url, resume=True, on_log=on_log), metrics),
+            member,
+        )
+    report(run_trainer(cfg, bus_url=url, resume=args.resume, on_log=on_log), metrics)
+    return 0
+
+
+def report(result, metrics: MetricsFile):
+    """Rank 0's last line and final metrics row of `specbus train`; returns `result`."""
     if result is not None and int(os.environ.get("RANK", 0)) == 0:
         what = "training stopped" if result.stopped else "training done"
         print(f"{what}: {result.steps} steps, {result.samples} samples, "
@@ -164,7 +184,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         metrics.write({"final": 1, "steps": result.steps, "samples": result.samples,
                        "stopped": int(bool(result.stopped)), "dead_letters": result.dead_letters,
                        "checkpoint": str(result.checkpoint)})  # fmt: skip
-    return 0
+    return result
 
 
 def training_source(cfg, recording: str | None, url: str | None) -> str:
@@ -282,7 +302,12 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
         help="train data.epochs epochs over a recording: its directory, a speculators or "
         "SpecForge dump directory, or the run name of a recording on the broker (see specbus capture)",
     )
+    add_elastic_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("rendezvous", help="serve the elastic trainers' c10d rendezvous")
+    p.add_argument("--rdzv-endpoint", default="127.0.0.1:29400", help="HOST:PORT to serve")
+    p.set_defaults(func=lambda args: serve_rendezvous(args.rdzv_endpoint))
 
     p = sub.add_parser(
         "capture", help="capture the dataset once into a file:// store, as a recording"

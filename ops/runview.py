@@ -128,3 +128,25 @@ def purge_command(args: Any) -> str:
         words.append(f"--config {args.config}")
     words += list(getattr(args, "overrides", []) or [])
     return " ".join(words)
+
+
+def world_lines(world: dict[str, Any] | None, shown: int = 5) -> list[str]:
+    """The trainers' world (the KV's `world`: written by rank 0 at each world's first step,
+    ops/elastic.py) and its last `shown` re-formations: sizes, the step resumed from, the
+    seconds from the previous world's end to the new world's first step, steps trained
+    again. [] before the first world's first step."""
+    if not world:
+        return []
+    lines = [f"world      {world['world']} rank(s) (formation {world['formation']}, training "
+             f"from step {world['from_step']} since {clock(world['at'])})"]  # fmt: skip
+    changes = [h for h in world.get("history", []) if h.get("previous_world") is not None]
+    for i, h in enumerate(changes[-shown:]):
+        since = "?" if h.get("since_end_s") is None else f"{h['since_end_s']:.1f}s"
+        retrained = "?" if h.get("retrained") is None else h["retrained"]
+        head = "re-formed " if i == 0 else " " * 10
+        lines.append(
+            f"{head} {h['previous_world']} -> {h['world']} at step {h['from_step']} "
+            f"({clock(h['at'])}): first step {since} after the last world ended "
+            f"({h.get('cause') or 'cause unknown'}), {retrained} step(s) retrained"
+        )
+    return lines

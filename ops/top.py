@@ -22,15 +22,17 @@ from specbus.bus.status import run_status
 from specbus.bus.topology import open_kv
 from specbus.core.config import StoreConfig
 from specbus.ops.observe import samples_rate
-from specbus.ops.runview import clock, leftover, row_label, size, store_now
+from specbus.ops.runview import clock, leftover, row_label, size, store_now, world_lines
 
 
 async def snapshot(bus: Bus, run: str, servers: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`run_status` plus the trainers' last log row (`progress`, None before the first) and
-    the served acceptance of `servers` (`served`: URL -> `ops.served.Served` or None)."""
+    """`run_status` plus the trainers' last log row (`progress`, None before the first), their
+    world (`world`: size and re-formations, None before the first step) and the served
+    acceptance of `servers` (`served`: URL -> `ops.served.Served` or None)."""
     status = await run_status(bus, run)
     kv = await open_kv(bus, run)
     status["progress"] = None if kv is None else await kv.get_progress()
+    status["world"] = None if kv is None else await kv.get_world()
     if servers:
         from specbus.ops.served import scrape
 
@@ -73,6 +75,7 @@ def render(
         f" | training {training}"
     )
     lines += _trainers_lines(s, now)
+    lines += world_lines(s.get("world"), shown=3)
     lines.append(f"{'group':<10} {'lag':>7} {'pending':>8} {'in flight':>10} "
                  f"{'redelivered':>12} {'ack floor':>10} {'lag bytes':>11}")  # fmt: skip
     for group, c in s["consumers"].items():

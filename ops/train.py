@@ -13,6 +13,7 @@ import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from specbus.core.models.target import (
 from specbus.core.registry import MODES
 from specbus.core.telemetry import setup_tracing
 from specbus.core.training import build_optimizer, build_scheduler
+from specbus.ops.elastic import Formation, Member
 from specbus.ops.modes import Mode, RankContext
 from specbus.ops.observe import reporter
 
@@ -79,36 +81,64 @@ def run_trainer(
             if manifest is None:
                 log.warning("stopped before the run's manifest appeared: nothing trained")
                 return None
-            total_steps = schedule_length(cfg.training, manifest.planned_tasks, world)
-            parts = build_parts(cfg, info, manifest, device, world, total_steps)
             checkpoints = CheckpointManager(checkpoint_dir(cfg), plan_of_training(cfg, manifest),
                                             keep=cfg.training.keep_checkpoints)  # fmt: skip
+            schedule = plan_schedule(cfg.training, manifest.planned_tasks, world,
+                                     checkpoints.latest_meta() if resume else None)  # fmt: skip
+            parts = build_parts(cfg, info, manifest, device, world, schedule.total_steps,
+                                offset=schedule.offset)  # fmt: skip
             state, ledger = restore(parts, checkpoints, resume, cfg.run)
             if resume and rank == 0:
                 replay_from_checkpoint(loop, run, mode, ledger, cfg)
+            formation = Formation(loop, run, checkpoints.directory, world=world, rank=rank,
+                                  from_step=state.step)  # fmt: skip
             if dist.is_initialized():
                 dist.barrier(group=control_group())
             ctx = RankContext(cfg, rank, device, run, loop, parts.strategy, info, manifest,
                               ledger, plan)  # fmt: skip
             source, prefetch = mode.source(ctx)
-            loader = Loader(
-                source, loop, lambda samples: parts.strategy.collate(samples, cfg.data.max_length),
-                micro_batch=cfg.training.micro_batch, accumulation=cfg.training.accumulation,
-                ledger=ledger, prefetch=prefetch,
-                heartbeat_s=min(cfg.bus.heartbeat_s, cfg.bus.ack_wait_s / 3),
-                fetch_timeout_s=cfg.bus.fetch_timeout_s,
-                stop_after_s=cfg.training.max_minutes * 60 if cfg.training.max_minutes else None,
-                stop=stop, hold_limit_bytes=mode.hold_limit_bytes(cfg), equal_micro_steps=is_sharded(parts.model),
-            )  # fmt: skip
+            loader = build_loader(cfg, mode, source, loop, parts, ledger, prefetch, stop)
             hooks = TrainerHooks(reporter(cfg, on_log, rank, loop=loop, run=run),
                                  lambda: best_effort_lag(loop, run), cfg.resolved_run_dir / "profile",
-                                 on_checkpoint=lambda p: point_at(loop, run, p))  # fmt: skip
-            result = Trainer(parts, loader, cfg.training, total_steps=total_steps,
-                             checkpoints=checkpoints, state=state, hooks=hooks).fit()  # fmt: skip
+                                 on_checkpoint=lambda p: point_at(loop, run, p),
+                                 on_first_step=formation.first_step)  # fmt: skip
+            trainer = Trainer(parts, loader, cfg.training, total_steps=schedule.end_step,
+                              checkpoints=checkpoints, state=state, hooks=hooks)  # fmt: skip
+            result = fit_in_world(trainer, formation)
             finish(loop, run, mode, ledger, result, cfg, rank)
             return result
         finally:
             close(loop, bus, source)
+
+
+def build_loader(
+    cfg: RunConfig, mode: Mode, source, loop: LoopThread, parts: TrainParts, ledger: Ledger,
+    prefetch: int, stop: threading.Event,
+) -> Loader:  # fmt: skip
+    """The rank's loader over its mode's `source` (lockstep windows of the run's geometry)."""
+    return Loader(
+        source, loop, lambda samples: parts.strategy.collate(samples, cfg.data.max_length),
+        micro_batch=cfg.training.micro_batch, accumulation=cfg.training.accumulation,
+        ledger=ledger, prefetch=prefetch,
+        heartbeat_s=min(cfg.bus.heartbeat_s, cfg.bus.ack_wait_s / 3),
+        fetch_timeout_s=cfg.bus.fetch_timeout_s,
+        stop_after_s=cfg.training.max_minutes * 60 if cfg.training.max_minutes else None,
+        stop=stop, hold_limit_bytes=mode.hold_limit_bytes(cfg),
+        equal_micro_steps=is_sharded(parts.model),
+    )  # fmt: skip
+
+
+def fit_in_world(trainer: Trainer, formation: Formation) -> TrainResult:
+    """`trainer.fit()`, recording in the run's KV how this rank's world ended when it ends
+    other than at the end of the data (ops/elastic.py `Formation`)."""
+    try:
+        result = trainer.fit()
+    except Exception as e:
+        formation.end(trainer.state.step, f"failed: {type(e).__name__}: {str(e)[:200]}")
+        raise
+    if result.stopped:
+        formation.end(result.steps, "stopped" if result.stopped_here else "stopped by a peer")
+    return result
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -129,7 +159,10 @@ def init_distributed(
     training: TrainingConfig, bus: BusConfig, rank: int, world: int, local_rank: int
 ) -> torch.device:
     """This rank's device, and the process group when `world > 1` (NCCL on GPU unless
-    `training.backend` says otherwise, gloo on CPU) plus the gloo control group."""
+    `training.backend` says otherwise, gloo on CPU) plus the gloo control group. Under an
+    elastic agent the ranks wait `training.elastic_init_timeout_s` for each other at init (a
+    rank that died while the world formed must not hold the others for the collective
+    timeout: they fail, and their agents form the next world)."""
     use_cuda = torch.cuda.is_available() and training.backend != "gloo"
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -141,8 +174,13 @@ def init_distributed(
         # A rank blocked on the bus through an outage (its confirmed acks) keeps the others
         # waiting in a collective: they must outlast the bus's give-up, not die first.
         timeout = timedelta(seconds=max(600.0, bus.outage_give_up_s + 120.0))
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        elastic = Member.from_env() is not None
+        init = timedelta(seconds=training.elastic_init_timeout_s) if elastic else timeout
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=init)
         init_control_group()  # before any other group: gloo for lockstep and lineage
+        if elastic:  # formed: the collectives' own timeout from now on
+            for group in {None, control_group()}:
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
     return device
 
 
@@ -151,6 +189,46 @@ def autocast_dtype(training: TrainingConfig, device: torch.device) -> torch.dtyp
     if device.type == "cuda" and training.dtype in ("auto", "bfloat16"):
         return torch.bfloat16
     return None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The LR schedule's length in its own steps, and where optimizer steps sit on it:
+    optimizer step `s` is the schedule's step `s - offset` (0 but for a world re-planned
+    mid-run). `end_step`: the optimizer step at which the schedule ends."""
+
+    total_steps: int
+    offset: float = 0.0
+
+    @property
+    def end_step(self) -> int:
+        return max(1, math.ceil(self.offset + self.total_steps))
+
+
+def plan_schedule(
+    training: TrainingConfig, planned_tasks: int | None, world: int, resumed: dict | None = None
+) -> Schedule:
+    """The schedule of a world of `world` ranks resuming from the checkpoint whose meta is
+    `resumed` (its `step` and `samples`; None: a fresh start).
+
+    The schedule is over the planned samples: the whole data at this world's step size
+    (`schedule_length`), the optimizer steps placed on it by the samples already trained.
+    A world of another size than the checkpoint's (an elastic re-formation) thus goes on
+    from the learning rate it stopped at, and its schedule ends when the data does: step `s`
+    is the schedule's step `s - offset`, `offset = step - samples / per_step` (0 when the
+    world is the checkpoint's: nothing changes). `training.total_steps` (a schedule given
+    in steps) and live runs (no planned data) are not re-planned."""
+    total = schedule_length(training, planned_tasks, world)
+    samples = (resumed or {}).get("samples")
+    if planned_tasks is None or training.total_steps or samples is None:
+        return Schedule(total)
+    per_step = world * training.micro_batch * training.accumulation
+    offset = resumed["step"] - samples / per_step
+    if abs(offset) < 1e-9:
+        return Schedule(total)
+    if training.max_steps:  # the schedule still ends by max_steps
+        total = max(1, min(total, math.ceil(training.max_steps - offset)))
+    return Schedule(total, offset)
 
 
 def schedule_length(training: TrainingConfig, planned_tasks: int | None, world: int) -> int:
@@ -173,10 +251,12 @@ def build_parts(
     device: torch.device,
     world: int,
     total_steps: int,
+    offset: float = 0.0,
 ) -> TrainParts:
     """The strategy and its draft (vocab from the manifest; replicated from rank 0, sharded
-    under `training.wrap=fsdp`), the optimizer and the schedule. Raises `ConfigError` when the
-    run was fed for another strategy, or started live and trained driven (or the reverse)."""
+    under `training.wrap=fsdp`), the optimizer and the schedule (`offset`: see `Schedule`).
+    Raises `ConfigError` when the run was fed for another strategy, or started live and
+    trained driven (or the reverse)."""
     check_manifest_mode(cfg, manifest)
     if manifest.strategy != cfg.strategy.name:
         raise ConfigError(
@@ -190,7 +270,7 @@ def build_parts(
     if cfg.training.wrap == "fsdp" and world > 1:
         model = shard(model, device)
     optimizer = build_optimizer(model, cfg.training)
-    scheduler = build_scheduler(optimizer, cfg.training, total_steps)
+    scheduler = build_scheduler(optimizer, cfg.training, total_steps, offset)
     return TrainParts(model, strategy, optimizer, scheduler, device,
                       autocast_dtype(cfg.training, device))  # fmt: skip
 
@@ -330,7 +410,10 @@ def close(loop: LoopThread, bus, source) -> None:
         if source is not None:
             source.close()
         if bus is not None:
-            loop.call(bus.close(), timeout=10)
+            try:
+                loop.call(bus.close(), timeout=10)
+            except Exception as e:  # noqa: BLE001 - leaving: the run's state is saved already
+                log.warning("broker connection not closed cleanly (an outage?): %s", e)
     finally:
         loop.close()
         if dist.is_initialized():

@@ -73,6 +73,27 @@ def test_fast_trial_on_mooncake(chaos_work, seed, victim):
     _trial(chaos_work, seed, victim, "mooncake", budget=TIGHT_BUDGET)
 
 
+ELASTIC_TASKS = 1024  # a re-formation takes about a minute here: data left after it
+ELASTIC = [(301, "join"), (302, "leave")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed,victim", ELASTIC, ids=[f"{v}-{s}" for s, v in ELASTIC])
+def test_elastic_trial_on_shm(chaos_work, seed, victim):
+    """Elastic trainers (two agents of one rank, `specbus train --elastic 1:3`): a third agent
+    joins mid-run (world 3), or one is killed -9 (world 1); the next world's first step is
+    waited for and checked, then every check of a trial (exactly once, nothing pending, the
+    store empty, no orphan, every other process exiting 0)."""
+    opts = Options(work=chaos_work, store="shm", tasks=ELASTIC_TASKS, deadline_s=400.0)
+    plan = make_plan(seed, tasks=ELASTIC_TASKS, victims=[victim], faults=(1, 1))
+    result = run_trial(plan, opts, build_assets(opts))
+    assert result.ok, (result.failures, result.dir, repro(plan, opts, [victim], (1, 1)))
+    (fault,) = plan.faults
+    world = fault.landed["world"]
+    assert (world["from"], world["to"]) == ((2, 3) if victim == "join" else (2, 1)), world
+    assert world["retrained"] == 0 and fault.landed["train_complete"] is None
+
+
 def test_plans_are_seeded_and_in_range():
     a = make_plan(7, tasks=512)
     assert a == make_plan(7, tasks=512)
@@ -91,6 +112,13 @@ def test_plans_are_seeded_and_in_range():
         "outage60",
     }
     assert "store" not in {f.victim for s in range(200) for f in make_plan(s).faults}
+    # join/leave only when asked for, keeping 1..3 agents (from 2)
+    assert not {"join", "leave"} & {f.victim for s in range(200) for f in make_plan(s).faults}
+    for s in range(200):
+        agents = 2
+        for f in make_plan(s, victims=["join", "leave"]).faults:
+            agents += 1 if f.victim == "join" else -1
+            assert 1 <= agents <= 3
     assert make_plan(1, tasks=30).tasks == 30  # a remainder is trained in a ragged last step
     with pytest.raises(ValueError):
         make_plan(1, tasks=3)  # less than one step: no fault could fire after the first one
