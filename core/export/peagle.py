@@ -34,20 +34,11 @@ import torch
 from safetensors.torch import load_file
 from specbus.core.errors import ExportError
 from specbus.core.export.sglang import write_draft_dir
+from specbus.core.export.speculators import ascending  # vLLM's aux-layer order, shared
 from specbus.core.models.peagle import PEagleConfig, PEagleDraft
 
 SPECULATORS_VERSION = "0.9.0"  # the release whose format this writes (and is tested against)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def ascending(aux_layers) -> list[int]:
-    """Positions of `aux_layers` in ascending layer order (vLLM's concatenation order);
-    `ExportError` for a repeated layer (vLLM captures each once)."""
-    layers = [int(a) for a in aux_layers]
-    if len(set(layers)) != len(layers):
-        raise ExportError(f"P-EAGLE export refused: aux layers {layers} repeat one; vLLM captures "
-                          "each layer once (train with distinct target.aux_layers)")  # fmt: skip
-    return sorted(range(len(layers)), key=layers.__getitem__)
 
 
 def layer_config(cfg: PEagleConfig, dtype: str) -> dict[str, Any]:
