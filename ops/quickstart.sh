@@ -72,7 +72,8 @@ case "$what" in
     for tier in "not slow" "slow"; do
       echo "quickstart: test tier -m \"$tier\""
       t0=$SECONDS
-      "$PY" -m pytest -q -m "$tier"
+      # the slowest tests of each tier, printed: the budget is 30 minutes for both
+      "$PY" -m pytest -q -m "$tier" --durations=15
       r=$?
       [ $r -eq 5 ] && echo "no test ran in tier -m \"$tier\"" >&2
       echo "quickstart: test tier -m \"$tier\": exit $r ($((SECONDS - t0))s)"
