@@ -179,8 +179,10 @@ def report(result, metrics: MetricsFile):
     """Rank 0's last line and final metrics row of `specbus train`; returns `result`."""
     if result is not None and int(os.environ.get("RANK", 0)) == 0:
         what = "training stopped" if result.stopped else "training done"
-        print(f"{what}: {result.steps} steps, {result.samples} samples, "
-              f"{dead_summary(result.dead_letters)}, checkpoint {result.checkpoint}")  # fmt: skip
+        dead = ("dead letters not counted on a stop (`specbus status`)" if result.stopped
+                else dead_summary(result.dead_letters))  # fmt: skip
+        print(f"{what}: {result.steps} steps, {result.samples} samples, {dead}, "
+              f"checkpoint {result.checkpoint}")  # fmt: skip
         metrics.write({"final": 1, "steps": result.steps, "samples": result.samples,
                        "stopped": int(bool(result.stopped)), "dead_letters": result.dead_letters,
                        "checkpoint": str(result.checkpoint)})  # fmt: skip

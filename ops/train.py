@@ -379,8 +379,8 @@ def finish(
     the run's training complete (which releases the producers)."""
     if rank == 0 and mode.sweeps_store:
         sweep_trained(cfg, ledger)
-    if rank == 0:
-        result.dead_letters = count_dead_letters(loop, run)
+    if rank == 0 and not result.stopped:  # a stop must not wait for the broker (elastic
+        result.dead_letters = count_dead_letters(loop, run)  # re-formation, outages)
     if result.stopped:
         log.warning("rank %d stopped at step %d (checkpoint %s): resume with --resume",
                     rank, result.steps, result.checkpoint)  # fmt: skip

@@ -43,7 +43,10 @@ def check_traces(spans: list[dict]) -> list[dict]:
         assert {s["trace"] for s in chain} == {step["trace"]}
         assert step["parent"] in step["links"]
         assert all(by_id[link]["name"] == "lease" for link in step["links"] if link in by_id)
-        assert {"ack", "release"} <= {s["name"] for s in spans if s["parent"] == step["id"]}
+        assert "ack" in {s["name"] for s in spans if s["parent"] == step["id"]}
+    # the store release follows the lockstep exchange after the commit (every rank is past
+    # it), so it is traced outside the step that trained the samples
+    assert any(s["name"] == "release" for s in spans)
     return chain_of(steps[0], by_id)
 
 
