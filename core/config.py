@@ -222,6 +222,10 @@ class DataConfig(Section):
 
     source: str = "gsm8k"  # gsm8k | chatterbot | a JSONL path
     max_length: int = Field(512, ge=8)
+    # a record over the run's maximum (max_length, or the target's context): skip = not fed,
+    # named in one warning; truncate = cut to it (SpecForge's preprocessing); refuse = the feed
+    # fails before anything is published
+    over_length: Literal["skip", "truncate", "refuse"] = "skip"
     last_turn_only: bool = False
     limit: int | None = Field(None, ge=1)
     holdout: int = Field(50, ge=0)

@@ -49,6 +49,7 @@ def demo_config(args: argparse.Namespace) -> RunConfig:
         "run": run,
         "data.source": args.data or "gsm8k",
         "data.max_length": 256,
+        "data.over_length": "truncate",  # GSM8K's longer chats cut to 256 tokens (SpecForge's way)
         "data.holdout": 50,
         "store.uri": f"shm://{run}",
         "store.budget_bytes": 1 << 30,

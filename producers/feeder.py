@@ -26,7 +26,7 @@ from specbus.bus.subjects import PRODUCERS
 from specbus.core.config import DataConfig, RunConfig
 from specbus.core.contracts import Manifest, ManifestTarget, PromptTask, VocabTable
 from specbus.core.data.datasets import load_source, split_holdout
-from specbus.core.data.tokenize import SampleTooLong, TokenizedSample, tokenize_records
+from specbus.core.data.tokenize import TokenizedSample, tokenize_records
 from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
 from specbus.core.errors import ConfigError, RecordError
 from specbus.core.models.target import (
@@ -75,9 +75,9 @@ def max_tokens_of(cfg: RunConfig, info: TargetInfo) -> tuple[int, str]:
 
 
 def prepare(cfg: RunConfig) -> Prepared:
-    """Load, split, tokenise; build the vocab mapping. Raises ConfigError on unusable data,
-    `SampleTooLong` (before anything is fed) for records over the run's maximum
-    (`max_tokens_of`): a long record is refused, never cut."""
+    """Load, split, tokenise; build the vocab mapping. Raises ConfigError on unusable data.
+    Records over the run's maximum (`max_tokens_of`) are skipped (one warning), truncated, or
+    refused with `SampleTooLong` before anything is fed, by `data.over_length`."""
     path = resolve_target_dir(cfg.target.model)
     info = load_target_info(path, name=cfg.target.model)
     tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None
@@ -88,10 +88,8 @@ def prepare(cfg: RunConfig) -> Prepared:
             f"target {cfg.target.model!r} has no tokenizer: data.source must be pre-tokenised (input_ids)"
         )
     max_tokens, key = max_tokens_of(cfg, info)
-    try:
-        samples = tokenize_records(train, tokenizer, cfg.data, max_tokens=max_tokens, key=key)
-    except SampleTooLong as e:
-        raise SampleTooLong(e.over, e.max_tokens, key, f"data.source {cfg.data.source!r}") from e
+    samples = tokenize_records(train, tokenizer, cfg.data, max_tokens=max_tokens, key=key,
+                               source=f"data.source {cfg.data.source!r}")  # fmt: skip
     if not samples:
         raise ConfigError(
             f"data.source {cfg.data.source!r}: no record has a supervised (assistant) token"

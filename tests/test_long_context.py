@@ -97,7 +97,8 @@ def test_an_over_long_record_is_refused_with_one_error_and_nothing_is_published(
     from specbus.ops.cli import main
 
     data = write_records(tmp_path / "data.jsonl", [20, 30, 100, 25], vocab=128)
-    cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://")
+    cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
+                          overrides=["data.over_length=refuse"])  # fmt: skip
     config = tmp_path / "run.yaml"
     config.write_text(dump_config(cfg))
     assert main(["feed", "--config", str(config), "--url", nats_server.url]) == 2
@@ -111,16 +112,38 @@ def test_the_targets_context_bounds_the_feed_when_it_is_shorter(tmp_path, tiny_t
     from specbus.producers.feeder import prepare
 
     data = write_records(tmp_path / "data.jsonl", [20, 300], vocab=128)
+    over = "data.over_length=refuse"
     cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
-                          overrides=["data.max_length=400"])  # fmt: skip
+                          overrides=["data.max_length=400", over])  # fmt: skip
     with pytest.raises(SampleTooLong, match="record 1 .* has 300 tokens, over the run's maximum "
                        "of 256 \\(the target's context\\)") as e:  # fmt: skip
         prepare(cfg)
     assert e.value.over == [(1, 300)]
     cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
-                          overrides=["data.max_length=400", "target.context_length=200"])  # fmt: skip
+                          overrides=["data.max_length=400", "target.context_length=200", over])  # fmt: skip
     with pytest.raises(SampleTooLong, match=r"maximum of 200 \(target.context_length\)"):
         prepare(cfg)
+
+
+def test_over_long_records_are_skipped_by_default_or_truncated(
+    tmp_path, tiny_target, run_id, caplog
+):
+    """data.over_length: skip (the default) feeds every other record and names the skipped
+    ones in one warning; truncate cuts them to the run's maximum (SpecForge's way)."""
+    from specbus.producers.feeder import prepare
+
+    data = write_records(tmp_path / "data.jsonl", [20, 300, 30, 290], vocab=128)
+    cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
+                          overrides=["data.max_length=200"])  # fmt: skip
+    with caplog.at_level("WARNING"):
+        skipped = prepare(cfg)
+    assert sorted(len(s) for s in skipped.samples) == [20, 30]
+    (line,) = [r.getMessage() for r in caplog.records if "over the run's maximum" in r.getMessage()]
+    assert "record 1 " in line and "has 300 tokens" in line and "(and 1 more over it)" in line
+    assert "(data.max_length)" in line and "skipped" in line
+    cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
+                          overrides=["data.max_length=200", "data.over_length=truncate"])  # fmt: skip
+    assert sorted(len(s) for s in prepare(cfg).samples) == [20, 30, 200, 200]
 
 
 def test_a_task_over_the_brokers_max_payload_is_refused_before_anything_is_fed(

@@ -10,8 +10,8 @@ Semantics (SpecForge 0.2.0 `GeneralParser`): roles are normalised (human->user,
 gpt->assistant); a leading system message is kept, else the template's default system prompt
 (if any) is prepended; leading non-user turns are dropped; the conversation is cut at the
 first turn out of order. The rendered text is tokenised without special tokens, truncated to
-`max_length` (None: not truncated; the feeder refuses a record over the run's maximum instead,
-`tokenize_records(..., max_tokens=)`). Every assistant span — text after the assistant header up to and including the
+`max_length` (None: not truncated; with `tokenize_records(..., max_tokens=)`, the feeder's
+call, a record over the run's maximum is skipped, truncated or refused: `data.over_length`). Every assistant span — text after the assistant header up to and including the
 end-of-turn marker (or the end of text) — is located by regex and mapped to token indices by
 tokenising the text prefix before/after it; `last_turn_only` keeps only the last span.
 
@@ -21,6 +21,7 @@ mask length differs from its ids.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ import torch
 from specbus.core.config import DataConfig
 from specbus.core.data.templates import ChatTemplate
 from specbus.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
@@ -186,6 +189,7 @@ def tokenize_records(
     *,
     max_tokens: int | None = None,
     key: str = "data.max_length",
+    source: str = "",
 ) -> list[TokenizedSample]:
     """Tokenise with `data.chat_template` (else the tokenizer's own, detected); drops samples
     with fewer than 2 supervised tokens (collate zeroes each sample's last loss position).
@@ -199,15 +203,22 @@ def tokenize_records(
         template = get_template(data.chat_template)
     else:  # pre-tokenised records need no template (a weights-only target has no tokenizer)
         template = detect_template(tokenizer) if tokenizer is not None else None
-    cut = data.max_length if max_tokens is None else None
+    if max_tokens is None:
+        cut = data.max_length
+    else:
+        cut = max_tokens if data.over_length == "truncate" else None
     samples = [
         tokenize_record(r, tokenizer, template, max_length=cut, last_turn_only=data.last_turn_only)
         for r in records
     ]
     if max_tokens is not None:
         over = [(i, len(s)) for i, s in enumerate(samples) if len(s) > max_tokens]
-        if over:
-            raise SampleTooLong(over, max_tokens, key)
+        if over and data.over_length == "refuse":
+            raise SampleTooLong(over, max_tokens, key, source)
+        if over:  # skip: nothing is fed for them, and the feed says which
+            log.warning("%s", SampleTooLong(over, max_tokens, key, source, skipped=True))
+            skipped = {i for i, _ in over}
+            samples = [s for i, s in enumerate(samples) if i not in skipped]
     return [s for s in samples if int(s.loss_mask.sum()) >= 2]
 
 
@@ -215,13 +226,15 @@ class SampleTooLong(ConfigError):
     """Records longer than the run's maximum: `over` lists (record index, tokens); `source`
     names where the records come from."""
 
-    def __init__(self, over: list[tuple[int, int]], max_tokens: int, key: str, source: str = ""):
+    def __init__(self, over: list[tuple[int, int]], max_tokens: int, key: str, source: str = "",
+                 skipped: bool = False):  # fmt: skip
         index, length = over[0]
         where = f" of {source}" if source else ""
         more = f" (and {len(over) - 1} more over it)" if len(over) > 1 else ""
+        what = ("skipped: not fed (data.over_length=skip; truncate cuts them, refuse fails the "
+                "feed)" if skipped else "refused, nothing was fed")  # fmt: skip
         super().__init__(
             f"record {index}{where} has {length} tokens, over the run's maximum of "
-            f"{max_tokens} ({key}){more}: refused, nothing was fed; raise {key} or shorten "
-            "the record"
+            f"{max_tokens} ({key}){more}: {what}; raise {key} or shorten the record"
         )
         self.over, self.max_tokens, self.key, self.source = over, max_tokens, key, source
