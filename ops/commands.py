@@ -328,7 +328,7 @@ def add_pipeline_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", default="latest", help="latest, best, or a checkpoint directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--format", choices=["sglang", "speculators"], default="sglang",
-                   help="sglang: SGLang's draft layout; speculators: vLLM's (EAGLE3, docs/vllm.md)")  # fmt: skip
+                   help="sglang: SGLang's draft layout; speculators: vLLM's (EAGLE3, DFlash, DSpark; docs/vllm.md)")  # fmt: skip
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("purge", help="remove every stored feature of a run that is gone")

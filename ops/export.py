@@ -1,5 +1,5 @@
 """`specbus export`: a checkpoint -> the directory SGLang (EAGLE3, DFLASH, DSPARK) or vLLM
-(`--format speculators`: EAGLE3) loads as a draft."""
+(`--format speculators`: EAGLE3, DFlash, DSpark) loads as a draft."""
 
 from __future__ import annotations
 
@@ -58,9 +58,10 @@ def export_checkpoint(cfg: RunConfig, checkpoint: str | Path, out: str | Path,
     if fmt == "speculators":
         from specbus.core.export.speculators import export_speculators
 
-        steps = getattr(cfg.strategy, "ttt_length", None) or 3  # the draft length it trained for
-        return export_speculators(draft, out, verifier=resolve_target_dir(cfg.target.model),
-                                  speculative_tokens=steps)  # fmt: skip
+        kw = {}  # a DFlash-family draft's length follows from its block size
+        if getattr(getattr(draft, "config", None), "projector", None) is None:
+            kw["speculative_tokens"] = getattr(cfg.strategy, "ttt_length", None) or 3  # trained
+        return export_speculators(draft, out, verifier=resolve_target_dir(cfg.target.model), **kw)
     if hasattr(draft, "config") and getattr(draft.config, "projector", None) is not None:
         from specbus.core.export.dflash import export_dflash
 
