@@ -110,7 +110,7 @@ def test_one_survivor_claims_the_step_and_latest_never_goes_back(tmp_path):
 
 def test_a_rank_whose_world_stopped_under_it_asks_to_re_form(capsys):
     def result(**kw) -> TrainResult:
-        return TrainResult(steps=3, samples=12, lineage=[], history=[], checkpoint="c", **kw)
+        return TrainResult(steps=3, samples=12, history=[], checkpoint="c", **kw)
 
     assert member_exit(result(stopped=True, stopped_here=False)) == REFORM_EXIT
     assert "exit 75" in capsys.readouterr().out
