@@ -153,13 +153,13 @@ def make_elastic(tmp_path, tiny_target, run_id):
 
 
 def finished_exactly_once(e: Elastic, *names: str) -> None:
-    """Every process that is not a victim exited 0; every fed sample trained once (the
-    count is odd: the last world trained the remainder in one ragged step), nothing left."""
+    """Every process that is not a victim exited 0; every fed sample trained once (the count
+    is odd, so a remainder is usually trained in one ragged last step: whether one is left
+    depends on how many samples the last world started with), nothing left."""
     c = e.cluster
     c.assert_ok(c.wait("feeder", "producer-0", *names, timeout=600))
     assert len(assert_lineage(c, c.n)) == c.n
     assert_settled(c)
-    assert any("a last ragged step trains the 1 samples left" in c.log(n) for n in names)
     final = c.checkpoint_state()
     for rec in e.formations[1:]:  # each change of world: how long, what was trained again
         print(f"formation {rec['formation']}: world {rec['previous_world']} -> {rec['world']} "
