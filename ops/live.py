@@ -337,6 +337,11 @@ class Speculation:
         from specbus.ops.reload import DraftFollower, DraftLoader, pointer_source
         from specbus.producers.live.speculative import DraftSlot, SpecStats
 
+        if cfg.strategy.name == "peagle":  # parallel drafting is decoded by core/eval/peagle.py
+            raise ConfigError(
+                "specbus serve --speculative decodes EAGLE3 chains and DFlash-family blocks; a "
+                "P-EAGLE draft is served by vLLM (`specbus export`, docs/peagle.md)"
+            )
         self.writer = open_writer(cfg.resolved_tensorboard_dir / "serve",
                                   enabled=cfg.telemetry.tensorboard)  # fmt: skip
         writer = self.writer

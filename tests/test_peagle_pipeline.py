@@ -38,3 +38,15 @@ def test_peagle_trains_colocated_exports_and_decodes(tmp_path, tiny_target, nats
     report = compare_drafts(held, num_prompts=2, max_new_tokens=8)  # parallel drafting, live
     assert report.trained.lossless and report.trained.rounds > 0
     assert report.num_draft_tokens == 3
+
+
+def test_serve_speculative_refuses_a_peagle_run_naming_vllm():
+    """The live server's decoder drafts EAGLE3 chains and DFlash-family blocks; a P-EAGLE run
+    is refused at start, before any draft or reload thread, pointing at vLLM."""
+    from specbus.core.config import build_config
+    from specbus.core.errors import ConfigError
+    from specbus.ops.live import SpecOptions, Speculation
+
+    cfg = build_config({}, ["strategy.name=peagle", "deployment.mode=live"])
+    with pytest.raises(ConfigError, match="P-EAGLE draft is served by vLLM"):
+        Speculation(cfg, engine=None, metrics=None, bus_url=None, opts=SpecOptions())
