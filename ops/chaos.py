@@ -184,8 +184,10 @@ def make_plan(
     kinds = victims or victims_for(store, slow)
     n = rng.randint(*faults)
     # Fire between the first full window and 60 % of the run, in increasing order (what is
-    # left must outlast the repairs that do not stop training).
-    lo, hi = WINDOW, max(WINDOW, int(tasks * 0.6))
+    # left must outlast the repairs that do not stop training); 30 % where agents may join or
+    # leave: a re-formation takes about a minute on 2 cores, and the world must step after it.
+    share = 0.3 if set(kinds) & set(ELASTIC) else 0.6
+    lo, hi = WINDOW, max(WINDOW, int(tasks * share))
     ats = sorted(rng.randint(lo, hi) for _ in range(n))
     out = []
     agents = 2  # an elastic trial's agents (join/leave keep them within ELASTIC_AGENTS)

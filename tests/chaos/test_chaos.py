@@ -73,11 +73,17 @@ def test_fast_trial_on_mooncake(chaos_work, seed, victim):
     _trial(chaos_work, seed, victim, "mooncake", budget=TIGHT_BUDGET)
 
 
-ELASTIC_TASKS = 1024  # a re-formation takes about a minute here: data left after it
+ELASTIC_TASKS = 2048  # a re-formation takes about a minute here: data left after it
 ELASTIC = [(301, "join"), (302, "leave")]
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("SPECBUS_CHAOS_CAMPAIGN"),
+    reason="with the campaigns (SPECBUS_CHAOS_CAMPAIGN=1, or python -m specbus.ops.chaos "
+    "--victims join,leave): whether a world re-forms before the data runs out depends on the "
+    "machine's load; CI tests elastic trainers in tests/test_elastic.py",
+)
 @pytest.mark.parametrize("seed,victim", ELASTIC, ids=[f"{v}-{s}" for s, v in ELASTIC])
 def test_elastic_trial_on_shm(chaos_work, seed, victim):
     """Elastic trainers (two agents of one rank, `specbus train --elastic 1:3`): a third agent
@@ -119,6 +125,7 @@ def test_plans_are_seeded_and_in_range():
         for f in make_plan(s, victims=["join", "leave"]).faults:
             agents += 1 if f.victim == "join" else -1
             assert 1 <= agents <= 3
+            assert f.at <= int(2048 * 0.3)  # early: a re-formation must find data left
     assert make_plan(1, tasks=30).tasks == 30  # a remainder is trained in a ragged last step
     with pytest.raises(ValueError):
         make_plan(1, tasks=3)  # less than one step: no fault could fire after the first one
