@@ -95,6 +95,7 @@ class TrainResult:
     checkpoint: str | None
     stopped: bool = False  # ended by a stop request, not by the end of data or max_steps
     stopped_here: bool = False  # the stop request was this rank's (a signal to this process)
+    recording: bool = False  # trained from a recording (no TASKS, no dead letters to count)
     # the run's dead letters at the end, {"tasks"|"samples": {"explicit"|"max_deliveries": n}}
     # (rank 0, ops/train.py; None: not counted)
     dead_letters: dict[str, dict[str, int]] | None = None

@@ -458,10 +458,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, with dotted overrides allowed after an option too (`train --config C
+    run=a --from-recording R k=v`, as the README writes it): argparse takes one run of
+    positionals, so later key=value words come back unknown and are added here."""
+    args, extra = parser.parse_known_args(argv)
+    late = [w for w in extra if "=" in w and not w.startswith("-")]
+    if len(late) != len(extra) or (late and not hasattr(args, "overrides")):
+        parser.parse_args(argv)  # the usual error for what is really unknown
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one `specbus` command; its exit code (2 for a `SpecbusError`, printed on one line)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(build_parser(), argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

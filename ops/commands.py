@@ -179,8 +179,12 @@ def report(result, metrics: MetricsFile):
     """Rank 0's last line and final metrics row of `specbus train`; returns `result`."""
     if result is not None and int(os.environ.get("RANK", 0)) == 0:
         what = "training stopped" if result.stopped else "training done"
-        dead = ("dead letters not counted on a stop (`specbus status`)" if result.stopped
-                else dead_summary(result.dead_letters))  # fmt: skip
+        if result.stopped:
+            dead = "dead letters not counted on a stop (`specbus status`)"
+        elif result.recording:
+            dead = "no dead letters to count (a recording: its capture run has them)"
+        else:
+            dead = dead_summary(result.dead_letters)
         print(f"{what}: {result.steps} steps, {result.samples} samples, {dead}, "
               f"checkpoint {result.checkpoint}")  # fmt: skip
         metrics.write({"final": 1, "steps": result.steps, "samples": result.samples,

@@ -206,7 +206,9 @@ class Formation:
             return
         rec = self.record(time.time())
         since = rec["since_end_s"]
-        log.warning(
+        # a re-formation is worth a warning; a run's first (or only) world is not
+        log.log(
+            logging.WARNING if since is not None else logging.INFO,
             "world %d (formation %d) trains from step %d%s", self.world, self.number,
             self.from_step,
             f": first step {since:.1f}s after world {rec['previous_world']} ended "

@@ -108,6 +108,7 @@ def run_recording_trainer(
             )
             result = Trainer(parts, loader, cfg.training, total_steps=total_steps,
                              checkpoints=checkpoints, state=state, hooks=hooks).fit()  # fmt: skip
+            result.recording = True
             if result.stopped:
                 log.warning("rank %d stopped at step %d (checkpoint %s): resume with --resume",
                             rank, result.steps, result.checkpoint)  # fmt: skip

@@ -106,8 +106,8 @@ def leftover(s: dict[str, Any], store: dict[str, Any] | None, purge: str) -> str
         return None
     lag = (s.get("lag") or {}).get("trainers") or {}
     never = lag.get("messages") or 0
-    refs = (f"{never} refs were never trained (the run stopped before them: training.max_steps, "
-            "max_minutes, or a partial last window)") if never else ""  # fmt: skip
+    refs = (f"{never} refs were never trained (the run stopped before them: training.max_steps "
+            "or max_minutes; `specbus train --resume` with a larger one trains them)") if never else ""  # fmt: skip
     frees = f"`{purge}` frees it once no process of the run runs"
     if store is None:
         if not never:
