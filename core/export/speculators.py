@@ -52,16 +52,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from specbus.core.errors import ExportError
+from specbus.core.export.sglang import write_draft_dir
 from specbus.core.models.dflash import DFlashConfig, DFlashDraft
 from specbus.core.models.llama_eagle3 import Eagle3Config, LlamaEagle3Draft
 
@@ -326,16 +323,4 @@ def _write(out_dir: str | Path, config: dict, state: dict[str, torch.Tensor], dt
         ).contiguous()
         for k, v in state.items()
     }
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return write_draft_dir(out_dir, config, tensors)  # atomic, 0644 like the SGLang export
