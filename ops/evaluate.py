@@ -23,6 +23,7 @@ from specbus.core.eval.speculative import AcceptanceReport, measure_acceptance
 from specbus.core.models.target import load_target_heads
 from specbus.core.strategies.base import build_strategy
 from specbus.ops.export import load_trained_draft
+from specbus.producers.engines.hf import sdpa_backends
 from specbus.producers.engines.registry import build_engine
 
 # phase(description, total, unit) -> a context manager yielding something with
@@ -121,18 +122,21 @@ def compare_drafts(
         untrained = untrained.to(device=device, dtype=dtype).eval()
         trained = trained.to(device=device, dtype=dtype).eval()
         eos = tuple(engine.info.eos_token_ids)
-        if block:  # DFlash family: one block per verification, its size fixed by the draft
-            return _compare_live_blocks(
-                engine, strategy, untrained, trained, prompts, max_new_tokens, eos, phase
-            )
-        if strategy.name == "peagle":  # parallel drafting of its num_depths tokens, live
-            return _compare_live_blocks(
-                engine, strategy, untrained, trained, prompts, max_new_tokens, eos, phase
-            )
-        return _compare_replayed(
-            engine, strategy, untrained, trained, prompts,
-            num_draft_tokens, max_new_tokens, eos, live_check, phase,
-        )  # fmt: skip
+        # Decoding's attention shapes change every step: the capture's SDPA order, never
+        # cuDNN first (its plan is rebuilt on the host for each new shape; producers/live/generate.py).
+        with sdpa_backends(device=device):
+            if block:  # DFlash family: one block per verification, its size fixed by the draft
+                return _compare_live_blocks(
+                    engine, strategy, untrained, trained, prompts, max_new_tokens, eos, phase
+                )
+            if strategy.name == "peagle":  # parallel drafting of its num_depths tokens, live
+                return _compare_live_blocks(
+                    engine, strategy, untrained, trained, prompts, max_new_tokens, eos, phase
+                )
+            return _compare_replayed(
+                engine, strategy, untrained, trained, prompts,
+                num_draft_tokens, max_new_tokens, eos, live_check, phase,
+            )  # fmt: skip
     finally:
         engine.close()
 

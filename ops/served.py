@@ -194,6 +194,7 @@ def lossless_check(cfg: RunConfig, answers: list[tuple[list, str, dict | None]],
     from specbus.core.data.templates import detect_template
     from specbus.core.data.tokenize import prompt_ids
     from specbus.core.eval.speculative import greedy_generate
+    from specbus.producers.engines.hf import sdpa_backends
     from specbus.producers.engines.registry import build_engine
 
     engine = build_engine(cfg.target)
@@ -201,7 +202,7 @@ def lossless_check(cfg: RunConfig, answers: list[tuple[list, str, dict | None]],
         tok, eos = engine.tokenizer, tuple(engine.info.eos_token_ids)
         template = detect_template(tok)
         differ = []
-        with torch.no_grad():
+        with torch.no_grad(), sdpa_backends(device=engine.device):  # as the server decodes
             for i, (messages, text, _) in enumerate(answers):
                 ids = prompt_ids({"messages": messages}, tok, template)
                 tokens = greedy_generate(engine.model, ids, max_tokens, eos)

@@ -54,7 +54,7 @@ GPU_SDPA_ORDER = "flash,efficient,cudnn,math"
 
 
 def sdpa_backends(spec: str | None = None, device: torch.device | None = None):
-    """The prefill's SDPA context from `spec` (default: `$SPECBUS_SDPA_BACKENDS`, else
+    """The SDPA context of a prefill or a decoding loop from `spec` (default: `$SPECBUS_SDPA_BACKENDS`, else
     `GPU_SDPA_ORDER` on a CUDA `device`): `sdpa_kernel` over the named backends in that
     priority order, or a null context (torch's own order) for "" / `default` off the GPU.
     `ConfigError` names the valid ones."""

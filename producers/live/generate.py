@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from specbus.core.eval.verify import warp
 from specbus.core.models.target import decoder_layers
+from specbus.producers.engines.hf import sdpa_backends
 from specbus.producers.live.sink import Capture, CaptureSink
 from specbus.producers.live.speculative import DraftSlot, SpecRecord, SpecStats, decode_wave
 
@@ -158,10 +159,16 @@ class Generator:
                 wave.append(job)
             try:
                 draft = self.drafts.current() if self.drafts is not None else None
-                if draft is None:
-                    self._generate(wave)
-                else:
-                    self._generate_spec(wave, draft)
+                # The capture's SDPA order on a GPU (flash, then efficient, before cuDNN):
+                # torch 2.11's own order picks cuDNN for the decode's masked attention and
+                # builds its plan on the host for every new shape, i.e. every step as the
+                # cache grows: 42 ms a call on an H200 against 0.05 ms for the efficient
+                # kernel (ops/bench/sdpa_decode.py; docs/benchmarks.md, the closed loop).
+                with sdpa_backends(device=self.device):
+                    if draft is None:
+                        self._generate(wave)
+                    else:
+                        self._generate_spec(wave, draft)
                 for job in wave:
                     self._emit(job, ("done", job.finish_reason))
             except Exception as e:  # noqa: BLE001 - answered to the users as a 500
