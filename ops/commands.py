@@ -88,12 +88,16 @@ def cmd_feed(args: argparse.Namespace) -> int:
     ahead = 4 * cfg.bus.max_ack_pending
     shown = {"published": -1}
 
+    # Who captures the tasks: producers, or (colocated) the trainer ranks themselves.
+    start = ("`specbus train` captures them" if cfg.deployment.mode == "colocated"
+             else "Start `specbus produce` to go on")  # fmt: skip
+
     def on_progress(published: int, planned: int, waiting: int | None) -> None:
         if waiting is not None:
             print(f"run {cfg.run}: published {published} of {planned} tasks; waiting for "
                   f"producers: {waiting} tasks not yet captured (the feeder stays at most "
-                  f"{ahead} tasks ahead, 4 x bus.max_ack_pending). Start `specbus produce` to "
-                  "go on; Ctrl-C is safe (`specbus feed` again resumes)", flush=True)  # fmt: skip
+                  f"{ahead} tasks ahead, 4 x bus.max_ack_pending). {start}; Ctrl-C is safe "
+                  "(`specbus feed` again resumes)", flush=True)  # fmt: skip
         elif published == planned or published - shown["published"] >= 1024:
             print(f"run {cfg.run}: published {published} of {planned} tasks", flush=True)
             shown["published"] = published

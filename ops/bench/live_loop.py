@@ -40,7 +40,7 @@ def loop_config(args, work: Path, run: str):
     """The loop's run: live, EAGLE3 (or `--strategy`), checkpoints every `--checkpoint-every`."""
     tree = {
         "run": run, "run_dir": str(work / "loop"),
-        "target": {"model": args.target, "device": args.device},
+        "target": {"model": args.target, "device": args.device, "dtype": args.dtype},
         "store": {"uri": f"shm://{run}", "budget_bytes": 2 << 30},
         "data": {"source": args.data, "holdout": 50, "max_length": 512},
         "strategy": {"name": args.strategy},
@@ -280,3 +280,6 @@ def add_loop_args(p) -> None:
     g.add_argument("--ab-requests", type=int, default=8)
     g.add_argument("--ab-concurrency", type=int, default=1)
     g.add_argument("--probes", type=int, default=6)
+    g.add_argument("--dtype", default="auto",
+                   help="target.dtype of the servers and trainers (auto: bf16 on a GPU); "
+                        "float32 makes the lossless probes exact on a GPU too")  # fmt: skip

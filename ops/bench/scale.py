@@ -18,7 +18,13 @@ RSS (bytes per sample), the checkpoint's size and write time, and extrapolates e
 of a shorter run are the figure (what was measured is reported, and the extrapolation says
 from how many).
 
+`--mode colocated` runs the same feed into one `specbus train` rank that captures its own
+tasks into `mem://` (no producer process, no SAMPLES stream: the rank acks TASKS): the
+control plane's per-ref cost without the `shm://` store's files (a put and a release are a
+dozen file-system calls a sample, most of the disaggregated run's CPU here).
+
     python -m specbus.ops.bench.scale --refs 1000000 --minutes 90 --out runs/bench/scale.json
+    python -m specbus.ops.bench.scale --mode colocated --refs 1000000 --out runs/bench/scale-col.json
 """
 
 from __future__ import annotations
@@ -72,15 +78,15 @@ def config_for(run: str, work: Path, target: Path, data: Path, args) -> object:
         "run_dir": str(work / run),
         "bus": {"ack_wait_s": 60.0, "heartbeat_s": 10.0, "fetch_timeout_s": 0.2,
                 "max_ack_pending": 1024},
-        "store": {"uri": f"shm://{work / 'shm'}", "budget_bytes": 256 << 20, "pool_bytes": 0,
-                  "recycle_bytes": 0},
+        "store": {"uri": "mem://" if args.mode == "colocated" else f"shm://{work / 'shm'}",
+                  "budget_bytes": 256 << 20, "pool_bytes": 0, "recycle_bytes": args.recycle_bytes},
         "target": {"model": str(target), "capture_batch": args.micro_batch, "dtype": "float32"},
         "strategy": {"ttt_length": 1, "draft": {"draft_vocab_size": 64}},
         "data": {"source": str(data), "max_length": args.seq, "holdout": 0},
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
                      "checkpoint_every": args.checkpoint_every, "prefetch": 2, "lr": 1e-4,
                      "keep_checkpoints": 2},
-        "deployment": {"mode": "disaggregated"},
+        "deployment": {"mode": args.mode},
     })  # fmt: skip
 
 
@@ -89,13 +95,14 @@ class Sampler:
 
     def __init__(self, server: NatsServer, procs: Launcher, cfg, store_dir: Path):
         self.server, self.procs, self.cfg, self.store_dir = server, procs, cfg, store_dir
+        self.colocated = cfg.deployment.mode == "colocated"  # mem:// in the trainer: no store dir
         self.rows: list[dict] = []
         self.t0 = time.monotonic()
 
     async def broker(self) -> dict[str, float]:
         from specbus.bus.connection import connect
         from specbus.bus.outage import ride
-        from specbus.bus.subjects import TRAINERS, Names
+        from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
         from specbus.core.errors import BusNotFound
 
         names = Names(self.cfg.run)
@@ -106,10 +113,16 @@ class Sampler:
             samples = await ride(bus, "stream", lambda: bus.js.stream_info(names.samples_stream))
             out.update(fed=tasks.state.last_seq, captured=samples.state.last_seq,
                        tasks_bytes=tasks.state.bytes, samples_bytes=samples.state.bytes)  # fmt: skip
-            trainers = await ride(
-                bus, "consumer", lambda: bus.js.consumer_info(names.samples_stream, TRAINERS)
+            # colocated: no SAMPLES, the trainer ranks ack their tasks (the producers' group)
+            stream, group = (
+                (names.tasks_stream, PRODUCERS)
+                if self.colocated
+                else (names.samples_stream, TRAINERS)
             )
+            trainers = await ride(bus, "consumer", lambda: bus.js.consumer_info(stream, group))
             out["trained"] = trainers.ack_floor.stream_seq if trainers.ack_floor else 0
+            if self.colocated:
+                out["captured"] = out["trained"]
         except BusNotFound:
             pass
         finally:
@@ -186,7 +199,7 @@ def analyse(rows: list[dict], history: list[dict], warmup: int, target: int) -> 
                      f"{human(late.at(target), unit)} at {target:,}")  # fmt: skip
     rates = tenths(rows, warmup)
     out["refs_per_s_tenths"] = [round(r, 1) for r in rates]
-    if rates:
+    if rates and min(rates) > 0:
         out["refs_per_s"] = sum(rates) / len(rates)
         out["last_over_first"] = (sum(rates[-3:]) / len(rates[-3:])) / (
             sum(rates[:3]) / len(rates[:3])
@@ -213,7 +226,7 @@ def run(args) -> dict:
     state = None
     try:
         procs.start("feeder", [*common, "feed", *cli])
-        for i in range(args.producers):
+        for i in range(args.producers if args.mode == "disaggregated" else 0):
             procs.start(f"producer-{i}", [*common, "produce", *cli, "--id", f"p{i}"])
         procs.ranks(args.trainers, [*common, "train", *cli], name="trainer-{rank}")
         while True:
@@ -251,9 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refs", type=int, default=1_000_000)
     ap.add_argument("--minutes", type=float, default=90.0, help="stop the run after this long")
     ap.add_argument("--producers", type=int, default=1)
+    ap.add_argument(
+        "--mode",
+        choices=("disaggregated", "colocated"),
+        default="disaggregated",
+        help="colocated: the trainer captures its own tasks into mem:// (no SAMPLES)",
+    )
     ap.add_argument("--trainers", type=int, default=1)
     ap.add_argument("--seq", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=64)
+    ap.add_argument("--recycle-bytes", type=int, default=0, help="store.recycle_bytes")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--checkpoint-every", type=int, default=500, help="steps")
     ap.add_argument("--sample-s", type=float, default=10.0)
