@@ -26,6 +26,7 @@ from specbus.bus.subjects import PRODUCERS
 from specbus.core.config import DataConfig, RunConfig
 from specbus.core.contracts import Manifest, ManifestTarget, PromptTask, VocabTable
 from specbus.core.data.datasets import load_source, split_holdout
+from specbus.core.data.packed import PackedSamples
 from specbus.core.data.tokenize import TokenizedSample, tokenize_records
 from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
 from specbus.core.errors import ConfigError, RecordError
@@ -47,7 +48,7 @@ class Prepared:
     """The feeder's tokenised training samples, held-back records, vocab mapping and the target's
     identity."""
 
-    samples: list[TokenizedSample]
+    samples: PackedSamples  # a sequence of TokenizedSample, in flat buffers
     holdout: list[dict[str, Any]]
     vocab: VocabMapping
     info: TargetInfo
@@ -89,15 +90,18 @@ def prepare(cfg: RunConfig) -> Prepared:
         )
     max_tokens, key = max_tokens_of(cfg, info)
     samples = tokenize_records(train, tokenizer, cfg.data, max_tokens=max_tokens, key=key,
-                               source=f"data.source {cfg.data.source!r}")  # fmt: skip
+                               source=f"data.source {cfg.data.source!r}",
+                               collect=PackedSamples)  # fmt: skip
+    num_train = len(train)
+    del records, train  # the feed holds the packed samples only (and the held-back records)
     if not samples:
         raise ConfigError(
             f"data.source {cfg.data.source!r}: no record has a supervised (assistant) token"
         )
-    dropped = len(train) - len(samples)
+    dropped = num_train - len(samples)
     if dropped:
         log.warning(
-            "dropped %d of %d records with fewer than 2 supervised tokens", dropped, len(train)
+            "dropped %d of %d records with fewer than 2 supervised tokens", dropped, num_train
         )
     draft_vocab = min(cfg.strategy.draft.draft_vocab_size, info.vocab_size)
     vocab = build_vocab_mapping(
@@ -219,7 +223,7 @@ async def feed(
             f"{manifest.plan_hash}): use another run name, or the original data/strategy settings"
         )
     if prepared.samples:  # the longest task must fit the broker before anything is sent
-        longest = max(range(len(prepared.samples)), key=lambda i: len(prepared.samples[i]))
+        longest = max(range(len(prepared.samples)), key=prepared.samples.length)
         probe = _task(run.run, prepared.samples[longest], 0, longest)
         check_payload_sizes(
             run.bus, [(run.names.tasks, encode(probe), {"Nats-Msg-Id": probe.msg_id})]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,13 +191,16 @@ def tokenize_records(
     max_tokens: int | None = None,
     key: str = "data.max_length",
     source: str = "",
-) -> list[TokenizedSample]:
+    collect: Callable[[Iterator[TokenizedSample]], Any] = list,
+) -> Any:
     """Tokenise with `data.chat_template` (else the tokenizer's own, detected); drops samples
     with fewer than 2 supervised tokens (collate zeroes each sample's last loss position).
     Records are cut to `data.max_length` tokens, unless `max_tokens` is given: then they are
     tokenised whole and one longer than `max_tokens` raises `SampleTooLong` (naming the
     record, its length and `key`, the setting that bounds it). Raises `ConfigError` for a
-    record of no known shape."""
+    record of no known shape. `collect` builds the result from the kept samples as they are
+    tokenised, one at a time: `list` (the default), or `core.data.packed.PackedSamples` (the
+    feeder: a whole dataset without a tensor object per sample)."""
     from specbus.core.data.templates import detect_template, get_template
 
     if data.chat_template:
@@ -207,19 +211,24 @@ def tokenize_records(
         cut = data.max_length
     else:
         cut = max_tokens if data.over_length == "truncate" else None
-    samples = [
-        tokenize_record(r, tokenizer, template, max_length=cut, last_turn_only=data.last_turn_only)
-        for r in records
-    ]
-    if max_tokens is not None:
-        over = [(i, len(s)) for i, s in enumerate(samples) if len(s) > max_tokens]
-        if over and data.over_length == "refuse":
-            raise SampleTooLong(over, max_tokens, key, source)
-        if over:  # skip: nothing is fed for them, and the feed says which
-            log.warning("%s", SampleTooLong(over, max_tokens, key, source, skipped=True))
-            skipped = {i for i, _ in over}
-            samples = [s for i, s in enumerate(samples) if i not in skipped]
-    return [s for s in samples if int(s.loss_mask.sum()) >= 2]
+    over: list[tuple[int, int]] = []  # (record index, tokens) over max_tokens
+
+    def kept() -> Iterator[TokenizedSample]:
+        for i, r in enumerate(records):
+            s = tokenize_record(
+                r, tokenizer, template, max_length=cut, last_turn_only=data.last_turn_only
+            )
+            if max_tokens is not None and len(s) > max_tokens:
+                over.append((i, len(s)))
+            elif int(s.loss_mask.sum()) >= 2:
+                yield s
+
+    samples = collect(kept())
+    if over and data.over_length == "refuse":  # every record is read first: the error lists all
+        raise SampleTooLong(over, max_tokens, key, source)
+    if over:  # skip: nothing is fed for them, and the feed says which
+        log.warning("%s", SampleTooLong(over, max_tokens, key, source, skipped=True))
+    return samples
 
 
 class SampleTooLong(ConfigError):
