@@ -26,11 +26,11 @@ Host round trips: a greedy round waits for the device once (the target's argmax 
 drafts, fetched together, decide each row's acceptance on the host). The drafts stay on the
 device from the chain to the verify forward, and what the host adds (the rows' next tokens,
 positions, the emitted tokens the drafter extends with) goes over in one copy each, from
-pinned memory without waiting. On a GPU shared by several processes every wait for the
-device also waits for the others' time slices: the first batched server on an H200 (three
-replicas and a trainer on one GPU) waited ~65 times a round, one small tensor per row, and
-ran ~0.3 s a round. Sampled rows draw on the host (the request's own CPU generator), one
-wait per draw.
+pinned memory without waiting. (The first batched server on an H200 waited ~65 times a
+round and ran ~0.3 s a round; one wait did not change that: the time was the host building
+a cuDNN attention plan for every new cache length, 42 ms a call, until decoding ran under the
+flash/efficient-first SDPA order: `producers/live/generate.py`.) Sampled rows draw on the
+host (the request's own CPU generator), one wait per draw.
 """
 
 from __future__ import annotations
