@@ -425,3 +425,46 @@ def test_a_draft_that_cannot_take_over_leaves_requests_on_theirs(engine, chat_ta
             engine, server, q, 20)  # fmt: skip
         assert job.spec.versions == [0]
     assert "handing them to version 3 failed" in caplog.text
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_short_answer_is_settled_before_its_waves_longest_ends(engine, chat_target, tmp_path,
+                                                                  speculative):  # fmt: skip
+    """A request is answered ("done") and captured as soon as its own decoding ends, not when
+    the longest request of its wave does (it used to wait for the whole wave: a 2-token
+    answer waited for a 256-token one, and so did its capture)."""
+    from specbus.producers.live.generate import Job
+
+    from tests.test_live_serve import RecordingSink
+
+    slot = DraftSlot() if speculative else None
+    generator = Generator(engine, RecordingSink(None), max_new_tokens=40, max_batch=4,
+                          start=False, drafts=slot, num_draft_tokens=3)  # fmt: skip
+    server = Server(generator, "tiny")
+    if speculative:
+        loader = loader_of(chat_target, tmp_path, "eagle3")
+        slot.publish(ServedDraft(1, loader.untrained(vocab_of(loader)).model, False,
+                                 tuple(loader.strategy.aux_layers)))  # fmt: skip
+    prompt = server.chat_prompt({"messages": [{"role": "user", "content": QUESTIONS[0]}]})
+    longest = len(greedy_generate(engine.model, torch.tensor(prompt), 40, ()))
+    assert longest >= 10  # the tiny target's greedy answer is long enough to outlast the short one
+    seen: list[tuple[str, str]] = []  # (request, event kind) in the order the worker sent them
+    emit = generator._emit
+
+    def recording(job, event):
+        seen.append((job.request_id, event[0]))
+        emit(job, event)
+
+    generator._emit = recording
+    short = Job(request_id="short", prompt_ids=prompt, max_tokens=2, temperature=0)
+    long = Job(request_id="long", prompt_ids=prompt, max_tokens=40, temperature=0)
+    try:
+        from tests.test_live_serve import run_jobs
+
+        run_jobs(generator, [short, long], start=True)
+    finally:
+        generator.close()
+    assert generator.stats["waves"] == 1 and len(long.output_ids) >= 10
+    last_long_token = max(i for i, e in enumerate(seen) if e == ("long", "token"))
+    assert seen.index(("short", "done")) < last_long_token
+    assert seen[-1] == ("long", "done") and seen.count(("short", "done")) == 1

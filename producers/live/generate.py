@@ -50,6 +50,7 @@ class Job:
     finish_reason: str = "length"
     text: str = ""
     spec: SpecRecord | None = None  # what speculative decoding did for it (None: decoded plainly)
+    settled: bool = False  # answered ("done") and its capture handed on, when its decoding ended
 
 
 def _seed_of(request_id: str) -> int:
@@ -169,12 +170,11 @@ class Generator:
                         self._generate(wave)
                     else:
                         self._generate_spec(wave, draft)
-                for job in wave:
-                    self._emit(job, ("done", job.finish_reason))
             except Exception as e:  # noqa: BLE001 - answered to the users as a 500
                 log.exception("generation of %s failed", [j.request_id for j in wave])
                 for job in wave:
-                    self._emit(job, ("error", f"{type(e).__name__}: {e}"))
+                    if not job.settled:  # the ones answered before the failure keep their answer
+                        self._emit(job, ("error", f"{type(e).__name__}: {e}"))
 
     def _emit(self, job: Job, event) -> None:
         if job.loop is not None and not job.loop.is_closed():
@@ -272,6 +272,8 @@ class Generator:
                     )
                     nxt.append(token)
                     active[i] = not self.take(j, [token])
+                    if not active[i]:  # its features are all recorded: answer it now
+                        self._settle(j, wanted[i], aux[i], final[i])
                 ids = torch.tensor(nxt, dtype=torch.long)[:, None]
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
                 positions = positions[:, -1:] + 1
@@ -282,24 +284,39 @@ class Generator:
         self._finished(wave, wanted, aux, final)
 
     def _generate_spec(self, wave: list[Job], draft) -> None:
-        """Decode `wave` speculatively with `draft` (`speculative.decode_wave`)."""
-        kept = decode_wave(self, wave, draft, self.drafts, self.num_draft_tokens,
-                           self.spec_stats, _seed_of)  # fmt: skip
-        wanted = [self.sink.wants(j.request_id) if self.sink is not None else None for j in wave]
-        self._finished(wave, wanted, [k[0] for k in kept], [k[1] for k in kept])
+        """Decode `wave` speculatively with `draft` (`speculative.decode_wave`); each request
+        is settled as its own decoding ends."""
+
+        def ended(i: int, sample_id: str | None, aux: list, final: list) -> None:
+            self._settle(wave[i], sample_id, aux, final)
+
+        decode_wave(self, wave, draft, self.drafts, self.num_draft_tokens, self.spec_stats,
+                    _seed_of, ended)  # fmt: skip
+        self.stats["waves"] += 1
 
     def _finished(self, wave: list[Job], wanted, aux, final) -> None:
-        """Count a decoded wave and hand its captured requests to the sink."""
+        """Count a decoded wave and settle the requests not settled yet."""
         self.stats["waves"] += 1
         for i, j in enumerate(wave):
-            self.stats["requests"] += 1
-            self.stats["tokens"] += len(j.output_ids)
-            if wanted[i] is not None:
-                self.sink.submit(Capture(
-                    request_id=j.request_id, prompt_ids=list(j.prompt_ids),
-                    output_ids=list(j.output_ids), aux=aux[i], final=final[i],
-                    sample_id=wanted[i], draft_version=j.spec.version if j.spec else None,
-                ))  # fmt: skip
+            self._settle(j, wanted[i], aux[i], final[i])
+
+    def _settle(self, job: Job, sample_id: str | None, aux: list, final: list) -> None:
+        """A request whose decoding ended: counted, its capture (`sample_id`: to be captured)
+        handed to the sink, its user answered ("done"), once; as soon as its own decoding
+        ends, not its wave's (a short answer does not wait for the wave's longest, and the
+        trainers get it as early)."""
+        if job.settled:
+            return
+        job.settled = True
+        self.stats["requests"] += 1
+        self.stats["tokens"] += len(job.output_ids)
+        if sample_id is not None:
+            self.sink.submit(Capture(
+                request_id=job.request_id, prompt_ids=list(job.prompt_ids),
+                output_ids=list(job.output_ids), aux=aux, final=final,
+                sample_id=sample_id, draft_version=job.spec.version if job.spec else None,
+            ))  # fmt: skip
+        self._emit(job, ("done", job.finish_reason))
 
     def _stopped(self, job: Job) -> bool:
         text = self.tokenizer.decode(job.output_ids, skip_special_tokens=True)

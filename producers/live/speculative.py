@@ -253,10 +253,11 @@ def _sampling(job, seed_of) -> Sampling | None:
 
 @torch.no_grad()
 def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
-                stats: SpecStats | None, seed_of) -> list[tuple[list, list]]:  # fmt: skip
+                stats: SpecStats | None, seed_of, ended) -> None:  # fmt: skip
     """Decode `wave` (jobs of `gen`, a `Generator`) speculatively, all its requests in one
-    `SpecBatch` (module doc); returns each job's captured rows (aux chunks, final chunks),
-    empty when it is not captured."""
+    `SpecBatch` (module doc). `ended(i, sample_id, aux, final)` is called once for each job
+    as soon as its decoding ends (the round it finished in), with its sample id (None: not
+    captured) and its captured rows (aux chunks, final chunks; empty when not captured)."""
     model = gen.model
     wanted = [gen.sink.wants(j.request_id) if gen.sink is not None else None for j in wave]
     rows = gen.capture_hooks() if any(w is not None for w in wanted) else None
@@ -273,24 +274,30 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
                 if f is not None:
                     kept[i][1].append(f[j, span])
 
+    def settle(before: list[int], batch_rows: list[int]) -> None:
+        """The jobs of `before` that left the batch: their rows are all kept now."""
+        for i in sorted(set(before) - set(batch_rows)):
+            job = wave[i]
+            job.spec.seconds = time.monotonic() - job.spec.started
+            if stats is not None:
+                stats.request(job.spec, len(job.output_ids))
+            ended(i, wanted[i], kept[i][0], kept[i][1])
+
     with AuxCapture(model, list(draft.aux_layers)) as aux:
         if rows is not None:
             rows.recording = True
         try:
             wave_run = _Wave(gen, wave, draft, k, aux, seed_of)
             keep(list(range(len(wave))), [slice(p, None) for p in wave_run.batch.pads])
+            settle(list(range(len(wave))), wave_run.batch.rows)  # ended at their first token
             while wave_run.batch.rows:
                 order = list(wave_run.batch.rows)
                 accepted = wave_run.round(slot, stats)
                 keep(order, [slice(0, a + 1) for a in accepted])
+                settle(order, wave_run.batch.rows)
         finally:
             if rows is not None:
                 rows.recording = False
-    for job in wave:
-        job.spec.seconds = time.monotonic() - job.spec.started
-        if stats is not None:
-            stats.request(job.spec, len(job.output_ids))
-    return kept
 
 
 class _Wave:
