@@ -120,3 +120,47 @@ def test_right_align_packs_each_rows_valid_columns_to_the_right_in_order():
         and index[1, 4] == 0
         and index[2].tolist() == [0, 1, 2, 3, 5]
     )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+def test_sequences_admitted_into_a_running_batch_decode_as_alone(tiny, name, temperature):  # noqa: F811
+    """Continuous batching (`SpecBatch.admit`): two sequences start, three more join after
+    rounds 2 and 5 (prompts longer and shorter than the batch's cache, so both sides get
+    padded), rows finish and leave meanwhile, compactions happen: every sequence's tokens and
+    per-round acceptance equal its batch-1 decoding (no hand-over: `SWAP_AT` is past the end)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    target = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    strategy, draft = _draft_of(tiny, name)
+    layers = list(strategy.aux_layers)
+
+    def make(d):
+        return _drafter(strategy, d, target)
+
+    def build(idx, aux):
+        return SpecBatch(target, batch_drafter([make(draft) for _ in idx]),
+                         [torch.tensor(PROMPTS[i]) for i in idx], aux,
+                         sampling=[_sampling(i, temperature) for i in idx], keep_aux=True,
+                         slack=4)  # fmt: skip
+
+    joins = {2: [2, 3], 5: [4]}  # after round r, these prompts join
+    order = [0, 1]  # prompt index of each sequence of the batch, in admission order
+    with torch.no_grad(), AuxCapture(target, layers) as aux:
+        batch = build(order, aux)
+        step = 0
+        while batch.rows:
+            ks = [_budget(batch.tokens[s], MAX_NEW[order[s]]) for s in batch.rows]
+            batch.step(ks)
+            batch.retire([s for s in batch.rows if len(batch.tokens[s]) >= MAX_NEW[order[s]]])
+            step += 1
+            if step in joins:
+                added = batch.admit(build(joins[step], aux))
+                assert added == list(range(len(order), len(order) + len(joins[step])))
+                order += joins[step]
+        assert sorted(order) == list(range(len(PROMPTS)))
+        for s, i in enumerate(order):
+            want = alone(target, layers, (draft, draft), make, i, temperature)
+            got = (batch.tokens[s][: MAX_NEW[i]], batch.accepted[s])
+            assert got == want, (i, got, want)

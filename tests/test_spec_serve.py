@@ -468,3 +468,67 @@ def test_a_short_answer_is_settled_before_its_waves_longest_ends(engine, chat_ta
     last_long_token = max(i for i, e in enumerate(seen) if e == ("long", "token"))
     assert seen.index(("short", "done")) < last_long_token
     assert seen[-1] == ("long", "done") and seen.count(("short", "done")) == 1
+
+
+def test_requests_queued_during_a_wave_join_it_and_decode_as_alone(engine, chat_target,
+                                                                    tmp_path):  # fmt: skip
+    """Continuous batching: two requests queued while a speculative wave runs join it after
+    the round they came in (`SpecBatch.admit`: one wave in all), each answered with the
+    target's own greedy output, and a capture for each."""
+    from specbus.producers.live.generate import Job
+    from specbus.producers.live.manifest import capture_config
+
+    from tests.test_live_serve import RecordingSink
+
+    loader = loader_of(chat_target, tmp_path, "eagle3")
+    cfg = live_config("spec", tmp_path / "run", chat_target, tmp_path / "none.jsonl",
+                      store_uri="mem://x", strategy="eagle3")  # fmt: skip
+    from specbus.core.models.target import load_target_info
+    from specbus.core.strategies.base import build_strategy
+
+    info = load_target_info(chat_target)
+    contract = build_strategy(cfg.strategy, info).feature_contract(info)
+    cap = capture_config(cfg, contract, store_uri="mem://x", store_id="x", float_dtype="float32",
+                         target_fingerprint="t", tokenizer_fingerprint="k")  # fmt: skip
+    sink, slot = RecordingSink(cap), DraftSlot()
+    generator = Generator(engine, sink, max_new_tokens=40, max_batch=4, start=False, drafts=slot,
+                          num_draft_tokens=3)  # fmt: skip
+    server = Server(generator, "tiny")
+    slot.publish(ServedDraft(1, loader.untrained(vocab_of(loader)).model, False,
+                             tuple(loader.strategy.aux_layers)))  # fmt: skip
+    prompts = [server.chat_prompt({"messages": [{"role": "user", "content": q}]})
+               for q in QUESTIONS[:3]]  # fmt: skip
+    first = Job(request_id="first", prompt_ids=prompts[0], max_tokens=40, temperature=0)
+    late = [Job(request_id=f"late{i}", prompt_ids=p, max_tokens=12, temperature=0)
+            for i, p in enumerate(prompts[1:])]  # fmt: skip
+    emit, queued = generator._emit, []
+
+    def on_event(job, event):  # the worker's thread: queue the late ones at the 3rd token
+        emit(job, event)
+        if job is first and len(first.output_ids) == 3 and not queued:
+            queued.append(True)
+            for j in late:
+                generator.jobs.put_nowait(j)
+
+    generator._emit = on_event
+
+    async def go():
+        for j in late:  # what submit() sets, without queueing them yet
+            j.loop, j.events = asyncio.get_running_loop(), asyncio.Queue()
+        assert generator.submit(first)
+        generator.start()
+        for j in [first, *late]:
+            while (await j.events.get())[0] != "done":
+                pass
+
+    try:
+        asyncio.run(go())
+    finally:
+        generator.close()
+    assert queued and generator.stats["waves"] == 1 and generator.stats["requests"] == 3
+    for job, prompt in zip([first, *late], prompts, strict=True):
+        want = greedy_generate(engine.model, torch.tensor(prompt), job.max_tokens,
+                               tuple(engine.info.eos_token_ids))  # fmt: skip
+        assert job.output_ids == want and job.spec.versions == [1]
+    assert len(first.output_ids) >= 10  # it was still decoding when the others joined
+    assert {c.request_id for c in sink.handed} == {"first", "late0", "late1"}

@@ -20,7 +20,9 @@ i's a_i + 1 kept ones turn invalid, nothing moves. Position ids are each row's o
 t) and the attention mask is `valid_BW`, so a row attends exactly to its verified prefix.
 Once the dead columns exceed `slack` (or sequences leave the batch, `retire`) a cache is
 compacted: each row's valid columns gathered to the right (`right_align`), one gather per
-layer. Keys are cached after the rotary embedding, so moving a column changes nothing.
+layer. Keys are cached after the rotary embedding, so moving a column changes nothing; for
+the same reason sequences can join a running batch (`admit`, continuous batching): a batch
+prefilled apart is stacked under this one, the narrower caches padded with invalid columns.
 
 Host round trips: a greedy round waits for the device once (the target's argmax and the
 drafts, fetched together, decide each row's acceptance on the host). The drafts stay on the
@@ -82,6 +84,9 @@ class BatchDrafter(Protocol):
     def select(self, rows: Sequence[int]) -> None:
         """Keep these rows only, in this order (finished sequences leave the batch)."""
 
+    def merge(self, other: BatchDrafter) -> None:
+        """Append `other`'s rows (a drafter of the same kind and draft) after these."""
+
 
 def to_device(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
     """Host numbers (a list, nested lists) as a tensor on `device`: on CUDA copied from pinned
@@ -119,6 +124,20 @@ def _forget_from(valid_BW: torch.Tensor, start: Sequence[int]) -> torch.Tensor:
     return valid_BW & (valid_BW.long().cumsum(1) <= limit)
 
 
+def _stack_rows(a: torch.Tensor, b: torch.Tensor, axis: int, fill=0) -> torch.Tensor:
+    """The rows of `a`, then those of `b` (dim 0), the narrower along `axis` (cache columns)
+    padded on the left with `fill` (columns that are not valid: each row's positions and
+    validity are its own, so where its columns sit does not matter)."""
+    width = max(a.shape[axis], b.shape[axis])
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[axis] = width - x.shape[axis]
+        return x if shape[axis] == 0 else torch.cat([x.new_full(shape, fill), x], dim=axis)
+
+    return torch.cat([pad(a), pad(b)], dim=0)
+
+
 def _pad_rows(rows: Sequence[torch.Tensor], width: int, fill=0) -> torch.Tensor:
     """Right-pad each row (`[T_j, ...]`) to `width`: `[B, width, ...]`."""
     out = rows[0].new_full((len(rows), width, *rows[0].shape[1:]), fill)
@@ -151,6 +170,10 @@ class RowDrafters:
     def select(self, rows) -> None:
         """Keep these rows' drafters."""
         self.drafters = [self.drafters[j] for j in rows]
+
+    def merge(self, other: RowDrafters) -> None:
+        """`other`'s drafters after these."""
+        self.drafters += other.drafters
 
 
 class ChainBatch:
@@ -232,6 +255,14 @@ class ChainBatch:
         self._compact(list(rows))
         self.last_h = self.last_h.index_select(0, to_device(list(rows), self.last_h.device))
         self.n = [self.n[j] for j in rows]
+
+    def merge(self, other: ChainBatch) -> None:
+        """`other`'s chains (the same draft, just extended with their prompts) after these."""
+        a, b = self.cache, other.cache
+        a.k, a.v = _stack_rows(a.k, b.k, 2), _stack_rows(a.v, b.v, 2)
+        a.valid_BL = _stack_rows(a.valid_BL, b.valid_BL, 1, False)
+        self.last_h = torch.cat([self.last_h, other.last_h])
+        self.n += other.n
 
     def _compact(self, rows: list[int]) -> None:
         cache = self.cache
@@ -372,6 +403,31 @@ class SpecBatch:
             self._compact(keep)
             self.drafter.select(keep)
         self.rows = [self.rows[j] for j in keep]
+
+    def admit(self, other: SpecBatch) -> list[int]:
+        """Continue `other`'s sequences in this batch's rounds: a batch just built (prefilled)
+        on the same target, `AuxCapture` and `keep_aux`, with a drafter of this one's kind and
+        draft. Their indices here follow this batch's (`other`'s i is `len(before) + i`);
+        returns those still decoding. Each keeps the output it would have alone."""
+        base = len(self.n)
+        for (h1, n1), (h2, n2) in zip(_cache_tensors(self.cache), _cache_tensors(other.cache),
+                                      strict=True):  # fmt: skip
+            x1 = getattr(h1, n1) if isinstance(n1, str) else h1[n1]
+            x2 = getattr(h2, n2) if isinstance(n2, str) else h2[n2]
+            merged = _stack_rows(x1, x2, 2)
+            if isinstance(n1, str):
+                setattr(h1, n1, merged)
+            else:
+                h1[n1] = merged
+        self.valid_BW = _stack_rows(self.valid_BW, other.valid_BW, 1, False)
+        self.drafter.merge(other.drafter)
+        for name in ("sampling", "n", "next_tok", "tokens", "accepted", "_seq", "pads"):
+            getattr(self, name).extend(getattr(other, name))
+        if self._aux is not None:
+            self._aux.extend(other._aux)
+        joined = [base + r for r in other.rows]
+        self.rows += joined
+        return joined
 
     def swap(self, drafter: BatchDrafter) -> None:
         """Continue every sequence with `drafter` (class doc); needs `keep_aux`. If building

@@ -176,6 +176,21 @@ class Generator:
                     if not job.settled:  # the ones answered before the failure keep their answer
                         self._emit(job, ("error", f"{type(e).__name__}: {e}"))
 
+    def waiting(self, most: int) -> list[Job]:
+        """Up to `most` queued requests, without waiting (a running speculative wave admits
+        them); the close sentinel ends the worker after the wave."""
+        out: list[Job] = []
+        while len(out) < most and not self._closing:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self._closing = True
+                break
+            out.append(job)
+        return out
+
     def _emit(self, job: Job, event) -> None:
         if job.loop is not None and not job.loop.is_closed():
             job.loop.call_soon_threadsafe(job.events.put_nowait, event)

@@ -7,9 +7,11 @@ verification the evaluation measures acceptance with. Here it serves requests:
   one `SpecBatch` (`core.eval.batch`): one left-padded prefill, then a round at a time,
   every request's drafts verified in ONE target forward (the EAGLE3 chain drafted batched
   too, `ChainBatch`; DFlash-family blocks row by row), each request keeping its own accepted
-  prefix; a finished request leaves the batch. Every round's tokens stream to the users as
-  they are verified. Each request's output is the one it would get decoded alone
-  (`SpecSession`, batch 1; tests/test_spec_batch.py).
+  prefix; a finished request leaves the batch, answered and captured then. After each round
+  the requests queued meanwhile join the rows left (`SpecBatch.admit`, up to
+  `live.serve_batch`), so the batch stays full while traffic lasts. Every round's tokens
+  stream to the users as they are verified. Each request's output is the one it would get
+  decoded alone (`SpecSession`, batch 1; tests/test_spec_batch.py).
 - The draft is the `DraftSlot`'s: the reloader (`ops/reload.py`, following the run's
   checkpoint pointer) builds a new draft off the worker thread and publishes it; the worker
   hands the wave to it between two rounds (`SpecBatch.swap`: the new draft's context is
@@ -260,7 +262,8 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
     captured) and its captured rows (aux chunks, final chunks; empty when not captured)."""
     model = gen.model
     wanted = [gen.sink.wants(j.request_id) if gen.sink is not None else None for j in wave]
-    rows = gen.capture_hooks() if any(w is not None for w in wanted) else None
+    # recording whenever the sink has a handshake: a request admitted later may be captured
+    rows = gen.capture_hooks() if gen.sink is not None else None
     kept: list[tuple[list, list]] = [([], []) for _ in wave]
 
     def keep(order: list[int], spans: list[slice]) -> None:
@@ -295,6 +298,18 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
                 accepted = wave_run.round(slot, stats)
                 keep(order, [slice(0, a + 1) for a in accepted])
                 settle(order, wave_run.batch.rows)
+                # continuous batching: requests queued meanwhile join the rows left
+                left = len(wave_run.batch.rows)
+                joining = gen.waiting(gen.max_batch - left) if left else []
+                if joining:
+                    start = len(wave)
+                    wanted += [gen.sink.wants(j.request_id) if gen.sink is not None else None
+                               for j in joining]  # fmt: skip
+                    kept += [([], []) for _ in joining]
+                    wave_run.admit(joining)  # `wave` grows by them
+                    new = list(range(start, len(wave)))
+                    keep(new, [slice(p, None) for p in wave_run.batch.pads[start:]])
+                    settle(new, wave_run.batch.rows)
         finally:
             if rows is not None:
                 rows.recording = False
@@ -304,7 +319,8 @@ class _Wave:
     """The requests of one wave in one `SpecBatch`, on one draft version at a time."""
 
     def __init__(self, gen, wave: list, draft: ServedDraft, k: int, aux, seed_of):
-        self.gen, self.wave, self.k = gen, wave, k
+        self.gen, self.wave, self.k, self.aux, self.seed_of = gen, wave, k, aux, seed_of
+        self.draft = draft  # the version the wave decodes with (admitted requests too)
         self.version, self.per_round = draft.version, draft.drafts_per_round(k)
         self.unusable: int | None = None  # a version the wave could not be handed to
         for job in wave:
@@ -316,6 +332,23 @@ class _Wave:
         )  # fmt: skip
         self.batch.retire([i for i, j in enumerate(wave)
                            if gen.take(j, self.batch.tokens[i][:1])])  # fmt: skip
+
+    def admit(self, jobs: list) -> None:
+        """Prefill `jobs` and continue them in the wave's rounds (`SpecBatch.admit`), on the
+        wave's draft version; they are appended to `wave`."""
+        for job in jobs:
+            job.spec = SpecRecord()
+        base = len(self.wave)
+        self.wave.extend(jobs)
+        other = SpecBatch(
+            self.gen.model, self.draft.batch_drafter(self.gen.model, len(jobs)),
+            [torch.tensor(j.prompt_ids, dtype=torch.long) for j in jobs], self.aux,
+            sampling=[_sampling(j, self.seed_of) for j in jobs], keep_aux=True,
+            pad_id=self.gen.pad_id,
+        )  # fmt: skip
+        self.batch.admit(other)
+        self.batch.retire([base + i for i, j in enumerate(jobs)
+                           if self.gen.take(j, self.batch.tokens[base + i][:1])])  # fmt: skip
 
     def round(self, slot: DraftSlot, stats: SpecStats | None) -> list[int]:
         """One verify round of every request left, on the slot's current draft (handed over
@@ -355,6 +388,7 @@ class _Wave:
                         "failed: %s", [self.wave[i].request_id for i in self.batch.rows],
                         self.version, current.version, e)  # fmt: skip
         else:
+            self.draft = current
             self.version, self.per_round = current.version, current.drafts_per_round(self.k)
             if stats is not None:
                 stats.swapped(time.monotonic() - t0)
