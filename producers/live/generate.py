@@ -148,16 +148,7 @@ class Generator:
             first = self.jobs.get()
             if first is None:
                 return
-            wave = [first]
-            while len(wave) < self.max_batch:
-                try:
-                    job = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is None:
-                    self._closing = True
-                    break
-                wave.append(job)
+            wave = [first, *self.waiting(self.max_batch - 1)]
             try:
                 draft = self.drafts.current() if self.drafts is not None else None
                 # The capture's SDPA order on a GPU (flash, then efficient, before cuDNN):
@@ -177,8 +168,8 @@ class Generator:
                         self._emit(job, ("error", f"{type(e).__name__}: {e}"))
 
     def waiting(self, most: int) -> list[Job]:
-        """Up to `most` queued requests, without waiting (a running speculative wave admits
-        them); the close sentinel ends the worker after the wave."""
+        """Up to `most` queued requests, without waiting (a new wave, or those a running
+        speculative wave admits); the close sentinel ends the worker after the wave."""
         out: list[Job] = []
         while len(out) < most and not self._closing:
             try:
