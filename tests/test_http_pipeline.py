@@ -67,6 +67,17 @@ def refs_of(url: str, run: str) -> tuple[list[tuple[int, SampleRef]], int]:
     return asyncio.run(go())
 
 
+def samples_from(url: str, run: str, store_uri: str) -> int:
+    """How many refs of the run's SAMPLES name the store at `store_uri`."""
+
+    async def go():
+        async with await connect(BusConfig(), url) as bus:
+            return sum([1 async for m in replay(bus, Names(run).samples_stream)
+                        if SampleRef.from_bytes(m.data).store_uri == store_uri])  # fmt: skip
+
+    return asyncio.run(go())
+
+
 def assert_exactly_once(cluster: Cluster, n: int) -> list[str]:
     lineage = cluster.checkpoint_state()["lineage"]
     assert len(lineage) == len(set(lineage)), "a sample was trained twice"
@@ -106,6 +117,13 @@ def test_producer_killed_holding_features_is_recaptured_exactly_once(make_cluste
     cluster.start("producer-0", "produce", "--id", "p0")
     cluster.start("producer-1", "produce", "--id", "p1")
     victim = served_url(cluster, "producer-0")
+    # The trainers start once p0 has captured two windows (its budget holds ~19 samples):
+    # started at once they can keep up with the producers on a busy box, leave nothing
+    # undelivered past the fetch margin below, and finish before the fault can land.
+    deadline = time.monotonic() + 120
+    while samples_from(nats_server.url, cluster.cfg.run, victim) < 2 * WINDOW:
+        assert time.monotonic() < deadline, "producer-0 captured too little before training"
+        time.sleep(0.1)
     cluster.trainers(2)
     ckpt = cluster.cfg.resolved_run_dir / "checkpoints" / "latest"
     trainers = [cluster.procs[f"trainer-{r}"].pid for r in range(2)]
