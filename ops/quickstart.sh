@@ -72,12 +72,11 @@ case "$what" in
     for tier in "not slow" "slow"; do
       echo "quickstart: test tier -m \"$tier\""
       t0=$SECONDS
-      # Two workers (pytest-xdist; SPECBUS_TEST_WORKERS overrides, 0 = none): most tests wait
-      # on processes they started, and a 2-core machine is half idle running them one by one.
-      # Each worker starts with half of the tests in file order; one that runs dry takes tests
-      # from the other's queue (`worksteal`), so a long file is not the tier's tail alone.
-      # The slowest tests of each tier are printed: the budget is 30 minutes for both.
-      "$PY" -m pytest -q -m "$tier" --durations=15 -n "${SPECBUS_TEST_WORKERS:-2}" --dist worksteal
+      # Two workers (pytest-xdist; SPECBUS_TEST_WORKERS overrides, 0 = none), a test file per
+      # worker at a time: most tests wait on processes they started, and a 2-core machine is
+      # half idle running them one by one. The slowest tests of each tier are printed: the
+      # budget is 30 minutes for both.
+      "$PY" -m pytest -q -m "$tier" --durations=15 -n "${SPECBUS_TEST_WORKERS:-2}" --dist loadfile
       r=$?
       [ $r -eq 5 ] && echo "no test ran in tier -m \"$tier\"" >&2
       echo "quickstart: test tier -m \"$tier\": exit $r ($((SECONDS - t0))s)"
