@@ -10,6 +10,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -45,6 +46,19 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def listen_port(host: str = LOOPBACK, low: int = 20000, high: int = 32767) -> int:
+    """A free port for a server started a moment later, below Linux's ephemeral range
+    (32768-60999): the OS hands ephemeral ports to outgoing connections, so one picked there
+    (`free_port`) can be taken by any client socket before the server binds (a trainer's
+    rendezvous failed with EADDRINUSE in CI). Falls back to `free_port`."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(low, high)
+        if port_free(host, port):
+            return port
+    return free_port(host)
 
 
 def port_free(host: str, port: int) -> bool:
