@@ -122,8 +122,7 @@ def compare_drafts(
         untrained = untrained.to(device=device, dtype=dtype).eval()
         trained = trained.to(device=device, dtype=dtype).eval()
         eos = tuple(engine.info.eos_token_ids)
-        # Decoding's attention shapes change every step: the capture's SDPA order, never
-        # cuDNN first (its plan is rebuilt on the host for each new shape; producers/live/generate.py).
+        # decoding makes a new attention shape every step: not cuDNN first (`sdpa_backends`)
         with sdpa_backends(device=device):
             if block:  # DFlash family: one block per verification, its size fixed by the draft
                 return _compare_live_blocks(

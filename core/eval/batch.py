@@ -292,6 +292,19 @@ def _cache_tensors(cache):
     return [(lst, i) for lst in (cache.key_cache, cache.value_cache) for i in range(len(lst))]
 
 
+def _get(holder, name) -> torch.Tensor:
+    """A `_cache_tensors` entry's tensor."""
+    return getattr(holder, name) if isinstance(name, str) else holder[name]
+
+
+def _put(holder, name, value: torch.Tensor) -> None:
+    """Replace a `_cache_tensors` entry's tensor."""
+    if isinstance(name, str):
+        setattr(holder, name, value)
+    else:
+        holder[name] = value
+
+
 class SpecBatch:
     """B sequences decoded by draft-and-verify together, a round at a time (module doc).
 
@@ -412,13 +425,7 @@ class SpecBatch:
         base = len(self.n)
         for (h1, n1), (h2, n2) in zip(_cache_tensors(self.cache), _cache_tensors(other.cache),
                                       strict=True):  # fmt: skip
-            x1 = getattr(h1, n1) if isinstance(n1, str) else h1[n1]
-            x2 = getattr(h2, n2) if isinstance(n2, str) else h2[n2]
-            merged = _stack_rows(x1, x2, 2)
-            if isinstance(n1, str):
-                setattr(h1, n1, merged)
-            else:
-                h1[n1] = merged
+            _put(h1, n1, _stack_rows(_get(h1, n1), _get(h2, n2), 2))
         self.valid_BW = _stack_rows(self.valid_BW, other.valid_BW, 1, False)
         self.drafter.merge(other.drafter)
         for name in ("sampling", "n", "next_tok", "tokens", "accepted", "_seq", "pads"):
@@ -453,7 +460,4 @@ class SpecBatch:
         index, self.valid_BW = right_align(self.valid_BW.index_select(0, rows),
                                            keep=max(self.n[self.rows[j]] for j in keep))  # fmt: skip
         for holder, name in _cache_tensors(self.cache):
-            if isinstance(name, str):
-                setattr(holder, name, _gather(getattr(holder, name), rows, index))
-            else:
-                holder[name] = _gather(holder[name], rows, index)
+            _put(holder, name, _gather(_get(holder, name), rows, index))

@@ -54,9 +54,11 @@ GPU_SDPA_ORDER = "flash,efficient,cudnn,math"
 
 
 def sdpa_backends(spec: str | None = None, device: torch.device | None = None):
-    """The SDPA context of a prefill or a decoding loop from `spec` (default: `$SPECBUS_SDPA_BACKENDS`, else
-    `GPU_SDPA_ORDER` on a CUDA `device`): `sdpa_kernel` over the named backends in that
-    priority order, or a null context (torch's own order) for "" / `default` off the GPU.
+    """The SDPA context of a prefill or a decoding loop from `spec` (default:
+    `$SPECBUS_SDPA_BACKENDS`, else `GPU_SDPA_ORDER` on a CUDA `device`; cuDNN is not first
+    because it builds a plan on the host per new shape): `sdpa_kernel` over the named
+    backends in that priority order, or a null context (torch's own order) for "" /
+    `default` off the GPU.
     `ConfigError` names the valid ones."""
     if spec is None:
         cuda = device is not None and torch.device(device).type == "cuda"

@@ -230,7 +230,7 @@ class Generator:
         from transformers import DynamicCache
 
         n = len(wave)
-        wanted = [self.sink.wants(j.request_id) if self.sink is not None else None for j in wave]
+        wanted = self.sample_ids(wave)
         rows = self.capture_hooks() if any(w is not None for w in wanted) else None
         aux: list[list[torch.Tensor]] = [[] for _ in wave]
         final: list[list[torch.Tensor]] = [[] for _ in wave]
@@ -287,7 +287,7 @@ class Generator:
         finally:
             if rows is not None:
                 rows.recording = False
-        self._finished(wave, wanted, aux, final)
+        self.stats["waves"] += 1  # every request was settled as its decoding ended
 
     def _generate_spec(self, wave: list[Job], draft) -> None:
         """Decode `wave` speculatively with `draft` (`speculative.decode_wave`); each request
@@ -300,11 +300,9 @@ class Generator:
                     _seed_of, ended)  # fmt: skip
         self.stats["waves"] += 1
 
-    def _finished(self, wave: list[Job], wanted, aux, final) -> None:
-        """Count a decoded wave and settle the requests not settled yet."""
-        self.stats["waves"] += 1
-        for i, j in enumerate(wave):
-            self._settle(j, wanted[i], aux[i], final[i])
+    def sample_ids(self, jobs: list[Job]) -> list[str | None]:
+        """Each job's sample id if the sink captures it, else None (`CaptureSink.wants`)."""
+        return [self.sink.wants(j.request_id) if self.sink is not None else None for j in jobs]
 
     def _settle(self, job: Job, sample_id: str | None, aux: list, final: list) -> None:
         """A request whose decoding ended: counted, its capture (`sample_id`: to be captured)

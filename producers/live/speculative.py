@@ -261,7 +261,7 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
     as soon as its decoding ends (the round it finished in), with its sample id (None: not
     captured) and its captured rows (aux chunks, final chunks; empty when not captured)."""
     model = gen.model
-    wanted = [gen.sink.wants(j.request_id) if gen.sink is not None else None for j in wave]
+    wanted = gen.sample_ids(wave)
     # recording whenever the sink has a handshake: a request admitted later may be captured
     rows = gen.capture_hooks() if gen.sink is not None else None
     kept: list[tuple[list, list]] = [([], []) for _ in wave]
@@ -303,8 +303,7 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
                 joining = gen.waiting(gen.max_batch - left) if left else []
                 if joining:
                     start = len(wave)
-                    wanted += [gen.sink.wants(j.request_id) if gen.sink is not None else None
-                               for j in joining]  # fmt: skip
+                    wanted += gen.sample_ids(joining)
                     kept += [([], []) for _ in joining]
                     wave_run.admit(joining)  # `wave` grows by them
                     new = list(range(start, len(wave)))
@@ -323,32 +322,32 @@ class _Wave:
         self.draft = draft  # the version the wave decodes with (admitted requests too)
         self.version, self.per_round = draft.version, draft.drafts_per_round(k)
         self.unusable: int | None = None  # a version the wave could not be handed to
-        for job in wave:
-            job.spec = SpecRecord()
-        self.batch = SpecBatch(
-            gen.model, draft.batch_drafter(gen.model, len(wave)),
-            [torch.tensor(j.prompt_ids, dtype=torch.long) for j in wave], aux,
-            sampling=[_sampling(j, seed_of) for j in wave], keep_aux=True, pad_id=gen.pad_id,
-        )  # fmt: skip
-        self.batch.retire([i for i, j in enumerate(wave)
-                           if gen.take(j, self.batch.tokens[i][:1])])  # fmt: skip
+        self.batch = self._prefill(wave)
+        self._ended_at_first(0, wave)
 
-    def admit(self, jobs: list) -> None:
-        """Prefill `jobs` and continue them in the wave's rounds (`SpecBatch.admit`), on the
-        wave's draft version; they are appended to `wave`."""
+    def _prefill(self, jobs: list) -> SpecBatch:
+        """A batch of `jobs` on the wave's draft version, prefilled (their first token)."""
         for job in jobs:
             job.spec = SpecRecord()
-        base = len(self.wave)
-        self.wave.extend(jobs)
-        other = SpecBatch(
+        return SpecBatch(
             self.gen.model, self.draft.batch_drafter(self.gen.model, len(jobs)),
             [torch.tensor(j.prompt_ids, dtype=torch.long) for j in jobs], self.aux,
             sampling=[_sampling(j, self.seed_of) for j in jobs], keep_aux=True,
             pad_id=self.gen.pad_id,
         )  # fmt: skip
-        self.batch.admit(other)
+
+    def _ended_at_first(self, base: int, jobs: list) -> None:
+        """Retire the jobs (batch indices from `base`) whose first token ended them."""
         self.batch.retire([base + i for i, j in enumerate(jobs)
                            if self.gen.take(j, self.batch.tokens[base + i][:1])])  # fmt: skip
+
+    def admit(self, jobs: list) -> None:
+        """Prefill `jobs` and continue them in the wave's rounds (`SpecBatch.admit`), on the
+        wave's draft version; they are appended to `wave`."""
+        base = len(self.wave)
+        self.wave.extend(jobs)
+        self.batch.admit(self._prefill(jobs))
+        self._ended_at_first(base, jobs)
 
     def round(self, slot: DraftSlot, stats: SpecStats | None) -> list[int]:
         """One verify round of every request left, on the slot's current draft (handed over
