@@ -53,7 +53,7 @@ def listen_port(host: str = LOOPBACK, low: int = 20000, high: int = 32767) -> in
     (32768-60999): the OS hands ephemeral ports to outgoing connections, so one picked there
     (`free_port`) can be taken by any client socket before the server binds (a trainer's
     rendezvous failed with EADDRINUSE in CI). Falls back to `free_port`."""
-    rng = random.Random()
+    rng = random.Random()  # its own: a test seeding `random` must not align the workers' picks
     for _ in range(200):
         port = rng.randint(low, high)
         if port_free(host, port):
