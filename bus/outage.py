@@ -167,7 +167,9 @@ class Outage:
         self.retries = 0
 
 
-def _check_open(bus: Bus, what: str) -> None:
+def check_open(bus: Bus, what: str) -> None:
+    """Raise if the connection is closed for good (no reconnect will come): `BusError` after
+    this process closed it, `BrokerUnavailable` after the reconnect attempts ran out."""
     if bus.nc.is_closed:
         if bus.closing:
             raise BusError(f"cannot {what}: the connection to {bus.url} is closed")
@@ -193,7 +195,7 @@ async def ride(bus: Bus, what: str, op: Callable[[], Awaitable[T]], *, buffered:
     outage = bus.outage
     delay = FIRST_BACKOFF_S
     while True:
-        _check_open(bus, what)
+        check_open(bus, what)
         error: BaseException | None = None
         if buffered or bus.connected:
             try:
@@ -253,7 +255,7 @@ async def send(
     except _TRANSIENT:
         pass
     except nats.errors.Error as e:
-        _check_open(bus, what)
+        check_open(bus, what)
         raise wrap(e, what) from e
     await ride(
         bus,

@@ -17,7 +17,7 @@ import orjson
 from nats.aio.msg import Msg
 from specbus.bus.connection import Bus
 from specbus.bus.errors import status_error, wrap
-from specbus.bus.outage import is_transient
+from specbus.bus.outage import check_open, is_transient
 
 _STATUS = "Status"
 _DESCRIPTION = "Description"
@@ -122,10 +122,13 @@ class Puller:
             out.append(buf.popleft())
 
     async def _connected(self, deadline: float) -> bool:
-        """Wait for the connection until `deadline`; False if it is still down."""
+        """Wait for the connection until `deadline`; False if it is still down. A closed
+        connection raises (`check_open`): returning at once, with nothing awaited, made a
+        caller's fetch loop spin on the event loop and starve everything else on it."""
         while not self.bus.connected:
+            check_open(self.bus, f"pull from {self.stream}/{self.consumer}")
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.bus.nc.is_closed:
+            if remaining <= 0:
                 return False
             await asyncio.sleep(min(remaining, 0.05))
         return True

@@ -11,9 +11,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from specbus.bus.connection import connect
 from specbus.bus.lease import Leases
 from specbus.bus.publisher import Publisher
+from specbus.core.errors import BrokerUnavailable, BusError
 
 from tests.fixtures.nats import make_ref, open_run
 
@@ -232,5 +234,26 @@ def test_ack_all_is_confirmed_and_settling_is_idempotent(nats_server, run_id, bu
         await leases[0].nak()  # no-op too: the first settlement won
         assert await group.fetch(1, timeout_s=1.5 * bus_cfg.ack_wait_s) == []
         await bus.close()
+
+    asyncio.run(body())
+
+
+def test_a_fetch_on_a_closed_connection_raises_instead_of_returning_at_once(
+    nats_server, run_id, bus_cfg
+):
+    # A fetch that returned [] at once, nothing awaited, let a consumer's fetch loop spin on
+    # the event loop: nothing else on it ran again, not even the cancellation of that loop
+    # (a CI run's simulated trainer kill waited on it forever).
+    async def body():
+        bus, topo = await open_run(nats_server.url, bus_cfg, run_id)
+        await Publisher(bus).publish(topo.names.samples, make_ref(run_id, 0))
+        group = await Leases.join(bus, run_id, "trainers")
+        assert len(await group.fetch(1, timeout_s=2.0)) == 1
+        await bus.nc.close()  # closed under it, as when the reconnect attempts run out
+        with pytest.raises(BrokerUnavailable, match="reconnect attempts"):
+            await group.fetch(1, timeout_s=0.5)
+        bus.closing = True  # ... and as when this process closed it
+        with pytest.raises(BusError, match="is closed"):
+            await group.fetch(1, timeout_s=0.5)
 
     asyncio.run(body())

@@ -108,8 +108,8 @@ class World:
 
     def kill(self) -> None:
         """kill -9: nothing given back, nothing released, no checkpoint. The connection's
-        close is bounded (in one CI run nats-py's close() never returned, and the test hung to
-        its timeout); whatever is left on the loop is cancelled with it."""
+        close is bounded; whatever is left on the loop is cancelled with it (the loader's fetch
+        loop once spun on the closed connection and starved the loop: see test_bus_leases)."""
         self.alive = False
         with contextlib.suppress(TimeoutError):
             self.loop.call(self.bus.nc.close(), timeout=10)

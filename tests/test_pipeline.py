@@ -95,10 +95,8 @@ def assert_settled(cluster: Cluster, *, store_wait_s: float = 0.0) -> None:
         store.close()
 
 
-def wait_for_samples(cluster: Cluster, *, producers: set[str], trained: bool = False,
-                     timeout: float = 180.0) -> None:  # fmt: skip
-    """Until each of `producers` (ids) published a sample and, with `trained`, the trainers
-    acked one, the trainers still running: the run is under way, not over."""
+def publishers(cluster: Cluster) -> tuple[set[str], int]:
+    """(ids of the producers that published a sample, the trainers' ack floor) of the run."""
 
     async def state():
         async with await connect(BusConfig(), cluster.url) as bus:
@@ -112,9 +110,17 @@ def wait_for_samples(cluster: Cluster, *, producers: set[str], trained: bool = F
                 return set(), 0
             return {r.provenance.producer_id for r in refs}, info.ack_floor.stream_seq
 
+    return asyncio.run(state())
+
+
+def wait_for_samples(cluster: Cluster, *, producers: set[str], trained: bool = False,
+                     timeout: float = 180.0) -> None:  # fmt: skip
+    """Until each of `producers` (ids) published a sample and, with `trained`, the trainers
+    acked one, the trainers still running: the run is under way, not over."""
+
     deadline = time.monotonic() + timeout
     while True:
-        seen, floor = asyncio.run(state())
+        seen, floor = publishers(cluster)
         trainers = [p for name, p in cluster.procs.items() if name.startswith("trainer-")]
         if producers <= seen and (floor > 0 or not trained):
             assert all(p.poll() is None for p in trainers), "the run was over before the fault"
@@ -195,16 +201,17 @@ def test_producer_killed_mid_capture_loses_nothing(make_cluster):
     cluster = make_cluster(n, overrides=["target.capture_batch=2"])
     cluster.start("feeder", "feed")
     cluster.start("producer-0", "produce", "--id", "p0")
-    cluster.start("producer-1", "produce", "--id", "p1")
     cluster.trainers(WORLD)
-    # the victim is capturing (asking for p1 too failed a CI run: p0 can lease the whole
-    # feed before p1 has loaded its target)
+    # The victim is capturing before its peer joins the group: started together, either one
+    # could capture the whole feed before the other published anything (both happened in CI).
     wait_for_samples(cluster, producers={"p0"})
+    cluster.start("producer-1", "produce", "--id", "p1")
     assert cluster.procs["producer-0"].poll() is None
     cluster.kill("producer-0")
     codes = cluster.wait("feeder", "producer-1", "trainer-0", "trainer-1")
     cluster.assert_ok(codes)
     assert_lineage(cluster, n)
+    assert "p1" in publishers(cluster)[0], "the victim captured the whole feed before its kill"
 
 
 @pytest.mark.slow
