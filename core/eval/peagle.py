@@ -73,7 +73,7 @@ def peagle_generate(
     dtype = draft.fc.weight.dtype
     t_cache, caches = _new_cache(), [[None, None] for _ in draft.layers]
     with AuxCapture(target, layers) as aux:
-        logits = _forward(target, prompt_ids.to(device)[None], t_cache)
+        logits = _forward(target, prompt_ids.to(device)[None], t_cache, last_only=True)
         n = int(prompt_ids.numel())
         next_tok = int(logits[0, -1].argmax())
         result = SpecResult(tokens=[next_tok])

@@ -128,6 +128,8 @@ class Generator:
         self._rows: _Rows | None = None
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # a plain step reads the last position's logits only (the prefill's others: wasted)
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._closing = False
         self._thread = threading.Thread(target=self._work, name="specbus-generate", daemon=True)
         if start:
@@ -257,7 +259,7 @@ class Generator:
                 kw = {} if n == 1 else {"attention_mask": mask.to(self.device),
                                         "position_ids": positions.to(self.device)}  # fmt: skip
                 logits = self.model(input_ids=ids.to(self.device), use_cache=True,
-                                    **{self._cache_kw: cache}, **kw).logits  # fmt: skip
+                                    **{self._cache_kw: cache}, **self._last_only, **kw).logits  # fmt: skip
                 if rows is not None:
                     a, f = rows.take_batch()
                     for i in range(n):
