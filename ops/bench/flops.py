@@ -294,11 +294,33 @@ def peak_flops(device_name: str) -> tuple[float, str] | None:
     return None
 
 
-def mfu(flops_per_sample: float, samples_per_s: float | None, peak: float | None) -> float | None:
-    """FLOPs achieved per second over the peak; None without a rate or a peak."""
-    if not peak or samples_per_s is None:
+def mfu(
+    flops_per_sample: float | None, samples_per_s: float | None, peak: float | None
+) -> float | None:
+    """FLOPs achieved per second over the peak; None without a count, a rate or a peak."""
+    if not peak or samples_per_s is None or flops_per_sample is None:
         return None
     return flops_per_sample * samples_per_s / peak
+
+
+def fmt_mfu(value: float | None) -> str:
+    """An MFU as a percentage for the benches' tables; "-" without one (no peak known)."""
+    return "-" if value is None else f"{value:.0%}"
+
+
+def fmt_flops(value: float) -> str:
+    """A FLOP count with its SI prefix: `30.92 TFLOP`, `539.5 MFLOP` (the tiny CPU targets)."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if value >= scale:
+            return f"{value / scale:.4g} {prefix}FLOP"
+    return f"{value:.4g} FLOP"
+
+
+def describe(per_sample: dict[str, float]) -> str:
+    """`prefill X + train step Y = Z` (the parts a bench wrote)."""
+    names = {"prefill": "prefill", "train_step": "train step", "total": "total"}
+    parts = [f"{names[k]} {fmt_flops(v)}" for k, v in per_sample.items() if k in names]
+    return ", ".join(parts)
 
 
 def flops_section(device_name: str) -> dict:
