@@ -110,3 +110,11 @@ def test_peaks_by_device_name_the_override_and_mfu(monkeypatch):
     assert flops.mfu(2e12, 3.0, 10e12) == pytest.approx(0.6)
     monkeypatch.setenv(flops.PEAK_ENV, "500")
     assert flops.peak_flops("cpu") == (500e12, f"${flops.PEAK_ENV}")
+
+
+def test_flop_counts_print_with_their_prefix():
+    assert flops.fmt_flops(30.92e12) == "30.92 TFLOP"
+    assert flops.fmt_flops(539_475_968) == "539.5 MFLOP"
+    assert flops.describe({"prefill": 1e12, "train_step": 2e12, "total": 3e12}) == (
+        "prefill 1 TFLOP, train step 2 TFLOP, total 3 TFLOP"
+    )
