@@ -36,11 +36,17 @@ def test_step_profile_reports_each_strategy(tmp_path):
     out = tmp_path / "profile.json"
     _bench("step_profile", "--tiny", "--strategies", "dspark,eagle3", "--seqs", "64",
            "--reps", "1", "--warmup", "1", "--out", str(out))  # fmt: skip
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    results = report["results"]
     assert sorted(results) == ["dspark", "eagle3"]
     for by_seq in results.values():
         (row,) = by_seq.values()
         assert row["step_ms"] > 0 and row["ops"] > 0
+        assert "mfu" in row  # None: no peak is known for a CPU (ops/bench/flops.py)
+    # the FLOPs per step, once per configuration, with the convention they follow
+    assert sorted(report["flops"]["per_sample"]) == ["dspark/64", "eagle3/64"]
+    assert all(f["train_step"] > 0 for f in report["flops"]["per_sample"].values())
+    assert "model FLOPs" in report["flops"]["convention"]
 
 
 def test_the_compile_limit_is_raised_above_dynamos_default():

@@ -14,15 +14,37 @@
 #   GPU_TESTS=0 BENCH=long bash ops/bench/gpu.sh
 #                                         # long context, 2k..128k (ops/bench/long_context.py)
 #                                         # DSpark colocated, mixed lengths (ops/bench/gpu_dflash.py)
-#   GPU_TESTS=0 BENCH=perf bash ops/bench/gpu.sh
-#                                         # the draft-step performance call (docs/benchmarks.md):
-#                                         # floor probe, EAGLE3 pipeline 2048/4096 (colocated with
-#                                         # capture overlap, disaggregated), DSpark 512-4096 and
-#                                         # DFlash 2048 colocated, one-step profiles, GPU checks
-#   GPU_TESTS=0 BENCH=perf STAGES=floor,profile,dflash PROFILE_ARGS="--strategies dspark --seqs 2048" \
-#     EAGLE3_ARGS="--seqs 4096 --modes disaggregated" bash ops/bench/gpu.sh
-#                                         # some stages only, with their own arguments (DFLASH_ARGS,
-#                                         # MIXED_ARGS: ops/bench/mixed_lengths.py, too)
+#   GPU_TESTS=0 BENCH=perf STAGES=eagle3-2048 bash ops/bench/gpu.sh
+#                                         # the draft-step performance bench (docs/benchmarks.md,
+#                                         # "The perf bench in calls that fit"): the floor probe,
+#                                         # then the stages named, each under its own limit
+#   PLAN=1 BENCH=perf STAGES=profile,gputests bash ops/bench/gpu.sh
+#                                         # the call's plan only (no install, runs anywhere)
+#
+# The perf bench runs in calls that fit the device's 600 s per command: every call runs the
+# floor probe first (the yardstick each row is read against) and then the stages named, in
+# this order; a call whose stages' limits could add up to more than PERF_BUDGET (540 s,
+# with reserves for the set-up, the timeouts' kill grace and the summary) is refused before
+# anything is installed. Each stage's limit is its own command's worst case (every run's
+# timeout, the waits after it, the bench's set-up), so a limit never cuts a run that its
+# command would have finished. The stages, and one call per line (carry [".whl", ".gpu"]):
+#
+#   stage        limit  what
+#   profile      200 s  step_profile: one train step in-process, EAGLE3 / DSpark / DFlash, 2048 + 4096
+#   gputests     150 s  pytest -m gpu tests/test_gpu_perf.py tests/test_eagle3_gpu.py
+#   eagle3-2048  360 s  gpu_pipeline 2048: colocated (capture overlapped) + disaggregated, 24 steps
+#   eagle3-4096  360 s  gpu_pipeline 4096: the same
+#   dflash       310 s  gpu_dflash: DSpark 512-4096 and DFlash 2048, colocated, 56 steps
+#   mixed        300 s  mixed_lengths: prefill and step per new / seen / fixed length
+#
+#   STAGES=profile,gputests  |  STAGES=eagle3-2048  |  STAGES=eagle3-4096  |  STAGES=dflash
+#   [STAGES=mixed]
+#
+# A stage's own arguments go last (PROFILE_ARGS, EAGLE3_ARGS, DFLASH_ARGS, MIXED_ARGS; a
+# longer run there needs E3_RUN / DF_RUN, the per-run timeouts its limit is computed from).
+# Each call returns $OUT/perf.tgz (and summary.txt); merge the calls, each row against the
+# floor probe of its own call:
+#   python -m specbus.ops.bench.perf_summary c1/perf.tgz c2/perf.tgz ... --out runs/perf/summary.json
 #
 # Fetch the wheels here first (once; see the device README):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -33,6 +55,49 @@
 #     opentelemetry-semantic-conventions==0.66b2
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+
+if [ "${BENCH:-pipeline}" = perf ]; then  # the stages and their limits (header), checked first
+  PERF_ORDER="profile gputests eagle3-2048 eagle3-4096 dflash mixed"
+  PERF_BUDGET=${PERF_BUDGET:-540}  # seconds: under the device's 600 s per command
+  SETUP_RESERVE=45    # wheel install, environment report, import check
+  SUMMARY_RESERVE=15  # perf_summary and the packing
+  KILL_GRACE=10       # `timeout -k`: a stage that ignores its TERM is killed this much later
+  BENCH_SETUP=40      # a bench process: imports, the random target's heads written
+  PRODUCER_WAIT=60    # gpu_pipeline waits this long for a disaggregated producer to exit
+  RUN_STOP=15         # after a run: its processes' SIGTERM-to-SIGKILL 10 s, the broker's stop
+  E3_RUN=${E3_RUN:-115}  # gpu_pipeline --timeout, one mode run (24 steps: within 110 s before)
+  DF_RUN=${DF_RUN:-120}  # gpu_dflash --timeout, one run (56 steps: within 120 s before)
+  perf_limit() {  # stage -> its limit in seconds: its command's worst case
+    case $1 in
+      floor) echo 90 ;;  # one process, no timeout of its own (~30 s of it is start-up)
+      profile) echo 200 ;;  # one process: 3 strategies x 2 lengths, every kernel compiled
+      gputests) echo 150 ;;
+      eagle3-2048 | eagle3-4096) echo $(( BENCH_SETUP + 2 * (E3_RUN + RUN_STOP) + PRODUCER_WAIT )) ;;
+      dflash) echo $(( BENCH_SETUP + 2 * (DF_RUN + RUN_STOP) )) ;;
+      mixed) echo 300 ;;
+      *) return 1 ;;
+    esac
+  }
+  [ -n "${STAGES:-}" ] || { echo "BENCH=perf needs STAGES (one call's worth; see the header):"; \
+    sed -n '/^#   STAGES=profile,gputests/,/^#   \[STAGES=mixed\]/p' "$0"; exit 2; }
+  for name in ${STAGES//,/ }; do
+    [ "$name" = floor ] || perf_limit "$name" >/dev/null || {
+      echo "unknown stage $name (known: floor $PERF_ORDER)"; exit 2; }
+  done
+  selected=""
+  for name in $PERF_ORDER; do
+    case ",$STAGES," in *",$name,"*) selected="$selected $name" ;; esac
+  done
+  worst=$(( SETUP_RESERVE + SUMMARY_RESERVE ))
+  for name in floor $selected; do
+    worst=$(( worst + $(perf_limit "$name") + KILL_GRACE ))
+    echo "plan: $name limit $(perf_limit "$name")s"
+  done
+  echo "plan: worst case ${worst}s of ${PERF_BUDGET}s (set-up ${SETUP_RESERVE}s, summary ${SUMMARY_RESERVE}s, kill grace ${KILL_GRACE}s a stage)"
+  [ "$worst" -le "$PERF_BUDGET" ] || { echo "refused: these stages do not fit one call; split them (header)"; exit 2; }
+  [ "${PLAN:-0}" = 0 ] || exit 0
+fi
+
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 started=$(date +%s)
@@ -65,39 +130,44 @@ if [ "${GPU_TESTS:-1}" != 0 ]; then
   echo "gpu tests exit $status after $(( $(date +%s) - started ))s"
 fi
 
-if [ "${BENCH:-pipeline}" = perf ]; then  # one call, stages in priority order, each bounded
+if [ "${BENCH:-pipeline}" = perf ]; then  # the floor probe, then the stages of this call
   floor=.gpu/floor.py; [ -f "$floor" ] || floor=../shared/bench/floor.py
   # The device returns at most 8 files from $OUT: the stages write to $PERF and, after each
   # stage, everything is packed into $OUT/perf.tgz (so a call cut by its limit still returns
   # what the finished stages wrote); summary.txt is copied beside it.
   PERF=${PERF:-/tmp/specbus-perf}; rm -rf "$PERF"; mkdir -p "$PERF"; cp "$OUT/env.txt" "$PERF/"
   pack() { tar czf "$OUT/.perf.tgz" -C "$PERF" . && mv "$OUT/.perf.tgz" "$OUT/perf.tgz"; }
-  stage() {  # name timeout_s command...: log to $PERF/<name>.log, note the time and exit code
-    local name=$1 limit=$2; shift 2
-    case ",${STAGES:-floor,profile,mixed,eagle3,dflash,gputests}," in *",$name,"*) ;; *) return 0 ;; esac
+  stage() {  # name command...: log to $PERF/<name>.log under the stage's limit, note time and exit code
+    local name=$1 limit; limit=$(perf_limit "$1"); shift
     local t0=$(date +%s)
-    timeout -k 10 "$limit" "$@" > "$PERF/$name.log" 2>&1  # the whole process group
+    timeout -k "$KILL_GRACE" "$limit" "$@" > "$PERF/$name.log" 2>&1  # the whole process group
     local rc=$?
-    echo "stage $name exit $rc in $(( $(date +%s) - t0 ))s (total $(( $(date +%s) - started ))s)" | tee -a "$PERF/stages.txt"
+    echo "stage $name exit $rc in $(( $(date +%s) - t0 ))s of ${limit}s (total $(( $(date +%s) - started ))s)" | tee -a "$PERF/stages.txt"
     tail -n "${TAIL:-12}" "$PERF/$name.log"
     pack
     return $rc
   }
-  # the one-step profiles first: they compile every kernel once; the pipeline processes after
-  # them load the compiled graphs from the on-disk inductor/triton caches
-  stage floor 90 python3 "$floor"
-  stage profile 150 python3 -m specbus.ops.bench.step_profile --strategies eagle3,dspark,dflash \
-    --seqs 2048,4096 --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles" ${PROFILE_ARGS:-}
-  stage mixed 300 python3 -m specbus.ops.bench.mixed_lengths --strategies dspark,eagle3 \
-    --out "$PERF/mixed_lengths.json" ${MIXED_ARGS:-}
-  # (the stage's own arguments last: `--steps` there overrides the default)
-  stage eagle3 270 python3 -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --steps 24 \
-    --warmup 8 --colocated-prefetch 1 --timeout 110 --out "$PERF/gpu_pipeline.json" ${EAGLE3_ARGS:-}
-  # 40 steps after 16: mixed lengths compile a few size ranges in the first steps (kernels.py)
-  stage dflash ${DFLASH_LIMIT:-260} python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
-    --steps 56 --warmup 16 --log-every 4 --colocated-prefetch 1 --timeout 120 --out "$PERF/gpu_dflash.json" ${DFLASH_ARGS:-}
-  stage gputests 150 python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-    tests/test_gpu_perf.py tests/test_eagle3_gpu.py
+  run_stage() {  # the stages' commands; the stage's own arguments last (`--steps` there wins)
+    case $1 in
+      floor) stage floor python3 "$floor" ;;
+      # the one-step profiles compile every kernel once; on a machine kept warm between
+      # calls, later processes load them from the on-disk inductor/triton caches
+      profile) stage profile python3 -m specbus.ops.bench.step_profile --strategies eagle3,dspark,dflash \
+        --seqs 2048,4096 --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles" ${PROFILE_ARGS:-} ;;
+      gputests) stage gputests python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
+        tests/test_gpu_perf.py tests/test_eagle3_gpu.py ;;
+      eagle3-2048 | eagle3-4096) stage "$1" python3 -m specbus.ops.bench.gpu_pipeline --seqs "${1#eagle3-}" \
+        --steps 24 --warmup 8 --colocated-prefetch 1 --timeout "$E3_RUN" \
+        --out "$PERF/gpu_pipeline_${1#eagle3-}.json" ${EAGLE3_ARGS:-} ;;
+      # 40 steps after 16: mixed lengths compile a few size ranges in the first steps (kernels.py)
+      dflash) stage dflash python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
+        --steps 56 --warmup 16 --log-every 4 --colocated-prefetch 1 --timeout "$DF_RUN" \
+        --out "$PERF/gpu_dflash.json" ${DFLASH_ARGS:-} ;;
+      mixed) stage mixed python3 -m specbus.ops.bench.mixed_lengths --strategies dspark,eagle3 \
+        --out "$PERF/mixed_lengths.json" ${MIXED_ARGS:-} ;;
+    esac
+  }
+  for name in floor $selected; do run_stage "$name"; done
   python3 -m specbus.ops.bench.perf_summary "$PERF" 2>&1 | tee "$PERF/summary.txt"
   cp "$PERF/summary.txt" "$OUT/"; pack
   echo "total $(( $(date +%s) - started ))s"

@@ -7,7 +7,11 @@ worker process), on pre-tokenised samples whose lengths are drawn uniformly from
 [--min-len, --max-len] (the last three quarters of each supervised). Figures are the steady
 state after `--warmup` optimizer steps: samples/s (per GPU), tokens/s, the capture fraction
 (capture seconds over wall time), the trainer's peak CUDA memory; the seed's DSpark figure
-(5.7 samples/s per H200, capture 11.2 %) and the issue's goal (6.5) are printed beside them.
+(5.7 samples/s per H200, capture 11.2 %) and each run's goal (issue 26, `perf_summary.GOALS`:
+DSpark 512-4096 >= 7.5, DFlash 2048 >= 9.0) are printed beside them.
+Each run's MFU (`mfu`): its model FLOPs per sample (the prefill and one train step, averaged
+over the run's lengths; ops/bench/flops.py, written once under `flops.per_sample`) x
+samples/s over the GPU's peak dense bf16 rate.
 
     python -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096 --out $OUT/gpu_dflash.json
     python -m specbus.ops.bench.gpu_dflash --runs dflash:2048-2048 --out $OUT/gpu_dflash_2048.json
@@ -30,10 +34,12 @@ from pathlib import Path
 
 import torch
 from specbus.core.config import build_config
+from specbus.ops.bench.flops import describe, flops_section, fmt_mfu, mean_sample_flops, mfu
 from specbus.ops.bench.gpu_pipeline import run_mode
+from specbus.ops.bench.perf_summary import row_goal
 from specbus.ops.bench.random_target import QWEN3_8B, TINY, write_target
 
-SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC, GOAL_SAMPLES_PER_S = 5.7, 0.112, 6.5
+SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC = 5.7, 0.112
 # `--runs dspark:512-4096@torchsdpa`: the same run with its processes' environment changed
 # (docs/benchmarks.md, "Mixed lengths"): the prefill's SDPA backends in torch's own order
 # (cuDNN first on sm90: a plan per new length; the hf engine's default is flash first) or
@@ -133,9 +139,11 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "seed": {"samples_per_s": SEED_SAMPLES_PER_S, "capture_frac": SEED_CAPTURE_FRAC},
-        "goal_samples_per_s": GOAL_SAMPLES_PER_S,
         "results": {},
     }
+    report["flops"] = flops_section(report["device"])
+    peak = report["flops"]["peak_flops"]
+    target_config = json.loads((target / "config.json").read_text())
 
     def save():
         if args.out:
@@ -150,6 +158,8 @@ def main() -> None:
         cfg = config_for(
             f"gd-{name}-{uuid.uuid4().hex[:6]}", work, target, data, name, hi, args, vocab
         )
+        flops = mean_sample_flops(cfg.strategy, target_config, lo, hi)
+        report["flops"]["per_sample"][key] = flops
         t1 = time.perf_counter()
         saved = {k: os.environ.get(k) for k in VARIANTS.get(variant, {})}
         os.environ.update(VARIANTS.get(variant, {}))  # the run's processes inherit it
@@ -164,25 +174,33 @@ def main() -> None:
                 else:
                     os.environ[k] = v
         row["wall_s"] = time.perf_counter() - t1
+        row["mfu"] = mfu(flops["total"], row.get("samples_per_s"), peak)
         if "samples_per_s" in row:
             row["vs_seed"] = row["samples_per_s"] / SEED_SAMPLES_PER_S
-            row["vs_goal"] = row["samples_per_s"] / GOAL_SAMPLES_PER_S
+            goal = row_goal("dflash", key)
+            row["goal_samples_per_s"] = goal and goal.samples_per_s
+            row["vs_goal"] = goal and row["samples_per_s"] / goal.samples_per_s
         report["results"][key] = row
         print(key, json.dumps(row, default=str), flush=True)
         save()
     print(f"\n=== {report['device']} (torch {report['torch']}); seed DSpark {SEED_SAMPLES_PER_S} "
-          f"samples/s, capture {SEED_CAPTURE_FRAC:.1%}; goal {GOAL_SAMPLES_PER_S}")  # fmt: skip
-    print(f"{'run':<20} {'samples/s':>9} {'tokens/s':>9} {'step ms':>8} {'capture':>8} "
-          f"{'alloc GiB':>9} {'resv GiB':>8} {'vs seed':>7}")  # fmt: skip
+          f"samples/s, capture {SEED_CAPTURE_FRAC:.1%}")  # fmt: skip
+    print(f"{'run':<20} {'samples/s':>9} {'MFU':>5} {'tokens/s':>9} {'step ms':>8} {'capture':>8} "
+          f"{'alloc GiB':>9} {'resv GiB':>8} {'vs seed':>7} {'goal':>5}")  # fmt: skip
     for key, r in report["results"].items():
         if "error" in r:
             print(f"{key:<20} ERROR {r['error'][-600:]}")
             continue
         mem = r.get("train_mem", {})
-        print(f"{key:<20} {r['samples_per_s']:>9.2f} {r['tokens_per_s']:>9.0f} {r['step_ms']:>8.1f} "
+        print(f"{key:<20} {r['samples_per_s']:>9.2f} {fmt_mfu(r['mfu']):>5} "
+              f"{r['tokens_per_s']:>9.0f} {r['step_ms']:>8.1f} "
               f"{r.get('capture_frac', float('nan')):>8.1%} "
               f"{mem.get('peak_allocated_gib', float('nan')):>9.1f} "
-              f"{mem.get('peak_reserved_gib', float('nan')):>8.1f} {r['vs_seed']:>7.2f}")  # fmt: skip
+              f"{mem.get('peak_reserved_gib', float('nan')):>8.1f} {r['vs_seed']:>7.2f} "
+              f"{r.get('goal_samples_per_s') or '':>5}")  # fmt: skip
+    for key, f in report["flops"]["per_sample"].items():
+        print(f"FLOPs per sample, {key}: {describe(f)}")
+    print(f"MFU against {report['flops']['peak_source']}; {report['flops']['convention']}")
     save()
     shutil.rmtree(work, ignore_errors=True)
 

@@ -18,6 +18,10 @@ writes its peak allocated/reserved CUDA memory at exit. `--profile` adds an in-p
 breakdown per sequence length (prefill, host copies, the draft's forward / backward /
 clip+optimizer; no bus) and a torch.profiler table of one draft train step.
 
+Every row carries its MFU (`mfu`: the sample's model FLOPs, the capture's prefill plus one
+train step, x samples/s over the GPU's peak dense bf16 rate; ops/bench/flops.py); the FLOPs
+per sample are written once per length under `flops.per_sample`, with the peak and its source.
+
     python -m specbus.ops.bench.gpu_pipeline --seqs 2048,4096 --out $OUT/gpu_pipeline.json --profile
 """
 
@@ -35,6 +39,7 @@ from pathlib import Path
 
 import torch
 from specbus.core.config import build_config, dump_config
+from specbus.ops.bench.flops import describe, flops_section, fmt_mfu, mfu, sample_flops
 from specbus.ops.bench.random_target import (  # noqa: F401  (gpu_dflash, gpu_multi use them)
     QWEN3_8B,
     TINY,
@@ -46,6 +51,11 @@ from specbus.ops.bench.random_target import (  # noqa: F401  (gpu_dflash, gpu_mu
 )
 from specbus.ops.launch import Launcher
 from specbus.ops.services.nats import NatsServer
+
+
+def strategy_tree(args) -> dict:
+    """The EAGLE3 strategy section every run of this bench uses."""
+    return {"ttt_length": args.ttt, "draft": {"draft_vocab_size": args.draft_vocab}}
 
 
 def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: str, args):
@@ -61,7 +71,7 @@ def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: s
         },
         "target": {"model": str(target), "capture_batch": args.micro_batch,
                    "context_length": max(seq, 4096)},
-        "strategy": {"ttt_length": args.ttt, "draft": {"draft_vocab_size": args.draft_vocab}},
+        "strategy": strategy_tree(args),
         "data": {"source": str(data), "max_length": seq, "holdout": 0},
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
                      "checkpoint_every": 100_000, "prefetch": args.prefetch, "lr": 1e-4,
@@ -330,6 +340,13 @@ def main() -> None:
         "torch": torch.__version__,
         "results": {},
     }
+    report["flops"] = flops_section(report["device"])
+    peak = report["flops"]["peak_flops"]
+    target_config = json.loads((target / "config.json").read_text())
+    strategy = build_config({"strategy": strategy_tree(args)}).strategy
+    per_sample = report["flops"]["per_sample"]
+    for seq in seqs:
+        per_sample[str(seq)] = sample_flops(strategy, target_config, seq)
 
     def save():
         if args.out:
@@ -348,6 +365,9 @@ def main() -> None:
             except Exception as e:  # keep the other runs' figures
                 row[mode] = {"error": str(e)[-4000:]}
             row[mode]["wall_s"] = time.perf_counter() - t1
+            row[mode]["mfu"] = mfu(
+                per_sample[str(seq)]["total"], row[mode].get("samples_per_s"), peak
+            )
             print(seq, mode, json.dumps(row[mode], default=str), flush=True)
             save()
         if "samples_per_s" in row.get("colocated", {}) and "samples_per_s" in row.get(
@@ -360,6 +380,11 @@ def main() -> None:
     if args.profile:
         try:
             report["profile"] = profile(target, seqs, args, args.out.parent if args.out else None)
+            for seq, p in report["profile"].items():  # each phase against its own FLOPs
+                flops = per_sample[str(seq)]
+                p["prefill_mfu"] = mfu(flops["prefill"], 1000 / p["prefill_gpu_ms"], peak)
+                p["step_mfu"] = mfu(flops["train_step"], 1000 / p["train_step_ms"], peak)
+                p["loop_mfu"] = mfu(flops["total"], p["loop_samples_per_s"], peak)
         except Exception as e:
             report["profile"] = {"error": repr(e)[-2000:]}
             print("profile failed:", repr(e), flush=True)
@@ -371,7 +396,7 @@ def main() -> None:
 
 def print_table(report: dict) -> None:
     print(f"\n=== {report['device']} (torch {report['torch']})")
-    print(f"{'seq':>5} {'mode':<14} {'samples/s':>9} {'tokens/s':>9} {'step ms':>8} "
+    print(f"{'seq':>5} {'mode':<14} {'samples/s':>9} {'MFU':>5} {'tokens/s':>9} {'step ms':>8} "
           f"{'capture':>8} {'wait':>6} {'bus ms':>7} {'alloc GiB':>9} {'resv GiB':>8}")  # fmt: skip
     for seq, row in report["results"].items():
         for mode in ("colocated", "disaggregated"):
@@ -385,7 +410,8 @@ def print_table(report: dict) -> None:
             pmem = r.get("produce_mem", {})
             alloc = mem.get("peak_allocated_gib", float("nan")) + pmem.get("peak_allocated_gib", 0)
             resv = mem.get("peak_reserved_gib", float("nan")) + pmem.get("peak_reserved_gib", 0)
-            print(f"{seq:>5} {mode:<14} {r['samples_per_s']:>9.2f} {r['tokens_per_s']:>9.0f} "
+            print(f"{seq:>5} {mode:<14} {r['samples_per_s']:>9.2f} {fmt_mfu(r.get('mfu')):>5} "
+                  f"{r['tokens_per_s']:>9.0f} "
                   f"{r['step_ms']:>8.1f} {r.get('capture_frac', float('nan')):>8.2f} "
                   f"{r['data_wait_frac']:>6.2f} {r['bus_ms_per_step']:>7.1f} {alloc:>9.1f} "
                   f"{resv:>8.1f}")  # fmt: skip
@@ -393,7 +419,13 @@ def print_table(report: dict) -> None:
             print(f"{seq:>5} disagg/coloc   {row['ratio_disagg_over_coloc']:.3f}")
     for seq, p in (report.get("profile") or {}).items():
         if isinstance(p, dict):
-            print(f"profile {seq}: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()))
+            print(f"profile {seq}: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()
+                                                 if isinstance(v, float)))  # fmt: skip
+    flops = report.get("flops") or {}
+    for seq, f in (flops.get("per_sample") or {}).items():
+        print(f"FLOPs per sample at {seq}: {describe(f)}")
+    if flops:
+        print(f"MFU against {flops['peak_source']}; {flops['convention']}")
 
 
 if __name__ == "__main__":

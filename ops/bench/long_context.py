@@ -17,6 +17,11 @@ Stages (`--stages`, in this order):
 - `floor`: the bare floor probe (`--floor FILE`, a copy of the steering folder's floor.py,
   lengths from `$FLOOR_SEQS`) in a process of its own, as the baseline.
 
+Every sweep and pipeline row carries its MFU (`mfu`; the sweep's `capture_mfu` and `step_mfu`
+too): the sample's model FLOPs (ops/bench/flops.py: the prefill and one EAGLE3 train step,
+recomputation by the checkpointed steps not counted; written once per length under
+`flops.per_sample`) x samples/s over the GPU's peak dense bf16 rate.
+
     python -m specbus.ops.bench.long_context --out $OUT/long_context.json --floor .gpu/floor.py
     python -m specbus.ops.bench.long_context --tiny --seqs 256,512,1024 --pipeline-seqs 512  # CPU
 """
@@ -35,7 +40,8 @@ import uuid
 from pathlib import Path
 
 import torch
-from specbus.ops.bench.gpu_pipeline import config_for, run_mode
+from specbus.ops.bench.flops import describe, flops_section, fmt_mfu, mfu, sample_flops
+from specbus.ops.bench.gpu_pipeline import config_for, run_mode, strategy_tree
 from specbus.ops.bench.random_target import QWEN3_8B, TINY, random_engine, write_data, write_target
 
 SEQS = "2048,4096,8192,16384,32768,65536,131072"
@@ -275,6 +281,7 @@ def main() -> None:
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()},
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                     "torch": torch.__version__}  # fmt: skip
+    report["flops"] = flops_section(report["device"])
 
     def save():
         if args.out:
@@ -292,13 +299,34 @@ def main() -> None:
             seqs = [int(s) for s in args.floor_seqs.split(",")]
             report["floor"] = floor(args.floor, seqs, args.floor_timeout)
         print(f"stage {stage} done in {time.perf_counter() - t0:.0f}s", flush=True)
+        add_mfu(report, json.loads((target / "config.json").read_text()), args)
         save()
     print_table(report)
 
 
+def add_mfu(report: dict, target_config: dict, args) -> None:
+    """The FLOPs per sample of every length in the report (once, under `flops.per_sample`)
+    and each row's MFU: the pipeline's over samples/s, the sweep's also per phase."""
+    from specbus.core.config import build_config
+
+    strategy = build_config({"strategy": strategy_tree(args)}).strategy
+    flops, peak = report["flops"], report["flops"]["peak_flops"]
+    for stage in ("sweep", "pipeline"):
+        for seq, row in (report.get(stage) or {}).items():
+            if seq == "check" or "samples_per_s" not in row:
+                continue
+            per = flops["per_sample"].setdefault(
+                seq, sample_flops(strategy, target_config, int(seq))
+            )
+            row["mfu"] = mfu(per["total"], row["samples_per_s"], peak)
+            if stage == "sweep":
+                row["capture_mfu"] = mfu(per["prefill"], 1 / row["capture_s"], peak)
+                row["step_mfu"] = mfu(per["train_step"], 1 / row["step_s"], peak)
+
+
 def print_table(report: dict) -> None:
     print(f"\n=== {report['device']} (torch {report['torch']})")
-    print(f"{'seq':>7} {'samples/s':>9} {'tokens/s':>9} {'capture s':>9} {'step s':>7} "
+    print(f"{'seq':>7} {'samples/s':>9} {'MFU':>5} {'tokens/s':>9} {'capture s':>9} {'step s':>7} "
           f"{'alloc GiB':>9} {'resv GiB':>8} {'capture GiB':>11} {'GiB/1k':>7} ckpt")  # fmt: skip
     for seq, r in (report.get("sweep") or {}).items():
         if seq == "check":
@@ -308,7 +336,8 @@ def print_table(report: dict) -> None:
         if "error" in r:
             print(f"{seq:>7} FAILED {r['error'][:200]}")
             continue
-        print(f"{seq:>7} {r['samples_per_s']:>9.3f} {r['tokens_per_s']:>9.0f} {r['capture_s']:>9.2f} "
+        print(f"{seq:>7} {r['samples_per_s']:>9.3f} {fmt_mfu(r.get('mfu')):>5} "
+              f"{r['tokens_per_s']:>9.0f} {r['capture_s']:>9.2f} "
               f"{r['step_s']:>7.2f} {r.get('peak_alloc_gib', float('nan')):>9.1f} "
               f"{r.get('peak_reserved_gib', float('nan')):>8.1f} "
               f"{r.get('capture_peak_alloc_gib', float('nan')):>11.1f} "
@@ -319,12 +348,18 @@ def print_table(report: dict) -> None:
             continue
         mem = r.get("train_mem", {})
         print(f"pipeline {seq:>7} colocated {r['samples_per_s']:.3f} samples/s "
+              f"MFU {fmt_mfu(r.get('mfu'))} "
               f"{r['tokens_per_s']:.0f} tokens/s, step {r['step_ms']:.0f} ms, capture "
               f"{r.get('capture_frac', float('nan')):.2f}, peak "
               f"{mem.get('peak_allocated_gib', float('nan')):.1f} / "
               f"{mem.get('peak_reserved_gib', float('nan')):.1f} GiB")  # fmt: skip
     for line in (report.get("floor") or {}).get("lines", []):
         print("floor", line)
+    flops = report.get("flops") or {}
+    for seq, f in sorted((flops.get("per_sample") or {}).items(), key=lambda kv: int(kv[0])):
+        print(f"FLOPs per sample at {seq}: {describe(f)}")
+    if flops:
+        print(f"MFU against {flops['peak_source']}; {flops['convention']}")
 
 
 if __name__ == "__main__":

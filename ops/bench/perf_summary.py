@@ -1,20 +1,60 @@
-"""The table of one performance call (`BENCH=perf bash ops/bench/gpu.sh`): reads what the
-stages wrote under OUT (floor.log, gpu_pipeline.json, gpu_dflash.json, step_profile.json,
-stages.txt, gputests.log), prints the figures the issues ask for against their goals and the
-floor probe of the same call, and writes OUT/summary.json.
+"""The table of the perf bench (`BENCH=perf bash ops/bench/gpu.sh`), merged over its device
+calls: each call runs the floor probe and one stage or a few, and this reads what every call
+wrote (its `$PERF` directory, or the `perf.tgz` the call returned): floor.log,
+gpu_pipeline*.json, gpu_dflash*.json, step_profile.json, stages.txt, gputests.log.
 
-    python -m specbus.ops.bench.perf_summary $OUT
+It prints one table of every pipeline row of every call: samples/s, MFU (ops/bench/flops.py),
+the row's goal (issue 26) and **the floor probe of the row's own call** (machines differ by a
+few per cent from call to call: a row is read against the yardstick measured beside it); the
+FLOPs per sample once; the one-step profiles; each goal's best row; and writes summary.json.
+
+    python -m specbus.ops.bench.perf_summary $PERF          # one call (gpu.sh runs this)
+    python -m specbus.ops.bench.perf_summary c1/perf.tgz c2/perf.tgz c3/ --out runs/perf/summary.json
+    python -m specbus.ops.bench.perf_summary ... --peak-tflops 989.5   # MFU against another peak
 """
 
 from __future__ import annotations
 
+import argparse
+import fnmatch
 import json
+import math
 import re
 import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-EAGLE3_GOALS = {"2048": 7.0, "4096": 3.2}  # issue 16 (colocated, one H200), and >= 1.1x floor
-DSPARK_GOAL, DSPARK_SEED = 6.5, 5.7  # issue 15
+from specbus.ops.bench.flops import describe, fmt_mfu
+
+
+@dataclass(frozen=True)
+class Goal:
+    """samples/s a row must reach: `bench` (eagle3 | dflash) and `rows`, a pattern over its row
+    keys (`2048/colocated`, `dspark:512-4096`); over several rows the best one counts."""
+
+    name: str
+    bench: str
+    rows: str
+    samples_per_s: float
+
+
+# Issue 26, one H200 per sample stream. "best mode": colocated or disaggregated on one GPU.
+GOALS = (
+    Goal("EAGLE3 2048, best mode", "eagle3", "2048/*", 9.0),
+    Goal("EAGLE3 2048, colocated", "eagle3", "2048/colocated", 8.0),
+    Goal("EAGLE3 4096, best mode", "eagle3", "4096/*", 4.5),
+    Goal("DSpark 512-4096", "dflash", "dspark:512-4096", 7.5),
+    Goal("DFlash 2048", "dflash", "dflash:2048-2048", 9.0),
+)
+
+
+def row_goal(bench: str, key: str) -> Goal | None:
+    """The goal a row is held to: an exact key's before a pattern's (the colocated 2048 row
+    is held to the colocated goal; either 2048 row can meet the best-mode one)."""
+    matches = [g for g in GOALS if g.bench == bench and fnmatch.fnmatchcase(key, g.rows)]
+    return min(matches, key=lambda g: g.rows.count("*"), default=None)
 
 
 def _json(path: Path) -> dict:
@@ -41,79 +81,214 @@ def floor_figures(out: Path) -> dict:
     return figures
 
 
-def main(argv: list[str]) -> int:
-    out = Path(argv[0] if argv else ".")
+def call_dir(path: Path, scratch: Path) -> Path:
+    """A call's directory: `path` itself, or the `perf.tgz` it is (or holds) unpacked."""
+    if path.is_dir() and (path / "perf.tgz").is_file() and not (path / "stages.txt").exists():
+        path = path / "perf.tgz"
+    if path.is_file():
+        target = scratch / f"call{len(list(scratch.iterdir()))}"
+        with tarfile.open(path) as tar:
+            tar.extractall(target, filter="data")
+        return target
+    return path
+
+
+def _floor_for(floor: dict, seq: str | None) -> tuple[float | None, bool]:
+    """The call's floor samples/s at `seq`, else at 2048 (a mixed-length row); and whether it
+    is at the row's own length."""
+    if seq in floor:
+        return floor[seq]["samples_per_s"], True
+    return floor.get("2048", {}).get("samples_per_s"), False
+
+
+def _mfu(row: dict, flops: float | None, peak: float | None) -> float | None:
+    """The row's MFU: against `peak` when given (`--peak-tflops`), else as the bench wrote it."""
+    if peak is None:
+        return row.get("mfu")
+    if flops is None or "samples_per_s" not in row:
+        return None
+    return flops * row["samples_per_s"] / peak
+
+
+def read_call(label: str, out: Path, peak: float | None) -> dict:
+    """One call's rows, each with its call's floor probe, MFU and goal."""
     floor = floor_figures(out)
-    pipe = _json(out / "gpu_pipeline.json").get("results", {})
-    dfl = _json(out / "gpu_dflash.json").get("results", {})
-    prof = _json(out / "step_profile.json").get("results", {})
-    summary: dict = {"floor": floor, "eagle3": {}, "dflash": {}, "profile": {}}
-
-    print("== EAGLE3 pipeline (colocated: capture overlapped on its own stream)")
-    print(f"{'seq':>5} {'mode':<14} {'samples/s':>9} {'x floor':>7} {'goal':>5} {'step ms':>8} "
-          f"{'capture':>7} {'wait':>5} {'GiB':>6}")  # fmt: skip
-    for seq, row in pipe.items():
-        fl = floor.get(seq, {}).get("samples_per_s")
-        for mode in ("colocated", "disaggregated"):
-            r = row.get(mode)
-            if not r:
-                continue
-            if "error" in r:
-                print(f"{seq:>5} {mode:<14} ERROR {r['error'][-200:]}")
-                continue
-            mem = r.get("train_mem", {}).get("peak_allocated_gib", float("nan"))
-            x = r["samples_per_s"] / fl if fl else float("nan")
-            goal = EAGLE3_GOALS.get(seq) if mode == "colocated" else None
-            print(f"{seq:>5} {mode:<14} {r['samples_per_s']:>9.2f} {x:>7.2f} "
-                  f"{goal if goal else '':>5} {r['step_ms']:>8.1f} "
-                  f"{r.get('capture_frac', float('nan')):>7.2f} {r['data_wait_frac']:>5.2f} "
-                  f"{mem:>6.1f}")  # fmt: skip
-            summary["eagle3"][f"{seq}/{mode}"] = {
-                "samples_per_s": r["samples_per_s"], "tokens_per_s": r["tokens_per_s"],
-                "x_floor": x, "goal": goal, "step_ms": r["step_ms"],
-                "capture_frac": r.get("capture_frac"), "data_wait_frac": r["data_wait_frac"],
-                "peak_alloc_gib": mem,
-            }  # fmt: skip
-        if fl:
-            print(f"{seq:>5} {'floor probe':<14} {fl:>9.2f} {1.0:>7.2f}")
-
-    print(f"\n== DFlash family colocated (seed DSpark {DSPARK_SEED}, goal {DSPARK_GOAL})")
-    for key, r in dfl.items():
-        if "error" in r:
-            print(f"{key:<18} ERROR {r['error'][-300:]}")
+    call = {"label": label, "path": str(out), "floor": floor, "rows": [], "profile": [],
+            "flops": {}, "device": None, "peak_source": None}  # fmt: skip
+    sources = [("eagle3", p) for p in sorted(out.glob("gpu_pipeline*.json"))]
+    sources += [("dflash", p) for p in sorted(out.glob("gpu_dflash*.json"))]
+    for bench, path in sources:
+        report = _json(path)
+        call["device"] = call["device"] or report.get("device")
+        section = report.get("flops") or {}
+        call["peak_source"] = call["peak_source"] or section.get("peak_source")
+        per_sample = section.get("per_sample") or {}
+        results = report.get("results") or {}
+        if bench == "eagle3":
+            rows = [(f"{seq}/{mode}", seq, r) for seq, by_mode in results.items()
+                    for mode, r in by_mode.items() if isinstance(r, dict)]  # fmt: skip
+        else:  # `strategy:lo-hi[@variant]`: a fixed length has a floor at it
+            rows = []
+            for key, r in results.items():
+                lo, _, hi = key.split(":", 1)[-1].split("@")[0].partition("-")
+                rows.append((key, lo if lo == hi else None, r))
+        for key, seq, r in rows:
+            flops = per_sample.get(seq if bench == "eagle3" else key)
+            if flops:
+                call["flops"].setdefault(bench, {})[key.split("/")[0]] = flops
+            fl, same_length = _floor_for(floor, seq)
+            goal = row_goal(bench, key)
+            entry = {"call": label, "bench": bench, "key": key, "file": path.name,
+                     "floor_samples_per_s": fl, "floor_same_length": same_length,
+                     "goal": goal.samples_per_s if goal else None}  # fmt: skip
+            if "error" in r or "samples_per_s" not in r:
+                entry["error"] = str(r.get("error", "no figures"))[-300:]
+            else:
+                sps = r["samples_per_s"]
+                entry.update(
+                    samples_per_s=sps, tokens_per_s=r.get("tokens_per_s"),
+                    mfu=_mfu(r, flops and flops["total"], peak), step_ms=r.get("step_ms"),
+                    capture_frac=r.get("capture_frac"), data_wait_frac=r.get("data_wait_frac"),
+                    peak_alloc_gib=(r.get("train_mem") or {}).get("peak_allocated_gib"),
+                    x_floor=sps / fl if fl else None,
+                    x_goal=sps / goal.samples_per_s if goal else None,
+                )  # fmt: skip
+            call["rows"].append(entry)
+    prof = _json(out / "step_profile.json")
+    call["device"] = call["device"] or prof.get("device")
+    per_step = (prof.get("flops") or {}).get("per_sample") or {}
+    for name, by_seq in (prof.get("results") or {}).items():
+        if "error" in by_seq:
+            call["profile"].append({"call": label, "key": name, "error": by_seq["error"][-300:]})
             continue
-        mem = r.get("train_mem", {}).get("peak_allocated_gib", float("nan"))
-        print(f"{key:<18} {r['samples_per_s']:>6.2f} samples/s {r['tokens_per_s']:>8.0f} tok/s "
-              f"step {r['step_ms']:.1f} ms capture {r.get('capture_frac', float('nan')):.1%} "
-              f"wait {r['data_wait_frac']:.1%} peak {mem:.1f} GiB "
-              f"x seed {r['samples_per_s'] / DSPARK_SEED:.2f}")  # fmt: skip
-        summary["dflash"][key] = {k: r.get(k) for k in (
-            "samples_per_s", "tokens_per_s", "step_ms", "capture_frac", "data_wait_frac")}  # fmt: skip
-        summary["dflash"][key]["peak_alloc_gib"] = mem
-
-    print("\n== one train step in-process (no capture): launches, GPU busy")
-    for name, rows in prof.items():
-        if "error" in rows:
-            print(f"{name:<8} ERROR {rows['error'][-300:]}")
-            continue
-        for seq, r in rows.items():
-            print(f"{name:<8} {seq:>5}: step {r['step_ms']:.1f} ms, kernels {r['kernel_ms']:.1f} ms "
-                  f"busy {r.get('busy_frac', float('nan')):.0%}, launches {r['launches']}, "
-                  f"syncs {r['syncs']}, casts {r['casts']}, peak "
-                  f"{r.get('peak_alloc_gib', float('nan')):.1f} GiB")  # fmt: skip
-            summary["profile"][f"{name}/{seq}"] = {
-                k: r.get(k) for k in ("step_ms", "kernel_ms", "busy_frac", "launches", "syncs",
-                                      "casts", "compute_ops", "peak_alloc_gib")
-            }  # fmt: skip
-    for extra in ("stages.txt",):
-        path = out / extra
-        if path.is_file():
-            print("\n" + path.read_text().strip())
+        for seq, r in by_seq.items():
+            flops = per_step.get(f"{name}/{seq}", {}).get("train_step")
+            if flops:
+                call["flops"].setdefault("step", {})[f"{name}/{seq}"] = {"train_step": flops}
+            step = {"samples_per_s": 1000 / r["step_ms"], "mfu": r.get("mfu")}
+            call["profile"].append(
+                {"call": label, "key": f"{name}/{seq}", "mfu": _mfu(step, flops, peak)}
+                | {k: r.get(k) for k in ("step_ms", "kernel_ms", "busy_frac", "launches",
+                                         "syncs", "casts", "compute_ops", "peak_alloc_gib")}
+            )  # fmt: skip
+    stages = out / "stages.txt"
+    call["stages"] = stages.read_text().strip().splitlines() if stages.is_file() else []
     tests = out / "gputests.log"
     if tests.is_file():
         last = [line for line in tests.read_text().splitlines() if line.strip()][-1:]
-        print("gpu tests:", last[0] if last else "(empty)")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        call["gputests"] = last[0] if last else "(empty)"
+    return call
+
+
+def goal_results(rows: list[dict]) -> list[dict]:
+    """Each goal's best row over all calls (None where no call measured one)."""
+    out = []
+    for g in GOALS:
+        candidates = [r for r in rows if r["bench"] == g.bench and "samples_per_s" in r
+                      and fnmatch.fnmatchcase(r["key"], g.rows)]  # fmt: skip
+        best = max(candidates, key=lambda r: r["samples_per_s"], default=None)
+        out.append({"goal": g.name, "samples_per_s_goal": g.samples_per_s,
+                    "best": best and best["samples_per_s"], "row": best and best["key"],
+                    "call": best and best["call"], "rows": len(candidates),
+                    "met": None if best is None else best["samples_per_s"] >= g.samples_per_s})  # fmt: skip
+    return out
+
+
+def _f(value, spec: str) -> str:
+    return (
+        ""
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else format(value, spec)
+    )
+
+
+def print_summary(calls: list[dict], goals: list[dict]) -> None:
+    print("== calls (each with its own floor probe: 2048 / 4096 samples/s)")
+    for c in calls:
+        fl = " / ".join(_f(c["floor"].get(s, {}).get("samples_per_s"), ".2f") or "-"
+                        for s in ("2048", "4096"))  # fmt: skip
+        print(f"{c['label']}: {c['path']} ({c['device'] or 'device unknown'}), floor {fl}")
+    print("\n== pipeline rows (x floor: the row's call's floor probe at its length; "
+          "* at 2048 for mixed lengths)")  # fmt: skip
+    print(f"{'call':<5} {'bench':<7} {'row':<22} {'samples/s':>9} {'MFU':>5} {'goal':>5} "
+          f"{'x goal':>6} {'floor':>6} {'x floor':>7} {'tokens/s':>8} {'step ms':>7} "
+          f"{'capture':>7} {'wait':>5} {'GiB':>5}")  # fmt: skip
+    for c in calls:
+        for r in c["rows"]:
+            head = f"{r['call']:<5} {r['bench']:<7} {r['key']:<22}"
+            if "error" in r:
+                print(f"{head} ERROR {r['error'][-200:]}")
+                continue
+            floor = _f(r["floor_samples_per_s"], ".2f") + ("" if r["floor_same_length"] else "*")
+            print(f"{head} {r['samples_per_s']:>9.2f} {fmt_mfu(r['mfu']):>5} "
+                  f"{_f(r['goal'], '.1f'):>5} {_f(r['x_goal'], '.2f'):>6} {floor:>6} "
+                  f"{_f(r['x_floor'], '.2f'):>7} {_f(r['tokens_per_s'], '.0f'):>8} "
+                  f"{_f(r['step_ms'], '.1f'):>7} {_f(r['capture_frac'], '.2f'):>7} "
+                  f"{_f(r['data_wait_frac'], '.2f'):>5} {_f(r['peak_alloc_gib'], '.1f'):>5}")  # fmt: skip
+    print("\n== FLOPs per sample (ops/bench/flops.py; once per configuration)")
+    seen = {}
+    for c in calls:
+        for bench, by_key in c["flops"].items():
+            for key, f in by_key.items():
+                seen.setdefault((bench, key), f)
+    for (bench, key), f in seen.items():
+        print(f"{bench:<7} {key:<22} {describe(f)}")
+    sources = {c["peak_source"] for c in calls if c["peak_source"]}
+    print("MFU against: " + ("; ".join(sorted(sources)) if sources else "no peak recorded"))
+    profile = [p for c in calls for p in c["profile"]]
+    if profile:
+        print("\n== one train step in-process (no capture)")
+        for p in profile:
+            if "error" in p:
+                print(f"{p['call']:<5} {p['key']:<14} ERROR {p['error'][-200:]}")
+                continue
+            print(f"{p['call']:<5} {p['key']:<14} step {_f(p['step_ms'], '.1f')} ms, MFU "
+                  f"{fmt_mfu(p['mfu'])}, kernels {_f(p['kernel_ms'], '.1f')} ms, busy "
+                  f"{_f(p['busy_frac'], '.0%')}, launches {p['launches']}, syncs {p['syncs']}, "
+                  f"peak {_f(p['peak_alloc_gib'], '.1f')} GiB")  # fmt: skip
+    print("\n== goals (issue 26): the best row over all calls")
+    for g in goals:
+        if g["best"] is None:
+            print(f"{g['goal']} >= {g['samples_per_s_goal']}: not measured")
+            continue
+        verdict = "met" if g["met"] else f"missed ({g['best'] / g['samples_per_s_goal']:.2f}x)"
+        print(f"{g['goal']} >= {g['samples_per_s_goal']}: {g['best']:.2f} ({g['row']}, call "
+              f"{g['call']}) {verdict}")  # fmt: skip
+    for c in calls:
+        for line in c["stages"]:
+            print(f"{c['label']}: {line}")
+        if "gputests" in c:
+            print(f"{c['label']}: gpu tests: {c['gputests']}")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("calls", nargs="*", type=Path, default=[Path(".")],
+                    help="each call's $PERF directory or perf.tgz (or a folder holding it)")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=None,
+                    help="summary.json (default: in the call's directory for one call, else "
+                    "./perf_summary.json)")  # fmt: skip
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="recompute every MFU against this peak (TFLOP/s dense bf16)")  # fmt: skip
+    args = ap.parse_args(argv)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+    with tempfile.TemporaryDirectory(prefix="specbus-perf-") as scratch:
+        dirs = [call_dir(p, Path(scratch)) for p in args.calls]
+        calls = [read_call(f"c{i + 1}", d, peak) for i, d in enumerate(dirs)]
+        for c, given in zip(calls, args.calls, strict=True):
+            c["path"] = str(given)
+    goals = goal_results([r for c in calls for r in c["rows"]])
+    print_summary(calls, goals)
+    out = args.out or (
+        dirs[0] / "summary.json" if len(dirs) == 1 and dirs[0] == args.calls[0]
+        else Path("perf_summary.json")
+    )  # fmt: skip
+    summary = {"calls": calls, "goals": goals,
+               "peak_override_tflops": args.peak_tflops}  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1, default=str))
+    print(f"\nwrote {out}")
     return 0
 
 

@@ -13,7 +13,10 @@ Reported per configuration:
   `step_ms` (how much of the step the GPU is busy);
 - `syncs`: host-device synchronisations (stream / device / event synchronise and blocking
   copies on a GPU; `.item()`s on the CPU); `async_copies`; `casts` (`aten::to` / `_to_copy`), `nonzero`,
-  `argsort` / `sort`, `index_put_`, `copy_`; `peak_alloc_gib` (CUDA).
+  `argsort` / `sort`, `index_put_`, `copy_`; `peak_alloc_gib` (CUDA);
+- `mfu`: the step's model FLOPs (ops/bench/flops.py; written once per configuration under
+  `flops.per_sample`) over `step_ms`, against the GPU's peak dense bf16 rate (None without
+  one: the CPU).
 
     python -m specbus.ops.bench.step_profile --strategy dspark --seqs 512,2048,4096 --out X.json
     python -m specbus.ops.bench.step_profile --strategy eagle3 --seqs 2048,4096
@@ -32,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from specbus.ops.bench.flops import flops_section, mfu
 
 # host-device synchronisations: the runtime calls on a GPU; `.item()` on the CPU
 GPU_SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
@@ -137,6 +141,18 @@ def build(strategy_name: str, target: Path, args):
     return strategy, info, heads
 
 
+def step_flops(strategy, target: Path, seqs: list[int]) -> dict[int, float | None]:
+    """The model FLOPs of one train step per length (`sample` supervises the last three
+    quarters, `flops.train_step_flops`'s default); None for a strategy without a FLOP model."""
+    from specbus.ops.bench.flops import train_step_flops
+
+    config = json.loads((target / "config.json").read_text())
+    try:
+        return {seq: train_step_flops(strategy.cfg, config, seq).total for seq in seqs}
+    except ValueError:  # domino, peagle: timed and counted all the same
+        return dict.fromkeys(seqs)
+
+
 def sample(strategy, info, seq: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     """A random captured sample of `seq` tokens, the last three quarters supervised."""
     contract = strategy.feature_contract(info)
@@ -150,7 +166,9 @@ def sample(strategy, info, seq: int, g: torch.Generator) -> dict[str, torch.Tens
     return out
 
 
-def run(strategy_name: str, target: Path, seqs: list[int], args) -> dict:
+def run(strategy_name: str, target: Path, seqs: list[int], args, flops: dict) -> dict:
+    """Each length's row (the module docstring); `flops` (the report's `flops` section) gets
+    this strategy's FLOPs per step under `per_sample`."""
     from specbus.core.config import TrainingConfig
     from specbus.core.data.vocab import build_vocab_mapping, count_tokens
     from specbus.core.strategies.base import StepContext
@@ -161,6 +179,9 @@ def run(strategy_name: str, target: Path, seqs: list[int], args) -> dict:
     low = cuda or args.autocast
     dtype = torch.bfloat16 if low else torch.float32
     strategy, info, heads = build(strategy_name, target, args)
+    per_step = step_flops(strategy, target, seqs)
+    for seq, value in per_step.items():
+        flops["per_sample"][f"{strategy_name}/{seq}"] = {"train_step": value}
     g = torch.Generator().manual_seed(2)
     samples = {seq: [sample(strategy, info, seq, g) for _ in range(2)] for seq in seqs}
     vocab = None
@@ -204,6 +225,7 @@ def run(strategy_name: str, target: Path, seqs: list[int], args) -> dict:
         row = {"step_ms": 1000 * statistics.median(times),
                "step_ms_all": [round(1000 * t, 2) for t in times]}  # fmt: skip
         row.update(profile_once(step, cuda))
+        row["mfu"] = mfu(per_step[seq], 1000 / row["step_ms"], flops["peak_flops"])
         if cuda:
             row["busy_frac"] = row["kernel_ms"] / row["step_ms"]
             row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -252,18 +274,20 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="specbus-stepprof-"))
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     target = write_target(work / "target", tiny if args.tiny else None, device=device)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     report = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "device": device_name,
         "torch": torch.__version__,
         "target": "tiny" if args.tiny else "qwen3-8b",
         "vocab": (tiny if args.tiny else QWEN3_8B)["vocab_size"],
         "args": {k: str(v) for k, v in vars(args).items()},
         "results": {},
+        "flops": flops_section(device_name),
     }
     seqs = [int(s) for s in args.seqs.split(",")]
     for name in args.strategies.split(","):
         try:
-            report["results"][name] = run(name, target, seqs, args)
+            report["results"][name] = run(name, target, seqs, args, report["flops"])
         except Exception as e:  # keep the other strategies' figures
             import traceback
 
