@@ -470,11 +470,14 @@ def test_a_short_answer_is_settled_before_its_waves_longest_ends(engine, chat_ta
     assert seen[-1] == ("long", "done") and seen.count(("short", "done")) == 1
 
 
+@pytest.mark.parametrize("wave", ["speculative", "plain", "plain-then-draft"])
 def test_requests_queued_during_a_wave_join_it_and_decode_as_alone(engine, chat_target,
-                                                                    tmp_path):  # fmt: skip
-    """Continuous batching: two requests queued while a speculative wave runs join it after
-    the round they came in (`SpecBatch.admit`: one wave in all), each answered with the
-    target's own greedy output, and a capture for each."""
+                                                                    tmp_path, wave):  # fmt: skip
+    """Continuous batching: two requests queued while a wave runs join it after the round
+    (speculative) or step (plain: no draft published) they came in (`SpecBatch.admit`: one
+    wave in all), each answered with the target's own greedy output, and a capture for each.
+    A plain wave admits nobody once a draft is published ("plain-then-draft": the draft comes
+    with the late requests): they wait for the next wave, which the draft serves."""
     from specbus.producers.live.generate import Job
     from specbus.producers.live.manifest import capture_config
 
@@ -494,8 +497,10 @@ def test_requests_queued_during_a_wave_join_it_and_decode_as_alone(engine, chat_
     generator = Generator(engine, sink, max_new_tokens=40, max_batch=4, start=False, drafts=slot,
                           num_draft_tokens=3)  # fmt: skip
     server = Server(generator, "tiny")
-    slot.publish(ServedDraft(1, loader.untrained(vocab_of(loader)).model, False,
-                             tuple(loader.strategy.aux_layers)))  # fmt: skip
+    draft = ServedDraft(1, loader.untrained(vocab_of(loader)).model, False,
+                        tuple(loader.strategy.aux_layers))  # fmt: skip
+    if wave == "speculative":
+        slot.publish(draft)
     prompts = [server.chat_prompt({"messages": [{"role": "user", "content": q}]})
                for q in QUESTIONS[:3]]  # fmt: skip
     first = Job(request_id="first", prompt_ids=prompts[0], max_tokens=40, temperature=0)
@@ -507,6 +512,8 @@ def test_requests_queued_during_a_wave_join_it_and_decode_as_alone(engine, chat_
         emit(job, event)
         if job is first and len(first.output_ids) == 3 and not queued:
             queued.append(True)
+            if wave == "plain-then-draft":
+                slot.publish(draft)
             for j in late:
                 generator.jobs.put_nowait(j)
 
@@ -525,10 +532,15 @@ def test_requests_queued_during_a_wave_join_it_and_decode_as_alone(engine, chat_
         asyncio.run(go())
     finally:
         generator.close()
-    assert queued and generator.stats["waves"] == 1 and generator.stats["requests"] == 3
+    waves = 2 if wave == "plain-then-draft" else 1
+    assert queued and generator.stats["waves"] == waves and generator.stats["requests"] == 3
     for job, prompt in zip([first, *late], prompts, strict=True):
         want = greedy_generate(engine.model, torch.tensor(prompt), job.max_tokens,
                                tuple(engine.info.eos_token_ids))  # fmt: skip
-        assert job.output_ids == want and job.spec.versions == [1]
+        assert job.output_ids == want
+        if wave == "speculative" or (wave == "plain-then-draft" and job is not first):
+            assert job.spec.versions == [1]
+        else:
+            assert job.spec is None
     assert len(first.output_ids) >= 10  # it was still decoding when the others joined
     assert {c.request_id for c in sink.handed} == {"first", "late0", "late1"}

@@ -89,6 +89,25 @@ class BatchDrafter(Protocol):
         """Append `other`'s rows (a drafter of the same kind and draft) after these."""
 
 
+class NoDrafter:
+    """The `BatchDrafter` that drafts nothing: a `SpecBatch` with it (and `aux=None`) decodes
+    plainly, one token a row per target forward, with the batch's admission (`admit`) and
+    retirement of finished rows (`retire`)."""
+
+    def extend(self, aux_BTA, follow_BT, lengths, start) -> None:
+        pass
+
+    def propose(self, next_tok, n, k, sampling) -> Proposals:
+        rows = len(next_tok)
+        return Proposals(torch.zeros((rows, 0), dtype=torch.long), [0] * rows, [[]] * rows)
+
+    def select(self, rows) -> None:
+        pass
+
+    def merge(self, other) -> None:
+        pass
+
+
 def to_device(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
     """Host numbers (a list, nested lists) as a tensor on `device`: on CUDA copied from pinned
     memory without waiting for the device (a pageable copy can wait for the whole stream)."""
@@ -314,13 +333,14 @@ class SpecBatch:
     for row j, verifies every row in one target forward, keeps each row's accepted prefix
     and returns, per row, (tokens emitted, drafts accepted). `rows` are the sequences still
     in the batch (indices into the prompts), in row order; `retire` drops finished ones.
-    `aux`: an open `AuxCapture` on the target for the drafter's layers. `swap(drafter)` hands
+    `aux`: an open `AuxCapture` on the target for the drafter's layers (None: a drafter that
+    reads no features, `NoDrafter`; then no `keep_aux`). `swap(drafter)` hands
     every sequence to another drafter between rounds (needs `keep_aux`: the aux features of
     every verified position, kept). `sampling[i]`: sequence i's `Sampling`, None greedy.
     `pads[i]`: the left padding of prompt i in the prefill (its first rows are not its)."""
 
     def __init__(self, target: nn.Module, drafter: BatchDrafter, prompts: Sequence[torch.Tensor],
-                 aux: AuxCapture, *, sampling: Sequence[Sampling | None] | None = None,
+                 aux: AuxCapture | None, *, sampling: Sequence[Sampling | None] | None = None,
                  keep_aux: bool = False, pad_id: int = 0, slack: int = 32):  # fmt: skip
         self.target, self.drafter, self.aux, self.slack = target, drafter, aux, slack
         self.device = _device(target)
@@ -336,13 +356,16 @@ class SpecBatch:
         self.cache = _new_cache()
         self.valid_BW = torch.zeros((len(prompts), 0), dtype=torch.bool, device=self.device)
         logits = self._forward(ids, positions, valid, **_last_only(target))
-        aux_BWA = aux.concat()
         self.rows = list(range(len(prompts)))
         self.n = lengths
         self.next_tok = [self._first(i, logits[i, -1]) for i in self.rows]
         self.tokens = [[t] for t in self.next_tok]  # generated so far (the prefill's first)
         self.accepted: list[list[int]] = [[] for _ in prompts]  # drafts accepted per round
         self._seq = [[*p.tolist(), t] for p, t in zip(prompts, self.next_tok, strict=True)]
+        self._aux = None
+        if aux is None:  # a drafter without features: no context to give it
+            return
+        aux_BWA = aux.concat()
         # the drafter's context: each prompt's positions, moved to the left of its row
         t = torch.arange(width)
         index = to_device((t[None] + torch.tensor(self.pads)[:, None]).clamp(max=width - 1).tolist(),
@@ -384,7 +407,7 @@ class SpecBatch:
         drafts_BK = prop.drafts_BK[:, :most].to(self.device, non_blocking=True)
         ids = torch.cat([host[:, :1], drafts_BK], dim=1)
         logits = self._forward(ids, host[:, 1:], torch.ones_like(ids, dtype=torch.bool))
-        aux_BTA = self.aux.concat()
+        aux_BTA = self.aux.concat() if self.aux is not None else None
         seen = torch.cat([logits.argmax(-1), drafts_BK], dim=1).tolist()  # the one wait
         out = []
         for j, (i, s) in enumerate(zip(rows, sampling, strict=True)):
@@ -404,7 +427,8 @@ class SpecBatch:
         longest = max(lengths)
         host = to_device([[len(e), *e, *[0] * (longest - len(e))] for e, _ in out], self.device)
         self.valid_BW[:, -width:] = torch.arange(width, device=self.device)[None] < host[:, :1]
-        self.drafter.extend(aux_BTA[:, :longest], host[:, 1:], lengths, old_n)
+        if aux_BTA is not None:
+            self.drafter.extend(aux_BTA[:, :longest], host[:, 1:], lengths, old_n)
         if self.valid_BW.shape[1] - max(self.n[i] for i in rows) > self.slack:
             self._compact(list(range(len(rows))))
         return out

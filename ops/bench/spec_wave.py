@@ -7,10 +7,15 @@ plain decoding (no draft), then speculative with the run's untrained EAGLE3 draf
 `--draft-tokens`; nothing is accepted, so the figure is the cost of a round, not a draft's
 gain), then with an oracle drafter that proposes the target's own continuation (every draft
 accepted: the most a round can emit). Reported per arm: served tokens/s, requests (=
-captures)/s, tokens per verify. Runs against whichever `specbus` is importable, so the same
-file measures two checkouts (before / after a change):
+captures)/s, latency p50 (submitted -> done), tokens per verify, waves. `--arrival-rate`
+submits a wave's requests over time (Poisson) instead of at once and `--mixed-lengths` varies
+their `max_tokens` (the same draws in every arm): what continuous batching is for. Runs
+against whichever `specbus` is importable, so the same file measures two checkouts (before /
+after a change):
 
     python ops/bench/spec_wave.py --wave 8 --max-tokens 32 --repeats 2 --out runs/bench/wave.json
+    python ops/bench/spec_wave.py --arms plain --wave 16 --max-tokens 48 --mixed-lengths \
+        --arrival-rate 4
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
+import statistics
 import time
 from pathlib import Path
 
@@ -37,15 +44,25 @@ class _Sink:
         self.handed.append(capture)
 
 
-def _run(generator, jobs) -> None:
-    async def go():
-        for job in jobs:
-            assert generator.submit(job)
-        for job in jobs:
-            while (await job.events.get())[0] != "done":
-                pass
+def _run(generator, jobs, gaps: list[float]) -> list[float]:
+    """Submit `jobs`, job i `gaps[i]` s after job i-1 (all at once: zeros); each job's
+    latency (submitted -> done), in job order."""
 
-    asyncio.run(go())
+    async def one(job, submitted: float) -> float:
+        while (await job.events.get())[0] != "done":
+            pass
+        return time.perf_counter() - submitted
+
+    async def go():
+        waits = []
+        for job, gap in zip(jobs, gaps, strict=True):
+            if gap:
+                await asyncio.sleep(gap)
+            assert generator.submit(job)
+            waits.append(asyncio.create_task(one(job, time.perf_counter())))
+        return list(await asyncio.gather(*waits))
+
+    return asyncio.run(go())
 
 
 def main(argv=None) -> int:
@@ -59,8 +76,26 @@ def main(argv=None) -> int:
     p.add_argument("--wave", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--draft-tokens", type=int, default=3)
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="the draft's vocabulary "
+        "(at most the target's: 64 for ops/bench/tiny_chat.py's target)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="waves per arm (after one warm-up)")
     p.add_argument("--arms", default="plain,untrained,oracle")
+    p.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=0.0,
+        help="requests/s, Poisson (0: a wave's requests all at once)",
+    )
+    p.add_argument(
+        "--mixed-lengths",
+        action="store_true",
+        help="each request's max_tokens drawn from [max-tokens/4, max-tokens]",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -81,7 +116,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     engine = HFEngine(TargetConfig(model=args.target, dtype=args.dtype, device=args.device))
     cfg = build_config({"target": {"model": args.target, "device": args.device},
-                        "strategy": {"draft": {"draft_vocab_size": 8192}},
+                        "strategy": {"draft": {"draft_vocab_size": args.draft_vocab}},
                         "store": {"uri": "mem://wave"}})  # fmt: skip
     loader = DraftLoader(cfg, torch.device(args.device), getattr(torch, args.dtype))
     info = loader.info
@@ -92,7 +127,7 @@ def main(argv=None) -> int:
     prompts = [chat.chat_prompt({"messages": m})
                for m in load_prompts("gsm8k", holdout=50)[: args.wave * (args.repeats + 1)]]  # fmt: skip
     eos = tuple(engine.info.eos_token_ids)
-    vocab = VocabMapping.from_d2t([0] * 8192, engine.info.vocab_size)
+    vocab = VocabMapping.from_d2t([0] * args.draft_vocab, engine.info.vocab_size)
 
     class _Oracle:  # proposes the target's greedy continuation of the known prompts
         def __init__(self, fulls):
@@ -135,15 +170,21 @@ def main(argv=None) -> int:
         gen.start()
         waves = []
         try:
+            rng = random.Random(0)  # the same lengths and arrivals in every arm
             for r in range(args.repeats + 1):
+                lengths = [rng.randint(max(args.max_tokens // 4, 1), args.max_tokens)
+                           if args.mixed_lengths else args.max_tokens for _ in range(args.wave)]  # fmt: skip
+                gaps = [rng.expovariate(args.arrival_rate) if args.arrival_rate > 0 and i else 0.0
+                        for i in range(args.wave)]  # fmt: skip
                 jobs = [Job(request_id=f"{arm}{r}-{i}", prompt_ids=prompts[r * args.wave + i],
-                            max_tokens=args.max_tokens, temperature=0) for i in range(args.wave)]  # fmt: skip
+                            max_tokens=lengths[i], temperature=0) for i in range(args.wave)]  # fmt: skip
                 t0 = time.perf_counter()
-                _run(gen, jobs)
+                latencies = _run(gen, jobs, gaps)
                 secs = time.perf_counter() - t0
                 if r:  # the first wave warms up
                     waves.append({"seconds": secs, "tokens": sum(len(j.output_ids) for j in jobs),
-                                  "requests": len(jobs), "waves": gen.stats["waves"]})  # fmt: skip
+                                  "requests": len(jobs), "waves": gen.stats["waves"],
+                                  "latency_p50_s": statistics.median(latencies)})  # fmt: skip
         finally:
             gen.close()
         secs = sum(w["seconds"] for w in waves)
@@ -152,10 +193,12 @@ def main(argv=None) -> int:
         ver = sum(t.verifies for t in snap.values())
         res = {"tokens_per_s": toks / secs, "requests_per_s": sum(w["requests"] for w in waves) / secs,
                "captures": len(sink.handed), "waves": waves,
+               "latency_p50_s": statistics.median(w["latency_p50_s"] for w in waves),
                "tokens_per_verify": sum(t.tokens for t in snap.values()) / ver if ver else None}  # fmt: skip
         results[arm] = res
         print(f"{arm:>9}: {res['tokens_per_s']:.1f} tokens/s, {res['requests_per_s']:.3f} "
-              f"requests (captures)/s, tokens/verify {res['tokens_per_verify']}", flush=True)  # fmt: skip
+              f"requests (captures)/s, latency p50 {res['latency_p50_s']:.2f} s, waves "
+              f"{gen.stats['waves']}, tokens/verify {res['tokens_per_verify']}", flush=True)  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))

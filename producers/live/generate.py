@@ -1,8 +1,11 @@
 """The generation side of `specbus serve`: KV-cache decoding on one worker thread, capturing.
 
-`Generator` decodes `Job`s in waves of up to `live.serve_batch` requests (those waiting when a
-wave starts are prefilled and decoded together, left-padded, per-row positions; a CPU
-reference server, not a continuous-batching engine). Greedy at `temperature: 0`, else
+`Generator` decodes `Job`s in waves of up to `live.serve_batch` requests, one `SpecBatch`
+each (`speculative.decode_wave`; plain waves draft nothing): those waiting when a wave starts
+are prefilled together (left-padded, per-row positions), a finished request leaves the batch
+the step it ends, and requests queued meanwhile are prefilled and join the rows left
+(continuous batching; a plain wave stops admitting once a draft is published, so the draft
+serves the next wave). Greedy at `temperature: 0`, else
 temperature / top-p sampling (seeded by `seed`, else by the request id). Stops at an EOS
 token, a `stop` string or `max_tokens`. A captured request's forwards keep their aux-layer
 outputs (and the final norm's output when the handshake asks for it), one row per fed token;
@@ -13,7 +16,6 @@ side is `producers/live/serve.py`.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import queue
 import threading
@@ -21,7 +23,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from specbus.core.eval.verify import warp
 from specbus.core.models.target import decoder_layers
 from specbus.producers.engines.hf import sdpa_backends
 from specbus.producers.live.sink import Capture, CaptureSink
@@ -126,10 +127,6 @@ class Generator:
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.stats: Counter = Counter()
         self._rows: _Rows | None = None
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        # a plain step reads the last position's logits only (the prefill's others: wasted)
-        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._closing = False
         self._thread = threading.Thread(target=self._work, name="specbus-generate", daemon=True)
         if start:
@@ -159,10 +156,7 @@ class Generator:
                 # cache grows: 42 ms a call on an H200 against 0.05 ms for the efficient
                 # kernel (ops/bench/sdpa_decode.py; docs/benchmarks.md, the closed loop).
                 with sdpa_backends(device=self.device):
-                    if draft is None:
-                        self._generate(wave)
-                    else:
-                        self._generate_spec(wave, draft)
+                    self._generate(wave, draft)
             except Exception as e:  # noqa: BLE001 - answered to the users as a 500
                 log.exception("generation of %s failed", [j.request_id for j in wave])
                 for job in wave:
@@ -202,14 +196,6 @@ class Generator:
             self._rows = _Rows(self.model, tuple(cfg.aux_layers), final)
         return self._rows
 
-    def _choose(self, logits: torch.Tensor, job: Job, gen: torch.Generator | None) -> int:
-        if job.temperature <= 0:
-            return int(logits.argmax())
-        probs = warp(logits, job.temperature, job.top_p)  # stable at any temperature, top_p 0
-        if gen is not None and probs.device != gen.device:  # the request's generator is the CPU's
-            probs = probs.to(gen.device)
-        return int(torch.multinomial(probs, 1, generator=gen))
-
     def take(self, job: Job, tokens: list[int]) -> bool:
         """Append generated `tokens` to `job` (streamed to its user) up to its end: an EOS
         token, a stop string, `max_tokens`, or a cancelled request; True once it ended (the
@@ -227,73 +213,10 @@ class Generator:
                 return True
         return False
 
-    @torch.no_grad()
-    def _generate(self, wave: list[Job]) -> None:
-        from transformers import DynamicCache
-
-        n = len(wave)
-        wanted = self.sample_ids(wave)
-        rows = self.capture_hooks() if any(w is not None for w in wanted) else None
-        aux: list[list[torch.Tensor]] = [[] for _ in wave]
-        final: list[list[torch.Tensor]] = [[] for _ in wave]
-        gens = [
-            torch.Generator().manual_seed(j.seed if j.seed is not None else _seed_of(j.request_id))
-            if j.temperature > 0 else None
-            for j in wave
-        ]  # fmt: skip
-        longest = max(len(j.prompt_ids) for j in wave)
-        pads = [longest - len(j.prompt_ids) for j in wave]
-        ids = torch.full((n, longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, longest), dtype=torch.long)
-        for i, j in enumerate(wave):
-            ids[i, pads[i] :] = torch.tensor(j.prompt_ids, dtype=torch.long)
-            mask[i, pads[i] :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        active = [True] * n
-        cache = DynamicCache()
-        if rows is not None:
-            rows.recording = True
-        try:
-            step = 0
-            while any(active):
-                kw = {} if n == 1 else {"attention_mask": mask.to(self.device),
-                                        "position_ids": positions.to(self.device)}  # fmt: skip
-                logits = self.model(input_ids=ids.to(self.device), use_cache=True,
-                                    **{self._cache_kw: cache}, **self._last_only, **kw).logits  # fmt: skip
-                if rows is not None:
-                    a, f = rows.take_batch()
-                    for i in range(n):
-                        if wanted[i] is not None and active[i]:
-                            skip = pads[i] if step == 0 else 0
-                            aux[i].append(a[i, skip:])
-                            if f is not None:
-                                final[i].append(f[i, skip:])
-                nxt = []
-                # greedy rows: one argmax for the wave, one wait for the device per step
-                greedy = logits[:, -1].argmax(-1).tolist() if not all(gens) else None
-                for i, j in enumerate(wave):
-                    if not active[i]:
-                        nxt.append(self.pad_id)
-                        continue
-                    token = (
-                        greedy[i] if gens[i] is None else self._choose(logits[i, -1], j, gens[i])
-                    )
-                    nxt.append(token)
-                    active[i] = not self.take(j, [token])
-                    if not active[i]:  # its features are all recorded: answer it now
-                        self._settle(j, wanted[i], aux[i], final[i])
-                ids = torch.tensor(nxt, dtype=torch.long)[:, None]
-                mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
-                positions = positions[:, -1:] + 1
-                step += 1
-        finally:
-            if rows is not None:
-                rows.recording = False
-        self.stats["waves"] += 1  # every request was settled as its decoding ended
-
-    def _generate_spec(self, wave: list[Job], draft) -> None:
-        """Decode `wave` speculatively with `draft` (`speculative.decode_wave`); each request
-        is settled as its own decoding ends."""
+    def _generate(self, wave: list[Job], draft) -> None:
+        """Decode `wave` (`speculative.decode_wave`): speculatively with `draft`, plainly when
+        it is None; requests queued meanwhile join the rows left, and each request is settled
+        as its own decoding ends."""
 
         def ended(i: int, sample_id: str | None, aux: list, final: list) -> None:
             self._settle(wave[i], sample_id, aux, final)

@@ -33,6 +33,7 @@ The draft version is the step of the checkpoint it was loaded from (0: the untra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from specbus.core.eval.batch import SpecBatch, batch_drafter
+from specbus.core.eval.batch import NoDrafter, SpecBatch, batch_drafter
 from specbus.core.eval.block import BlockDrafter
 from specbus.core.eval.speculative import ChainDrafter
 from specbus.core.eval.verify import Sampling
@@ -254,12 +255,16 @@ def _sampling(job, seed_of) -> Sampling | None:
 
 
 @torch.no_grad()
-def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
+def decode_wave(gen, wave: list, draft: ServedDraft | None, slot: DraftSlot | None, k: int,
                 stats: SpecStats | None, seed_of, ended) -> None:  # fmt: skip
     """Decode `wave` (jobs of `gen`, a `Generator`) speculatively, all its requests in one
     `SpecBatch` (module doc). `ended(i, sample_id, aux, final)` is called once for each job
     as soon as its decoding ends (the round it finished in), with its sample id (None: not
-    captured) and its captured rows (aux chunks, final chunks; empty when not captured)."""
+    captured) and its captured rows (aux chunks, final chunks; empty when not captured).
+
+    `draft` None: a plain wave (`NoDrafter`: one token a row per forward, no `SpecRecord`, no
+    stats), with the same admission and per-request settling; it admits requests only while
+    `slot` has no draft, so that a draft once published serves the next wave."""
     model = gen.model
     wanted = gen.sample_ids(wave)
     # recording whenever the sink has a handshake: a request admitted later may be captured
@@ -281,12 +286,17 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
         """The jobs of `before` that left the batch: their rows are all kept now."""
         for i in sorted(set(before) - set(batch_rows)):
             job = wave[i]
-            job.spec.seconds = time.monotonic() - job.spec.started
-            if stats is not None:
-                stats.request(job.spec, len(job.output_ids))
+            if job.spec is not None:
+                job.spec.seconds = time.monotonic() - job.spec.started
+                if stats is not None:
+                    stats.request(job.spec, len(job.output_ids))
             ended(i, wanted[i], kept[i][0], kept[i][1])
 
-    with AuxCapture(model, list(draft.aux_layers)) as aux:
+    def admitting() -> bool:
+        return draft is not None or slot is None or slot.current() is None
+
+    features = AuxCapture(model, list(draft.aux_layers)) if draft is not None else None
+    with features or contextlib.nullcontext() as aux:
         if rows is not None:
             rows.recording = True
         try:
@@ -300,7 +310,7 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
                 settle(order, wave_run.batch.rows)
                 # continuous batching: requests queued meanwhile join the rows left
                 left = len(wave_run.batch.rows)
-                joining = gen.waiting(gen.max_batch - left) if left else []
+                joining = gen.waiting(gen.max_batch - left) if left and admitting() else []
                 if joining:
                     start = len(wave)
                     wanted += gen.sample_ids(joining)
@@ -317,22 +327,25 @@ def decode_wave(gen, wave: list, draft: ServedDraft, slot: DraftSlot, k: int,
 class _Wave:
     """The requests of one wave in one `SpecBatch`, on one draft version at a time."""
 
-    def __init__(self, gen, wave: list, draft: ServedDraft, k: int, aux, seed_of):
+    def __init__(self, gen, wave: list, draft: ServedDraft | None, k: int, aux, seed_of):
         self.gen, self.wave, self.k, self.aux, self.seed_of = gen, wave, k, aux, seed_of
         self.draft = draft  # the version the wave decodes with (admitted requests too)
-        self.version, self.per_round = draft.version, draft.drafts_per_round(k)
+        self.version = draft.version if draft is not None else None  # None: a plain wave
+        self.per_round = draft.drafts_per_round(k) if draft is not None else 0
         self.unusable: int | None = None  # a version the wave could not be handed to
         self.batch = self._prefill(wave)
         self._ended_at_first(0, wave)
 
     def _prefill(self, jobs: list) -> SpecBatch:
         """A batch of `jobs` on the wave's draft version, prefilled (their first token)."""
+        plain = self.draft is None
         for job in jobs:
-            job.spec = SpecRecord()
+            job.spec = None if plain else SpecRecord()
+        drafter = NoDrafter() if plain else self.draft.batch_drafter(self.gen.model, len(jobs))
         return SpecBatch(
-            self.gen.model, self.draft.batch_drafter(self.gen.model, len(jobs)),
+            self.gen.model, drafter,
             [torch.tensor(j.prompt_ids, dtype=torch.long) for j in jobs], self.aux,
-            sampling=[_sampling(j, self.seed_of) for j in jobs], keep_aux=True,
+            sampling=[_sampling(j, self.seed_of) for j in jobs], keep_aux=not plain,
             pad_id=self.gen.pad_id,
         )  # fmt: skip
 
@@ -352,7 +365,7 @@ class _Wave:
     def round(self, slot: DraftSlot, stats: SpecStats | None) -> list[int]:
         """One verify round of every request left, on the slot's current draft (handed over
         first if new); returns the drafts each row accepted (the batch's row order)."""
-        current = slot.current()
+        current = slot.current() if slot is not None and self.draft is not None else None
         if current is not None and current.version not in (self.version, self.unusable):
             self._swap(current, stats)
         batch, wave = self.batch, self.wave
@@ -365,6 +378,10 @@ class _Wave:
         done = []
         for i, (emitted, accepted) in zip(order, results, strict=True):
             spec = wave[i].spec
+            if spec is None:  # a plain wave's request
+                if self.gen.take(wave[i], emitted):
+                    done.append(i)
+                continue
             spec.verifies, spec.accepted, spec.tokens = (spec.verifies + 1,
                                                          spec.accepted + accepted,
                                                          spec.tokens + len(emitted))  # fmt: skip
