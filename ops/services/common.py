@@ -41,24 +41,19 @@ class DirInUse(ServiceError):
         self.owner = owner
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A port that was free on `host` a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def listen_port(host: str = LOOPBACK, low: int = 20000, high: int = 32767) -> int:
+def free_port(host: str = LOOPBACK, low: int = 20000, high: int = 32767) -> int:
     """A free port for a server started a moment later, below Linux's ephemeral range
-    (32768-60999): the OS hands ephemeral ports to outgoing connections, so one picked there
-    (`free_port`) can be taken by any client socket before the server binds (a trainer's
-    rendezvous failed with EADDRINUSE in CI). Falls back to `free_port`."""
+    (32768-60999): the OS hands ephemeral ports to outgoing connections, so a port it picked
+    (bind to port 0) can be taken by any client socket before the server binds (a trainer's
+    rendezvous failed with EADDRINUSE in CI). Falls back to one the OS picks."""
     rng = random.Random()  # its own: a test seeding `random` must not align the workers' picks
     for _ in range(200):
         port = rng.randint(low, high)
         if port_free(host, port):
             return port
-    return free_port(host)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def port_free(host: str, port: int) -> bool:
