@@ -14,6 +14,7 @@ import hashlib
 import logging
 import random
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from specbus.bus.run import RunBus
 from specbus.bus.subjects import PRODUCERS
 from specbus.core.config import DataConfig, RunConfig
 from specbus.core.contracts import Manifest, ManifestTarget, PromptTask, VocabTable
-from specbus.core.data.datasets import load_source, split_holdout
+from specbus.core.data.datasets import StreamedSplit, iter_source
 from specbus.core.data.packed import PackedSamples
 from specbus.core.data.tokenize import TokenizedSample, tokenize_records
 from specbus.core.data.vocab import VocabMapping, build_vocab_mapping, count_tokens
@@ -75,6 +76,16 @@ def max_tokens_of(cfg: RunConfig, info: TargetInfo) -> tuple[int, str]:
     return context, key
 
 
+def _pretokenised(records: Iterable[dict], model: str) -> Iterator[dict]:
+    """`records`, each checked to carry its `input_ids` (a target without a tokenizer)."""
+    for record in records:
+        if "input_ids" not in record:
+            raise ConfigError(
+                f"target {model!r} has no tokenizer: data.source must be pre-tokenised (input_ids)"
+            )
+        yield record
+
+
 def prepare(cfg: RunConfig) -> Prepared:
     """Load, split, tokenise; build the vocab mapping. Raises ConfigError on unusable data.
     Records over the run's maximum (`max_tokens_of`) are skipped (one warning), truncated, or
@@ -82,18 +93,15 @@ def prepare(cfg: RunConfig) -> Prepared:
     path = resolve_target_dir(cfg.target.model)
     info = load_target_info(path, name=cfg.target.model)
     tokenizer = load_tokenizer(path) if _has_tokenizer(path) else None
-    records = load_source(cfg.data.source)
-    train, holdout = split_holdout(records, cfg.data.holdout, cfg.data.limit)
-    if tokenizer is None and any("input_ids" not in r for r in train):
-        raise ConfigError(
-            f"target {cfg.target.model!r} has no tokenizer: data.source must be pre-tokenised (input_ids)"
-        )
+    # The records stream from the source into the packed samples: only the held-back ones
+    # are kept (a 10 M-record JSONL is ~6 GB of record objects, its packed tokens a fraction).
+    split = StreamedSplit(iter_source(cfg.data.source), cfg.data.holdout, cfg.data.limit)
+    train = iter(split) if tokenizer is not None else _pretokenised(split, cfg.target.model)
     max_tokens, key = max_tokens_of(cfg, info)
     samples = tokenize_records(train, tokenizer, cfg.data, max_tokens=max_tokens, key=key,
                                source=f"data.source {cfg.data.source!r}",
                                collect=PackedSamples)  # fmt: skip
-    num_train = len(train)
-    del records, train  # the feed holds the packed samples only (and the held-back records)
+    num_train, holdout = split.given, split.held
     if not samples:
         raise ConfigError(
             f"data.source {cfg.data.source!r}: no record has a supervised (assistant) token"

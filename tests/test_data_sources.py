@@ -2,8 +2,10 @@
 
 import pytest
 from specbus.core.data.datasets import (
+    StreamedSplit,
     chatterbot_records,
     gsm8k_records,
+    iter_source,
     load_jsonl,
     load_source,
     split_holdout,
@@ -53,6 +55,43 @@ def test_holdout_is_the_tail_and_limit_caps_the_train_part():
     assert split_holdout(records, 0) == (records, [])
     with pytest.raises(ConfigError, match="holdout"):
         split_holdout(records, 10)
+
+
+@pytest.mark.parametrize("limit", [None, 0, 1, 4, 20])
+@pytest.mark.parametrize("holdout", [0, 1, 3, 9, 10, 11])
+def test_a_streamed_split_is_split_holdout_holding_only_the_tail(holdout, limit):
+    """`StreamedSplit` (the feeder's: records streamed from the source) gives what
+    `split_holdout` gives on the list, error included, and never holds more than `holdout`
+    records: the train records come out before the stream has been read to its end."""
+    records = [{"text": str(i)} for i in range(10)]
+    read = []
+
+    def source():
+        for r in records:
+            read.append(r)
+            yield r
+
+    split = StreamedSplit(source(), holdout, limit)
+    try:
+        want = split_holdout(records, holdout, limit)
+    except ConfigError:
+        with pytest.raises(ConfigError, match="holdout"):
+            list(split)
+        return
+    train = []
+    for r in split:
+        assert len(read) - len(train) <= holdout + 1  # only the tail (and this one) is held
+        train.append(r)
+    assert (train, split.held) == want and split.given == len(want[0]) and split.count == 10
+
+
+def test_a_jsonl_source_streams_its_records(tmp_path):
+    path = tmp_path / "late.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n{oops\n')
+    records = iter_source(str(path))
+    assert next(records) == {"text": "a"} and next(records) == {"text": "b"}
+    with pytest.raises(ConfigError, match=r"late.jsonl:3"):  # read only when it is reached
+        next(records)
 
 
 def test_prompt_only_records_get_the_targets_own_answer():

@@ -9,7 +9,8 @@ requests, questions only, formatted "Question: ...\\nAnswer:") and the source `t
 each payload request (user turn) with the reference answer of the same line of `test.jsonl`
 (assistant turn; its `<<calc>>` annotations stripped). The teacher is always the target's own
 distribution at every position, so the answer text only decides which contexts are trained.
-The last `holdout` records are held back for evaluation (`split_holdout`).
+The last `holdout` records are held back for evaluation (`split_holdout`; `StreamedSplit` over
+a stream of records, `iter_source`, holding only the held-back ones).
 
 Chatterbot: every English `*.yml` of `chatterbot-corpus`, each dialogue alternating
 user/assistant turns, files in sorted order.
@@ -20,6 +21,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from collections import deque
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +35,14 @@ _CALC = re.compile(r"<<[^>]*>>")
 
 def load_jsonl(path: str | Path) -> list[Record]:
     """Read one JSON object per non-empty line. Raises `ConfigError` naming the bad line."""
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: str | Path) -> Iterator[Record]:
+    """`load_jsonl`, a record at a time (the file is read as the records are taken)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"data.source {str(path)!r} is not a file")
-    records = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -48,8 +55,7 @@ def load_jsonl(path: str | Path) -> list[Record]:
                 raise ConfigError(
                     f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}"
                 )
-            records.append(obj)
-    return records
+            yield obj
 
 
 def _package_dir(package: str, pip_name: str) -> Path:
@@ -106,17 +112,55 @@ def chatterbot_records() -> list[Record]:
 
 def load_source(source: str) -> list[Record]:
     """`gsm8k`, `gsm8k-prompts` (questions only), `chatterbot`, or a JSONL path."""
+    return list(iter_source(source))
+
+
+def iter_source(source: str) -> Iterator[Record]:
+    """`load_source`, a record at a time: a JSONL file is read as the records are taken, so
+    a consumer that keeps less than the records (the feeder packs their tokens) never holds
+    the whole file's records. An unknown source raises `ConfigError` at once."""
     if source == "gsm8k":
-        return gsm8k_records()
+        return iter(gsm8k_records())
     if source == "gsm8k-prompts":
-        return gsm8k_records(with_answers=False)
+        return iter(gsm8k_records(with_answers=False))
     if source == "chatterbot":
-        return chatterbot_records()
+        return iter(chatterbot_records())
     if source.endswith(".jsonl") or Path(source).is_file():
-        return load_jsonl(source)
+        return iter_jsonl(source)
     raise ConfigError(
         f"data.source {source!r}: expected gsm8k, gsm8k-prompts, chatterbot or a JSONL path"
     )
+
+
+class StreamedSplit:
+    """`split_holdout` over a stream of records, holding only `holdout` of them at a time.
+
+    Iterating it (once) yields the training records, in order: all but the last `holdout`,
+    at most `limit` of them (the stream is still read to its end, to find the last ones);
+    `held` is the last `holdout` records once the iteration has ended, `count` the records
+    read and `given` the training records yielded. Raises `ConfigError` at the end of the stream when `holdout` leaves no
+    training record (as `split_holdout` does)."""
+
+    def __init__(self, records: Iterable[Record], holdout: int, limit: int | None = None):
+        self.records, self.holdout, self.limit = records, holdout, limit
+        self.held: list[Record] | None = None  # known once the stream has been read
+        self.count = self.given = 0
+
+    def __iter__(self) -> Iterator[Record]:
+        window: deque[Record] = deque()
+        for record in self.records:
+            self.count += 1
+            window.append(record)
+            if len(window) > self.holdout:
+                oldest = window.popleft()
+                if self.limit is None or self.given < self.limit:
+                    self.given += 1
+                    yield oldest
+        if self.holdout >= self.count:
+            raise ConfigError(
+                f"data.holdout={self.holdout} leaves no training records out of {self.count}"
+            )
+        self.held = list(window)
 
 
 def split_holdout(

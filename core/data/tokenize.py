@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,7 +184,7 @@ def prompt_ids(record: dict[str, Any], tokenizer, template: ChatTemplate) -> tor
 
 
 def tokenize_records(
-    records: list[dict[str, Any]],
+    records: Iterable[dict[str, Any]],
     tokenizer,
     data: DataConfig,
     *,
