@@ -209,6 +209,28 @@ def analyse(rows: list[dict], history: list[dict], warmup: int, target: int) -> 
     return out
 
 
+def prepare_only(args) -> dict:
+    """`--prepare-only`: the feeder's `prepare()` of `--refs` records in this process, under
+    tracemalloc (the Python heap: records, packed samples, vocab counts), and its time."""
+    import tracemalloc
+
+    from specbus.producers.feeder import prepare
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="specbus-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    target = build_target(work / "target")
+    data = write_data(work / "data.jsonl", args.refs, args.seq)
+    cfg = config_for("prepare", work, target, data, args)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    prepared = prepare(cfg)
+    seconds = time.perf_counter() - t0
+    held, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"records": args.refs, "samples": len(prepared.samples), "seconds": seconds,
+            "heap_peak_bytes": peak, "heap_after_bytes": held, "args": vars(args)}  # fmt: skip
+
+
 def run(args) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="specbus-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -281,7 +303,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extrapolate", type=int, default=10_000_000)
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="only the feeder's prepare() of --refs records, in-process: its "
+                         "Python heap peak (tracemalloc) and time")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.prepare_only:
+        out = prepare_only(args)
+        print(f"prepare() of {out['records']:,} records: {out['samples']:,} samples in "
+              f"{out['seconds']:.1f} s, Python heap peak {human(out['heap_peak_bytes'], 'B')}, "
+              f"held after {human(out['heap_after_bytes'], 'B')}")  # fmt: skip
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        return 0
     out = run(args)
     print(f"trained {out['trained']:,} of {args.refs:,} refs in {out['seconds']:.0f} s; "
           f"lineage {out['lineage']:,} ids, each once")  # fmt: skip
