@@ -103,7 +103,7 @@ class Launcher:
         """Start `world` trainer ranks (`argv`, or `argv(rank)`) under the torchrun contract,
         rendezvous on a free loopback port; `env(rank)` adds to a rank's environment,
         `local_rank(rank)` overrides its LOCAL_RANK (one visible GPU per process: 0)."""
-        port = free_port()  # not an ephemeral port: a client socket could take it first
+        port = free_port()
         out = []
         for rank in range(world):
             local = None if local_rank is None else local_rank(rank)

@@ -138,8 +138,8 @@ class StreamedSplit:
     Iterating it (once) yields the training records, in order: all but the last `holdout`,
     at most `limit` of them (the stream is still read to its end, to find the last ones);
     `held` is the last `holdout` records once the iteration has ended, `count` the records
-    read and `given` the training records yielded. Raises `ConfigError` at the end of the stream when `holdout` leaves no
-    training record (as `split_holdout` does)."""
+    read and `given` the training records yielded. Raises `ConfigError` at the end of the
+    stream when `holdout` leaves no training record (as `split_holdout` does)."""
 
     def __init__(self, records: Iterable[Record], holdout: int, limit: int | None = None):
         self.records, self.holdout, self.limit = records, holdout, limit

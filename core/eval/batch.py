@@ -45,9 +45,8 @@ import torch
 from specbus.core.eval.speculative import (
     ChainDrafter,
     Drafter,
-    _cache_kw,
     _device,
-    _last_only,
+    _forward_kw,
     _new_cache,
     _on_target_vocab,
     _to_target,
@@ -355,7 +354,7 @@ class SpecBatch:
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         self.cache = _new_cache()
         self.valid_BW = torch.zeros((len(prompts), 0), dtype=torch.bool, device=self.device)
-        logits = self._forward(ids, positions, valid, **_last_only(target))
+        logits = self._forward(ids, positions, valid, last_only=True)
         self.rows = list(range(len(prompts)))
         self.n = lengths
         self.next_tok = [self._first(i, logits[i, -1]) for i in self.rows]
@@ -384,14 +383,14 @@ class SpecBatch:
         return torch.tensor(self._seq[i][start + 1 : start + 1 + count], device=self.device)
 
     def _forward(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, new_BT: torch.Tensor,
-                 **kw):  # fmt: skip
+                 *, last_only: bool = False):  # fmt: skip
         """The target over `ids_BT` appended to every row (`new_BT`: which of them are real);
-        `kw` goes to the target's forward."""
+        `last_only`: the last position's logits only (a prefill)."""
         self.valid_BW = torch.cat([self.valid_BW, new_BT.to(self.device)], dim=1)
         return self.target(input_ids=ids_BT.to(self.device), use_cache=True,
                            attention_mask=self.valid_BW.long(),
                            position_ids=positions_BT.to(self.device),
-                           **{_cache_kw(self.target): self.cache}, **kw).logits  # fmt: skip
+                           **_forward_kw(self.target, self.cache, last_only=last_only)).logits  # fmt: skip
 
     def step(self, k: Sequence[int]) -> list[tuple[list[int], int]]:
         """One round (class doc), `k[j]` drafts at most for row j: per row in `rows` order,

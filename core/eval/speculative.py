@@ -63,25 +63,23 @@ def _crop(cache, keep: int) -> None:
         cache.crop(-remove)
 
 
-def _cache_kw(target: nn.Module) -> str:
-    """The target forward's KV-cache argument: `cache` on transformers >= 5.24, else
-    `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-
-
-def _last_only(target: nn.Module) -> dict:
-    """The forward's keyword for "logits of the last position only" (`logits_to_keep=1`),
-    where it takes one. A prefill needs no other: the [B, T, V] logits of every prompt
-    position were 45 % of a CPU serving wave's time (SmolLM2 cut to 4 layers, 64 GSM8K
-    prompts), and would be a GB on a GPU."""
+def _forward_kw(target: nn.Module, cache, *, last_only: bool = False) -> dict:
+    """The target forward's keyword arguments for a KV cache (`cache` on transformers >= 5.24,
+    else `past_key_values`) and, with `last_only`, `logits_to_keep=1` where the forward takes
+    it: a prefill needs the last position's logits only (the [B, T, V] logits of every prompt
+    position were 45 % of a CPU serving wave's time, SmolLM2 cut to 4 layers and 64 GSM8K
+    prompts, and would be a GB on a GPU)."""
     params = inspect.signature(target.forward).parameters
-    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    kw = {"cache" if "cache" in params else "past_key_values": cache}
+    if last_only and "logits_to_keep" in params:
+        kw["logits_to_keep"] = 1
+    return kw
 
 
 def _forward(target: nn.Module, ids_1T: torch.Tensor, cache, *, last_only: bool = False):
     """Target forward with a KV cache; `last_only`: the last position's logits only."""
-    kw = _last_only(target) if last_only else {}
-    return target(input_ids=ids_1T, use_cache=True, **{_cache_kw(target): cache}, **kw).logits
+    return target(input_ids=ids_1T, use_cache=True,
+                  **_forward_kw(target, cache, last_only=last_only)).logits  # fmt: skip
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -288,6 +288,7 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1, default=str))
 
+    target_config = json.loads((target / "config.json").read_text())
     for stage in stages:
         t0 = time.perf_counter()
         if stage == "pipeline":
@@ -299,7 +300,7 @@ def main() -> None:
             seqs = [int(s) for s in args.floor_seqs.split(",")]
             report["floor"] = floor(args.floor, seqs, args.floor_timeout)
         print(f"stage {stage} done in {time.perf_counter() - t0:.0f}s", flush=True)
-        add_mfu(report, json.loads((target / "config.json").read_text()), args)
+        add_mfu(report, target_config, args)
         save()
     print_table(report)
 

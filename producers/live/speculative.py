@@ -378,17 +378,14 @@ class _Wave:
         done = []
         for i, (emitted, accepted) in zip(order, results, strict=True):
             spec = wave[i].spec
-            if spec is None:  # a plain wave's request
-                if self.gen.take(wave[i], emitted):
-                    done.append(i)
-                continue
-            spec.verifies, spec.accepted, spec.tokens = (spec.verifies + 1,
-                                                         spec.accepted + accepted,
-                                                         spec.tokens + len(emitted))  # fmt: skip
-            if not spec.versions or spec.versions[-1] != self.version:
-                spec.versions.append(self.version)
-            if stats is not None:
-                stats.round(self.version, accepted, len(emitted), share)
+            if spec is not None:  # None: a plain wave's request
+                spec.verifies, spec.accepted, spec.tokens = (spec.verifies + 1,
+                                                             spec.accepted + accepted,
+                                                             spec.tokens + len(emitted))  # fmt: skip
+                if not spec.versions or spec.versions[-1] != self.version:
+                    spec.versions.append(self.version)
+                if stats is not None:
+                    stats.round(self.version, accepted, len(emitted), share)
             if self.gen.take(wave[i], emitted):
                 done.append(i)
         batch.retire(done)
