@@ -180,7 +180,7 @@ class Leases:
     async def join(
         cls, bus: Bus, run: str, group: Group, record_cls: type[Record] | None = None
     ) -> Leases:
-        """Bind to the run's durable consumer `group` (declared by `bus.topology.declare`).
+        """Bind to the run's durable consumer `group` (declared by `bus.run.declare`).
 
         Raises `BusError` if the consumer does not exist.
         """

@@ -1,8 +1,8 @@
 """One run on one broker connection: what the processes of a run use of the bus.
 
-`await bus.topology.declare(bus, cfg, run)` returns a `RunBus` (`bus.topology.open_run` for
-a run that must exist already): the run's names, its KV markers, a publisher, joining a
-consumer group, lag and ack floor, replay, dead letters, repositioning, and
+`await declare(bus, cfg, run)` returns a `RunBus` (`open_run` for a run that must exist
+already; bus/topology.py declares the broker objects): the run's names, its KV markers, a
+publisher, joining a consumer group, lag and ack floor, replay, dead letters, repositioning, and
 `drained(group)`: the one definition of "no more data can come to this group" that the
 trainers' sources and the producers' idle check all use. Semantics: docs/bus.md.
 """
@@ -10,7 +10,6 @@ trainers' sources and the producers' idle check all use. Semantics: docs/bus.md.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from specbus.bus.connection import Bus
 from specbus.bus.dead import DeadLetter, Delivery, count_dead, dead_letter, list_dead
@@ -20,11 +19,10 @@ from specbus.bus.outage import ride
 from specbus.bus.publisher import Ack, Publisher
 from specbus.bus.replay import Stored, get, replay, reposition
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Group, Names
+from specbus.bus.topology import RunKV, ensure_run, open_kv
+from specbus.core.config import BusConfig
 from specbus.core.contracts import Record
 from specbus.core.source import Upstream
-
-if TYPE_CHECKING:
-    from specbus.bus.topology import RunKV
 
 
 class RunBus:
@@ -135,3 +133,17 @@ class RunBus:
         the trainers): `{"explicit": n, "max_deliveries": m}` (see `bus.dead.count_dead`)."""
         kind = self.names.kind_of_stream(self.names.stream_of(group))
         return (await count_dead(self.bus, self.run))[kind]
+
+
+async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> RunBus:
+    """Declare the run's streams, consumers and KV bucket (idempotent: `bus.topology`) and
+    return the run's facade. Raises `BusRejected` for an existing object the server cannot
+    change in place, `BrokerUnavailable` after an outage of `bus.outage_give_up_s`."""
+    return RunBus(bus, Names(run), await ensure_run(bus, cfg, run))
+
+
+async def open_run(bus: Bus, run: str) -> RunBus | None:
+    """The facade of a run that exists already (its KV bucket does), without declaring
+    anything; None if there is no such run on this broker (a reader: a recording)."""
+    kv = await open_kv(bus, run)
+    return None if kv is None else RunBus(bus, Names(run), kv)

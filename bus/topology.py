@@ -1,10 +1,10 @@
 """The broker objects of a run, declared idempotently from the bus config.
 
-`await declare(bus, cfg, run)` makes sure the run's streams (TASKS, SAMPLES, DEAD), durable
-consumers ("producers", "trainers") and KV bucket exist, and returns the run's `RunBus`
-(bus/run.py). Declaring again changes nothing; what the server can change in place is
-updated and logged, what it cannot raises `BusRejected`; a consumer's start position is never
-touched. `RunKV` is the bucket's typed markers. docs/bus.md, "Topology".
+`await ensure_run(bus, cfg, run)` makes sure the run's streams (TASKS, SAMPLES, DEAD), durable
+consumers ("producers", "trainers") and KV bucket exist and returns the bucket (`RunKV`, its
+typed markers); `bus.run.declare` wraps it in the run's `RunBus`. Declaring again changes
+nothing; what the server can change in place is updated and logged, what it cannot raises
+`BusRejected`; a consumer's start position is never touched. docs/bus.md, "Topology".
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from nats.js.api import (
@@ -33,9 +33,6 @@ from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
 from specbus.core.config import BusConfig
 from specbus.core.contracts import Manifest
 from specbus.core.errors import BrokerUnavailable, BusError, BusNotFound, BusRejected
-
-if TYPE_CHECKING:
-    from specbus.bus.run import RunBus
 
 log = logging.getLogger("specbus.bus")
 
@@ -392,12 +389,10 @@ async def open_kv(
             raise BusError(f"cannot create KV bucket {names.kv_bucket}: {e}") from e
 
 
-async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> RunBus:
+async def ensure_run(bus: Bus, cfg: BusConfig | None, run: str) -> RunKV:
     """Declare the run's streams, consumers and KV bucket (idempotent; see module doc) and
-    return the run's facade. Raises `BusRejected` for an existing object the server cannot
-    change in place, `BrokerUnavailable` after an outage of `bus.outage_give_up_s`."""
-    from specbus.bus.run import RunBus  # it builds on lag/replay, which build on this module
-
+    return the bucket. Raises `BusRejected` for an existing object the server cannot change
+    in place, `BrokerUnavailable` after an outage of `bus.outage_give_up_s`."""
     cfg = cfg or bus.cfg
     names = Names(run)
     for stream in stream_configs(names, cfg):
@@ -406,13 +401,4 @@ async def declare(bus: Bus, cfg: BusConfig | None, run: str) -> RunBus:
         await _ensure_consumer(bus, names.stream_of(group), consumer_config(group, cfg))
     kv = await open_kv(bus, run, create=True, cfg=cfg)
     assert kv is not None
-    return RunBus(bus, names, kv)
-
-
-async def open_run(bus: Bus, run: str) -> RunBus | None:
-    """The facade of a run that exists already (its KV bucket does), without declaring
-    anything; None if there is no such run on this broker (a reader: a recording)."""
-    from specbus.bus.run import RunBus
-
-    kv = await open_kv(bus, run)
-    return None if kv is None else RunBus(bus, Names(run), kv)
+    return kv

@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from specbus.bus.connection import connect
-from specbus.bus.run import RunBus
+from specbus.bus.run import RunBus, declare
 from specbus.bus.subjects import PRODUCERS, TRAINERS
-from specbus.bus.topology import declare
 from specbus.consumers.recording import FORMAT, MARKER_FILE, REFS_FILE, final_refs
 from specbus.core.config import RunConfig
 from specbus.core.contracts import SampleRef

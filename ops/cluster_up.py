@@ -176,7 +176,7 @@ class ClusterUp:
 
 async def _declare(bus_cfg, url: str, run: str) -> None:
     from specbus.bus.connection import connect
-    from specbus.bus.topology import declare
+    from specbus.bus.run import declare
 
     bus = await connect(bus_cfg, url, name="specbus-up")
     try:

@@ -145,7 +145,7 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
                      port: int | None = None) -> int:  # fmt: skip
     """`specbus intake` (module doc). Returns the exit code."""
     from specbus.bus.connection import connect
-    from specbus.bus.topology import declare
+    from specbus.bus.run import declare
     from specbus.core.models.target import load_target_info, resolve_target_dir
     from specbus.producers.feeder import prepare
     from specbus.producers.live.intake import Intake, build_app

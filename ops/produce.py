@@ -10,8 +10,8 @@ import signal
 
 import torch
 from specbus.bus.connection import connect
+from specbus.bus.run import declare
 from specbus.bus.subjects import PRODUCERS
-from specbus.bus.topology import declare
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError
 from specbus.core.models.target import load_target_info, resolve_target_dir

@@ -139,7 +139,7 @@ class KVPointers:
 
     async def _kv(self):
         from specbus.bus.connection import connect
-        from specbus.bus.topology import open_run
+        from specbus.bus.run import open_run
 
         if self._bus is None:
             self._bus = await connect(self.cfg.bus, self.url, name="specbus-serve-drafts")

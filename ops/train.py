@@ -21,8 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from specbus.bus.connection import connect
-from specbus.bus.run import RunBus
-from specbus.bus.topology import declare
+from specbus.bus.run import RunBus, declare
 from specbus.consumers.checkpoint import CheckpointManager
 from specbus.consumers.ledger import Ledger
 from specbus.consumers.loader import Loader

@@ -287,7 +287,7 @@ def run_up(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 async def _declare(cfg: RunConfig, url: str) -> None:
     from specbus.bus.connection import connect
-    from specbus.bus.topology import declare
+    from specbus.bus.run import declare
 
     bus = await connect(cfg.bus, url, name="specbus-up")
     try:

@@ -9,8 +9,8 @@ from specbus.bus.dead import list_dead
 from specbus.bus.lag import lag
 from specbus.bus.lease import Leases
 from specbus.bus.publisher import Publisher
+from specbus.bus.run import declare
 from specbus.bus.status import run_status
-from specbus.bus.topology import declare
 from specbus.core.contracts import Manifest, ManifestTarget, VocabTable
 from specbus.core.errors import BusError, ConfigError
 

@@ -19,9 +19,9 @@ import dataclasses
 import pytest
 import torch
 from specbus.bus.connection import connect
+from specbus.bus.run import declare
 from specbus.bus.status import run_status
 from specbus.bus.subjects import PRODUCERS
-from specbus.bus.topology import declare
 from specbus.core.audit import AuditConfig, CaptureAudit, audit_decision, compare
 from specbus.core.config import StrategyConfig, TargetConfig
 from specbus.core.models.target import load_target_info

@@ -12,8 +12,9 @@ import pytest
 from specbus.bus.connection import connect
 from specbus.bus.lease import Leases
 from specbus.bus.publisher import Publisher
+from specbus.bus.run import declare
 from specbus.bus.subjects import Names
-from specbus.bus.topology import declare, open_kv
+from specbus.bus.topology import open_kv
 from specbus.core.config import BusConfig
 from specbus.ops.services.cluster import NatsCluster
 

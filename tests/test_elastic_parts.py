@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 from specbus.bus.connection import connect
-from specbus.bus.topology import declare
+from specbus.bus.run import declare
 from specbus.consumers.checkpoint import CheckpointManager
 from specbus.consumers.loop_thread import LoopThread
 from specbus.consumers.shutdown import stop_on_signals

@@ -17,8 +17,8 @@ from specbus.bus.connection import connect
 from specbus.bus.lease import Leases
 from specbus.bus.publisher import Publisher
 from specbus.bus.replay import reposition
+from specbus.bus.run import declare
 from specbus.bus.subjects import TRAINERS, Names
-from specbus.bus.topology import declare
 from specbus.consumers.bus_source import BusSource
 from specbus.consumers.checkpoint import CheckpointManager
 from specbus.consumers.ledger import Ledger, plan_round

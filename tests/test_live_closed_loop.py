@@ -140,7 +140,7 @@ def greedy_texts(run: LiveRun, answers) -> dict:
 def put_pointer(url: str, run_name: str, pointer: dict) -> None:
     """Publish a checkpoint pointer in the run KV, as the trainers do."""
     from specbus.bus.connection import connect
-    from specbus.bus.topology import open_run
+    from specbus.bus.run import open_run
     from specbus.core.config import BusConfig
 
     async def go():

@@ -17,8 +17,8 @@ import pytest
 import torch
 from specbus.bus.connection import connect
 from specbus.bus.replay import replay
+from specbus.bus.run import open_run
 from specbus.bus.subjects import Names
-from specbus.bus.topology import open_run
 from specbus.core.config import BusConfig
 from specbus.core.contracts import MAX_RECORD_BYTES, PromptTask, SampleRef
 from specbus.core.data.tokenize import SampleTooLong

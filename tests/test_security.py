@@ -23,8 +23,8 @@ from specbus.bus.lease import Leases
 from specbus.bus.outage import ride
 from specbus.bus.publisher import Publisher
 from specbus.bus.replay import get
+from specbus.bus.run import declare
 from specbus.bus.subjects import Names
-from specbus.bus.topology import declare
 from specbus.consumers.bus_source import BusSource
 from specbus.core.config import BusConfig
 from specbus.core.contracts import Manifest, ManifestTarget, PromptTask, VocabTable

@@ -24,8 +24,8 @@ import httpx
 import pytest
 import torch
 from specbus.bus.connection import connect
+from specbus.bus.run import declare
 from specbus.bus.subjects import PRODUCERS
-from specbus.bus.topology import declare
 from specbus.core.config import TargetConfig
 from specbus.core.contracts import PromptTask
 from specbus.core.models.target import load_target_info

@@ -326,7 +326,7 @@ def test_a_producer_rides_out_the_trainers_consumer_being_repositioned(
     """A resuming trainer world deletes and recreates the trainers' consumer (reposition); a
     producer reading the trainers' lag in that moment keeps its last value instead of failing
     (a tight-budget chaos trial's producer died with "consumer .../trainers not found")."""
-    from specbus.bus.topology import declare
+    from specbus.bus.run import declare
     from specbus.core.store import open_store
 
     store = open_store(f"shm://{run_id}", budget_bytes=1 << 20)

@@ -195,7 +195,7 @@ async def bus_consumer(
 
 async def bus_setup(url: str, run: str, replicas: int = 1) -> None:
     from specbus.bus.connection import connect
-    from specbus.bus.topology import declare
+    from specbus.bus.run import declare
 
     cfg = _bus_cfg().model_copy(update={"replicas": replicas})
     bus = await connect(cfg, url)
@@ -236,8 +236,8 @@ async def _ack_floor_after_kill(server, run: str, delay_s: float, n: int = 40, a
     from specbus.bus.connection import connect
     from specbus.bus.lease import Leases
     from specbus.bus.publisher import Publisher
+    from specbus.bus.run import declare
     from specbus.bus.subjects import Names
-    from specbus.bus.topology import declare
 
     cfg = _bus_cfg().model_copy(update={"connect_timeout_s": 5.0})
     bus = await connect(cfg, server.url, name="bench-kill")

@@ -77,8 +77,8 @@ class Drain:
 
     async def run(self) -> None:
         from specbus.bus.connection import connect
+        from specbus.bus.run import open_run
         from specbus.bus.subjects import TRAINERS
-        from specbus.bus.topology import open_run
 
         store = self.cfg.store.build()
         try:
@@ -253,7 +253,7 @@ class Poster:
 async def undrained_bytes(cfg, bus_url: str) -> int:
     """Tensor bytes of the refs the drains left (exact: every ref of the window is read)."""
     from specbus.bus.connection import connect
-    from specbus.bus.topology import open_run
+    from specbus.bus.run import open_run
 
     async with await connect(cfg.bus, bus_url, name="bench-lag") as bus:
         return (await (await open_run(bus, cfg.run)).lag(scan=True)).bytes

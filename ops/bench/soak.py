@@ -77,8 +77,8 @@ def soak_config(run: str, work: Path, target: Path, chats: Path, args) -> object
 async def _bus_sample(cfg, url: str) -> dict[str, float]:
     from specbus.bus.connection import connect
     from specbus.bus.outage import ride
+    from specbus.bus.run import open_run
     from specbus.bus.subjects import TRAINERS
-    from specbus.bus.topology import open_run
     from specbus.core.errors import BusNotFound
 
     bus = await connect(cfg.bus, url, name="soak-bench")
