@@ -23,6 +23,7 @@ from specbus.core.config_methods import (  # noqa: F401  (re-exported: the per-m
     PEagleSection,
     Section,
 )
+from specbus.core.config_telemetry import TelemetryConfig
 from specbus.core.errors import ConfigError
 from specbus.core.registry import ENGINES, MODES, STORES, STRATEGIES
 
@@ -336,9 +337,6 @@ class LiveConfig(Section):
                 "up (and remove the keys) on a record the intake may still publish"
             )
         return self
-
-
-from specbus.core.config_telemetry import TelemetryConfig  # noqa: E402 - it needs Section
 
 
 class RunConfig(Section):

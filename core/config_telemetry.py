@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from specbus.core.config import Section
+from specbus.core.config_methods import Section
 
 
 class TelemetryConfig(Section):

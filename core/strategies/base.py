@@ -14,14 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
-from specbus.core.config import StrategyConfig
 from specbus.core.errors import CaptureError
 from specbus.core.models.target import TargetHeads, TargetInfo
 from specbus.core.registry import STRATEGIES
 from torch import nn
+
+if TYPE_CHECKING:  # the config builds strategies (`StrategyConfig.build`): annotation only
+    from specbus.core.config import StrategyConfig
 
 _DTYPES = {"int64": torch.int64, "bool": torch.bool}
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -1,6 +1,7 @@
-"""The DFlash family's blocks: anchors, the training block mask, and the draft's hidden of
-every block (shared by the three objectives in dflash_loss.py; the shape legend and the
-semantics are in its module docstring).
+"""The DFlash family's blocks: anchors, the training block mask, the draft's hidden of every
+block, the vocabulary head over block rows and a block's accepted prefix (shared by the three
+objectives in dflash_loss.py and their fused forms in dflash_fused.py; the shape legend and
+the semantics are in dflash_loss.py's module docstring).
 """
 
 from __future__ import annotations
@@ -99,3 +100,25 @@ def draft_blocks(
         allow = block_mask(anchors_BN, keep_BN, seq, block_size)
     hidden = model(noise_BQH, hidden_states_BLA, positions, allow, attention)
     return hidden.view(b, n, block_size, -1)
+
+
+@torch.no_grad()
+def accept_prefix(pred_BNK, target_BNK, valid_BNK) -> torch.Tensor:
+    """Accepted prefix length per block: consecutive correct valid positions (invalid count as
+    correct inside the prefix, zero themselves), as the reference's `compute_accept_len`."""
+    correct = (pred_BNK == target_BNK) | ~valid_BNK
+    return (correct.long().cumprod(dim=2) * valid_BNK.long()).sum(dim=2).float()
+
+
+def rows_linear(x: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` as one 2-D matmul over all leading dims. A chunk sliced out of
+    `[B, N, K, H]` along N is not foldable into rows without a copy, and `matmul` then runs a
+    batched GEMM of B*n tiny `[K, H] @ [H, V]` products: on the H200 that was 39 ms per chunk
+    against ~4 ms for the same FLOPs as one GEMM (docs/dflash.md, "Training"). The reshape
+    copies such a slice (megabytes) instead."""
+    return F.linear(x.reshape(-1, x.shape[-1]), weight_OI).view(*x.shape[:-1], weight_OI.shape[0])
+
+
+def head_logits(hidden: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
+    """The vocabulary head over every block row (`hidden` cast to the head's dtype)."""
+    return rows_linear(hidden.to(lm_head_VH.dtype), lm_head_VH)

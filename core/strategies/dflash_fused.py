@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from specbus.core.errors import ConfigError
 from specbus.core.models.kernels import compiled
-from specbus.core.strategies.dflash_loss import _logits, accept_prefix, rows_linear
+from specbus.core.strategies.dflash_blocks import accept_prefix, head_logits, rows_linear
 
 
 class _FusedHead(torch.autograd.Function):
@@ -32,7 +32,7 @@ class _FusedHead(torch.autograd.Function):
         for start in range(0, n, step):
             sl = slice(start, start + step)
             hc = h[:, sl]
-            z = _logits(hc, lm_head_VH)
+            z = head_logits(hc, lm_head_VH)
             if e is not None:
                 z = z + rows_linear(e[:, sl], m2)
             # contiguous chunks: one compiled graph for every chunk (no stride guards)
@@ -210,7 +210,7 @@ def _dspark_fused(draft, lm_head_VH, chunk, hidden, prev, target, weights, eval_
                 z, table.logits_BLV, th, tgt, w, ev, ce_alpha, l1_alpha
             )
         else:
-            t_logits = _logits(th, lm_head_VH) if use_teacher else None
+            t_logits = head_logits(th, lm_head_VH) if use_teacher else None
             grad, accept, *sums = dspark_chunk_terms(z, t_logits, tgt, w, ev, ce_alpha, l1_alpha)
         return grad, tuple(sums), (accept,)
 

@@ -47,9 +47,12 @@ import torch.nn.functional as F
 from specbus.core.errors import ConfigError
 from specbus.core.strategies.base import Metrics, StepContext
 from specbus.core.strategies.dflash_blocks import (  # noqa: F401  (part of this module's API)
+    accept_prefix,
     block_mask,
     draft_blocks,
     gather_blocks,
+    head_logits,
+    rows_linear,
     sample_anchors,
 )
 from specbus.core.strategies.eagle3 import unwrap
@@ -80,14 +83,6 @@ def chunked_sum(fn: Callable[..., tuple[torch.Tensor, ...]], *tensors, chunk: in
     return totals
 
 
-@torch.no_grad()
-def accept_prefix(pred_BNK, target_BNK, valid_BNK) -> torch.Tensor:
-    """Accepted prefix length per block: consecutive correct valid positions (invalid count as
-    correct inside the prefix, zero themselves), as the reference's `compute_accept_len`."""
-    correct = (pred_BNK == target_BNK) | ~valid_BNK
-    return (correct.long().cumprod(dim=2) * valid_BNK.long()).sum(dim=2).float()
-
-
 def _position_metrics(metrics: Metrics, correct_K, denom_K, ce_K, first: int) -> None:
     """Per drafted position j = k - first: correct_j, denom_j, acc_j, ploss_j; sim_accept_len.
     Computed for all positions at once (a few kernels, not a few per position)."""
@@ -100,19 +95,6 @@ def _position_metrics(metrics: Metrics, correct_K, denom_K, ce_K, first: int) ->
         metrics[f"acc_{j}"] = acc_J[j]
         metrics[f"ploss_{j}"] = ploss_J[j]
     metrics["sim_accept_len"] = acc_J.cumprod(0).sum()
-
-
-def rows_linear(x: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` as one 2-D matmul over all leading dims. A chunk sliced out of
-    `[B, N, K, H]` along N is not foldable into rows without a copy, and `matmul` then runs a
-    batched GEMM of B*n tiny `[K, H] @ [H, V]` products: on the H200 that was 39 ms per chunk
-    against ~4 ms for the same FLOPs as one GEMM (docs/dflash.md, "Training"). The reshape
-    copies such a slice (megabytes) instead."""
-    return F.linear(x.reshape(-1, x.shape[-1]), weight_OI).view(*x.shape[:-1], weight_OI.shape[0])
-
-
-def _logits(hidden: torch.Tensor, lm_head_VH: torch.Tensor) -> torch.Tensor:
-    return rows_linear(hidden.to(lm_head_VH.dtype), lm_head_VH)
 
 
 def _ce(logits_BNKV: torch.Tensor, target_BNK: torch.Tensor) -> torch.Tensor:
@@ -187,7 +169,7 @@ def dflash_loss(
                                           block_size, gamma)  # fmt: skip
 
     def terms(h, tgt, m, w):
-        logits = _logits(h, lm_head_VH)
+        logits = head_logits(h, lm_head_VH)
         ce = _ce(logits, tgt)
         with torch.no_grad():
             pred = logits.argmax(-1)
@@ -276,7 +258,7 @@ def domino_loss(
         prev = gather_blocks(input_ids_BL, anchors_BN, own)[0]
 
     def terms(h, prv, tgt, m, w):
-        base = _logits(h, lm_head_VH)
+        base = head_logits(h, lm_head_VH)
         final = draft.domino_logits(base, h, F.embedding(prv, embed_VH))
         final_ce, base_ce = _ce(final, tgt), _ce(base, tgt)
         with torch.no_grad():
@@ -375,7 +357,7 @@ def dspark_loss(
         teacher_h = torch.gather(target_BLH, 1, teacher_idx).view(b, n, block_size, -1)
 
     def terms(h, prv, tgt, w, ev, th):
-        base = _logits(h, lm_head_VH)
+        base = head_logits(h, lm_head_VH)
         logits = (
             draft.markov_head.block_logits(base, prv, h) if draft.markov_head is not None else base
         )
@@ -386,7 +368,7 @@ def dspark_loss(
         accept = None
         if th is not None:
             with torch.no_grad():
-                t_logits = _logits(th, lm_head_VH)
+                t_logits = head_logits(th, lm_head_VH)
                 t_prob = torch.softmax(t_logits.float(), dim=-1)
                 t_ids = t_logits.argmax(-1)
             d_prob = torch.softmax(logits.float(), dim=-1)
@@ -434,7 +416,7 @@ def dspark_loss(
             # of the sequence, gathered per block row (fewer rows through the vocabulary matmul)
             with torch.no_grad():
                 teacher = TeacherTable(
-                    _logits(target_BLH, lm_head_VH), (safe - 1).clamp(min=0).view(b, n, -1)
+                    head_logits(target_BLH, lm_head_VH), (safe - 1).clamp(min=0).view(b, n, -1)
                 )
         objective, *sums = _dspark_fused(
             draft, lm_head_VH, chunk_blocks, hidden, prev, target, weights, eval_mask, teacher,
