@@ -45,11 +45,9 @@ from typing import Any
 
 import torch
 from specbus.bus.connection import Bus
-from specbus.bus.run import RunBus
+from specbus.bus.run import RunBus, open_run
 from specbus.bus.subjects import TRAINERS
-from specbus.bus.topology import open_run
 from specbus.consumers.ledger import Ledger
-from specbus.core.config import StrategyConfig, TargetConfig
 from specbus.core.contracts import Manifest, SampleRef
 from specbus.core.errors import ConfigError, FeatureMissing, IntegrityError, RecordError
 from specbus.core.source import Item, Upstream
@@ -216,28 +214,6 @@ class DirRecording(_StoreBacked):
         """Close the store and `refs.jsonl`."""
         super().close()
         os.close(self._fd)
-
-
-async def open_recording(
-    spec: str, bus: Bus | None, strategy: StrategyConfig, target: TargetConfig
-) -> Recording:
-    """The recording `spec` names: a directory (a specbus recording, a speculators dump or a
-    SpecForge dump, read for `strategy` on `target`), else a run name on the broker. Raises `ConfigError`
-    for what is neither."""
-    path = Path(spec)
-    if path.is_dir() or path.is_absolute() or spec.startswith("."):
-        if (path / MARKER_FILE).is_file():
-            return await asyncio.to_thread(DirRecording, path)
-        from specbus.consumers.speculators import SpeculatorsRecording, is_speculators_dump
-
-        if is_speculators_dump(path):
-            return await asyncio.to_thread(SpeculatorsRecording, path, strategy, target)
-        from specbus.consumers.specforge import SpecForgeRecording
-
-        return await asyncio.to_thread(SpecForgeRecording, path, strategy, target)
-    if bus is None:
-        raise ConfigError(f"recording {spec!r}: a run name needs the broker (--url)")
-    return await BusRecording.open(bus, spec)
 
 
 def is_run_name(spec: str) -> bool:

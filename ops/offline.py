@@ -26,7 +26,8 @@ from specbus.consumers.loader import Loader
 from specbus.consumers.lockstep import control_group
 from specbus.consumers.loop_thread import LoopThread
 from specbus.consumers.parallel import is_sharded
-from specbus.consumers.recording import RecordingSource, is_run_name, open_recording
+from specbus.consumers.recording import RecordingSource, is_run_name
+from specbus.consumers.recording_formats import open_recording
 from specbus.consumers.shutdown import stop_on_signals
 from specbus.consumers.trainer import Trainer, TrainerHooks, TrainResult
 from specbus.core.config import RunConfig

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from specbus.consumers.recording import open_recording
+from specbus.consumers.recording_formats import open_recording
 from specbus.consumers.speculators import SpeculatorsRecording
 from specbus.core.errors import ConfigError
 
