@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from specbus.core.errors import SpecbusError
-from specbus.ops.cli import add_common, config_of, resolve_url
+from specbus.ops.args import add_common, config_of, resolve_url
 from specbus.ops.elastic import add_elastic_arguments, serve_rendezvous
 from specbus.ops.observe import samples_rate
 

@@ -36,7 +36,7 @@ from typing import Any
 
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError
-from specbus.ops.cli import add_common, config_of, resolve_url
+from specbus.ops.args import add_common, config_of, resolve_url
 
 log = logging.getLogger("specbus.live")
 
