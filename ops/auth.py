@@ -47,6 +47,7 @@ from pathlib import Path
 import yaml
 from specbus.bus.subjects import PRODUCERS, TRAINERS, Names
 from specbus.core.errors import ConfigError
+from specbus.ops.args import add_common, config_of
 
 ROLES = ("feeder", "producer", "trainer", "colocated", "intake", "observer")
 ADMIN = "admin"
@@ -208,8 +209,6 @@ def write_auth(out: str | Path, runs: list[str], *, tls: bool = False,
 
 # ---------------------------------------------------------------- CLI
 def cmd_auth(args: argparse.Namespace) -> int:
-    from specbus.ops.cli import config_of
-
     cfg = config_of(args)
     runs = [cfg.run, *args.run]
     hosts = tuple(args.host) or ("127.0.0.1", "localhost")
@@ -229,8 +228,6 @@ def cmd_auth(args: argparse.Namespace) -> int:
 
 
 def add_auth_commands(sub: argparse._SubParsersAction) -> None:
-    from specbus.ops.cli import add_common
-
     p = sub.add_parser(
         "auth", help="per-role NATS users with subject permissions (and TLS certificates)"
     )

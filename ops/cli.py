@@ -11,7 +11,8 @@
 Every subcommand takes the run config: `--config run.yaml`, dotted overrides as positional
 `key=value` words or `-o key=value` (`specbus status run=demo bus.ack_wait_s=30`), and
 `--url` for the broker (else `bus.url`, else the run's own `specbus up`, else the machine's
-shared one: see `resolve_url`) and `--wait` to wait for a broker that does not answer yet.
+shared one: see `resolve_url`) and `--wait` to wait for a broker that does not answer yet
+(`add_common`, `config_of`, `resolve_url`: ops/args.py).
 
 Subcommands live in a table of registrars (`REGISTRARS`): "module:function" strings, each
 function taking the subparsers object and adding its commands with `add_common` and
@@ -31,8 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specbus.core.config import RunConfig, load_config
+from specbus.core.config import RunConfig
 from specbus.core.errors import SpecbusError
+from specbus.ops.args import add_common, config_of, resolve_url
 from specbus.ops.runview import size
 
 log = logging.getLogger("specbus")
@@ -45,57 +47,6 @@ REGISTRARS = [
     "specbus.ops.sglang:add_sglang_commands",  # the SGLang capture layer
     "specbus.ops.vllm:add_vllm_commands",  # the vLLM capture connector
 ]
-URL_FILE = "url"  # <store_dir>/url: where the broker of a store dir listens (or last did)
-
-
-# ---------------------------------------------------------------- shared by every subcommand
-def add_common(p: argparse.ArgumentParser) -> None:
-    """--config, --url, -o and positional key=value overrides (merged by `main`)."""
-    p.add_argument("--config", "-c", default=None, help="run config YAML")
-    p.add_argument(
-        "--url",
-        default=None,
-        help="broker URL (default: bus.url, else this run's `specbus up`, else the machine's "
-        "shared one: a plain `specbus up`; never another run's)",
-    )
-    p.add_argument(
-        "--wait",
-        action="store_true",
-        help="when no broker answers, wait for one (up to bus.connect_give_up_s, 120 s) "
-        "instead of failing at once (a named --url / bus.url is always waited for)",
-    )
-    p.add_argument(
-        "-o",
-        "--set",
-        dest="set_overrides",
-        action="append",
-        default=[],
-        metavar="key=value",
-        help="dotted config override (repeatable)",
-    )
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-
-
-def config_of(args: argparse.Namespace) -> RunConfig:
-    """The run config of a subcommand: `--config` plus its dotted overrides (`ConfigError` names a bad
-    key)."""
-    return load_config(args.config, args.overrides)
-
-
-def broker_dir(cfg: RunConfig) -> Path:
-    """The embedded broker's store dir of a run (`<run_dir>/nats`)."""
-    return cfg.resolved_run_dir / "nats"
-
-
-def resolve_url(args: argparse.Namespace, cfg: RunConfig) -> str:
-    """The broker of this command, once it answers: `--url`, else `bus.url`, else this run's
-    broker (the `specbus up` on its run dir), else the machine's shared broker (a plain
-    `specbus up`), never another run's; one line says which and why. With none, or one that
-    does not answer, it says so at once and fails (`SpecbusError`) or, when asked to
-    (`--wait`, a named URL), waits for it. See `ops/discover.py`."""
-    from specbus.ops.discover import broker_url
-
-    return broker_url(args, cfg)
 
 
 # ---------------------------------------------------------------- specbus up / store

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError
-from specbus.ops.cli import broker_dir
+from specbus.ops.discover import about_broker, broker_dir
 from specbus.ops.services.common import DirInUse, DirLock, ServiceError
 
 log = logging.getLogger("specbus")
@@ -107,8 +107,6 @@ class ClusterUp:
         self.cluster.start()
         url = self.cluster.url
         self.lock.update(self._record())
-        from specbus.ops.up import about_broker
-
         announce(url, self.store_dir, **about_broker(args, self.cfg, len(self.cluster.nodes)))
         if not args.no_declare:
             asyncio.run(_declare(bus_cfg, url, self.cfg.run))

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
 from functools import partial
-from pathlib import Path
 
 from specbus.core.errors import SpecbusError
-from specbus.ops.cli import add_common, config_of, resolve_url
+from specbus.ops.args import add_common, config_of, resolve_url
 from specbus.ops.elastic import add_elastic_arguments, serve_rendezvous
-from specbus.ops.observe import samples_rate
+from specbus.ops.observe import METRICS_FILE, MetricsFile, samples_rate
 
 log = logging.getLogger("specbus")
 
@@ -42,41 +40,6 @@ def format_row(row: dict[str, float], total: int | None = None) -> str:
             f"store {row['store_bytes'] / 2**20:.1f}MiB (peak {row['store_peak_bytes'] / 2**20:.1f})"
         )
     return " | ".join(parts)
-
-
-METRICS_FILE = "metrics.jsonl"  # <run_dir>/logs/: rank 0's log rows, then a "final" row
-
-
-class MetricsFile:
-    """Rank 0's log rows as JSON lines (appended: a resumed run continues the file); the demo
-    reads them for its progress and summary."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def write(self, row: dict) -> None:
-        """Append one row (best effort: a full disk must not stop training)."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        except OSError as e:
-            log.warning("could not write %s: %s", self.path, e)
-
-
-def read_metrics(path) -> list[dict]:
-    """The rows of a metrics file (a torn last line is skipped); [] when there is none."""
-    rows = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
 
 
 def cmd_feed(args: argparse.Namespace) -> int:

@@ -163,7 +163,7 @@ def budget_progress(elapsed: float, budget_s: float | None, info: str) -> tuple[
 def _train(procs: Launcher, cfg: RunConfig, trainers: list, logs: Path) -> int:
     """Wait for the trainer ranks with a progress bar over the time budget; 0, or 1 when a
     child failed (named, with its log)."""
-    from specbus.ops.commands import METRICS_FILE, read_metrics
+    from specbus.ops.observe import METRICS_FILE, read_metrics
 
     budget_s = (cfg.training.max_minutes or 0) * 60 or None
     metrics = logs / METRICS_FILE
@@ -273,7 +273,7 @@ def summary(cfg: RunConfig, args: argparse.Namespace, report, export_dir: Path,
     """The lines the demo ends with: what ran, throughput, acceptance, where things are, what
     to try next. A live run (`deployment.mode: live`, `specbus demo --live`) says it trained
     from served traffic, with `traffic`'s first line (an `ops.traffic.TrafficReport`)."""
-    from specbus.ops.commands import METRICS_FILE, read_metrics
+    from specbus.ops.observe import METRICS_FILE, read_metrics
 
     run_dir = cfg.resolved_run_dir
     logs = run_dir / "logs"

@@ -19,6 +19,10 @@ with a line every `PROGRESS_S` until `bus.connect_give_up_s`. It waits when aske
 (`--wait`) or when the URL was named (a broker elsewhere that may be restarting: a process
 started during an outage waits, as `bus.connection` does); a discovered broker that is not
 running fails fast, since nothing says one is coming.
+
+A run's own broker's store dir (`broker_dir`) and what a `specbus up` announces
+(`about_broker`: its run and config, whether it is the shared broker) are defined here, where
+they are read; ops/up.py and ops/cluster_up.py lock and announce with them.
 """
 
 from __future__ import annotations
@@ -68,10 +72,30 @@ def describe(record: dict[str, Any]) -> str:
     )
 
 
+def broker_dir(cfg: RunConfig) -> Path:
+    """The embedded broker's store dir of a run (`<run_dir>/nats`)."""
+    return cfg.resolved_run_dir / "nats"
+
+
+def about_broker(args: argparse.Namespace, cfg: RunConfig, nodes: int = 1) -> dict[str, Any]:
+    """What a broker `specbus up` starts serves, for its announcement: the run and config it
+    was started for; `shared` for a plain `specbus up` (no config, the default run, one node,
+    no auth or TLS): the machine's broker that commands of a run with no broker of its own
+    use (`find_broker`). Any other broker serves its own run only."""
+    secured = bool(getattr(args, "auth", None) or getattr(args, "tls", None))
+    return {
+        "run": cfg.run,
+        "config": str(Path(args.config).resolve()) if args.config else None,
+        "nodes": nodes,
+        "auth": bool(getattr(args, "auth", None)),
+        "tls": bool(getattr(args, "tls", None)),
+        "shared": args.config is None and cfg.run == "default" and nodes == 1 and not secured,
+    }
+
+
 def find_broker(args: argparse.Namespace, cfg: RunConfig) -> Found:
     """The broker this command uses (see the module doc); no connection is made."""
-    from specbus.ops.cli import URL_FILE, broker_dir
-    from specbus.ops.services.nats import announced, running_url
+    from specbus.ops.services.nats import URL_FILE, announced, running_url
 
     if getattr(args, "url", None):
         return Found(args.url, "--url", "given with --url")

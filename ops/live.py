@@ -12,12 +12,8 @@
   TensorBoard (`<tensorboard_dir>/serve`).
 - `specbus traffic`: `ops/traffic.py`.
 
-Where serving servers find the intake, on one host with no configuration: the intake writes
-`<run_dir>/live/intake.json` (its URL and bearer token, mode 0600) when it starts; `specbus
-serve` with the same run config reads it (again at every handshake attempt, so the two start in
-any order). Across hosts: `live.url` and `live.token` (or `$SPECBUS_INTAKE_TOKEN`) on both
-sides. The token: `live.token`, else `$SPECBUS_INTAKE_TOKEN`, else the one in intake.json from
-an earlier start (a restarted intake keeps it: running servers go on), else a new random one.
+Where serving servers find the intake and its token, and what a driven run is:
+`ops/intake_endpoint.py`.
 """
 
 from __future__ import annotations
@@ -27,58 +23,23 @@ import asyncio
 import json
 import logging
 import os
-import secrets
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError
-from specbus.ops.cli import add_common, config_of, resolve_url
+from specbus.ops.args import add_common, config_of, resolve_url
+from specbus.ops.intake_endpoint import (
+    TOKEN_ENV,
+    intake_token,
+    is_driven,
+    read_endpoint,
+    write_endpoint,
+)
 
 log = logging.getLogger("specbus.live")
-
-TOKEN_ENV = "SPECBUS_INTAKE_TOKEN"
-DRIVEN_ENGINES = ("sglang_server", "vllm_server")  # target engines that drive a serving server
-
-
-def endpoint_file(cfg: RunConfig) -> Path:
-    """Where the intake writes its URL and token: `<run_dir>/live/intake.json`."""
-    return cfg.resolved_run_dir / "live" / "intake.json"
-
-
-def read_endpoint(cfg: RunConfig) -> dict[str, Any] | None:
-    """The intake's `{"url", "token"}` of this run on this host, or None (not written yet)."""
-    try:
-        return json.loads(endpoint_file(cfg).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def intake_token(cfg: RunConfig) -> str:
-    """The intake's bearer token (see module doc)."""
-    if cfg.live.token:
-        return cfg.live.token
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    known = read_endpoint(cfg)
-    if known and known.get("token"):
-        return known["token"]
-    return secrets.token_urlsafe(32)
-
-
-def write_endpoint(cfg: RunConfig, url: str, token: str) -> Path:
-    """Write the intake's URL and token (atomically, mode 0600); returns the file."""
-    path = endpoint_file(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"url": url, "token": token, "pid": os.getpid(), "run": cfg.run}, f)
-    os.replace(tmp, path)
-    return path
 
 
 def trusting(ca: Path | None):
@@ -207,12 +168,6 @@ async def run_intake(cfg: RunConfig, *, bus_url: str | None, host: str | None = 
     finally:
         store.close(timeout_s=0)
         sock.close()
-
-
-def is_driven(cfg: RunConfig) -> bool:
-    """A driven run: tasks from a feeder, captured by a serving SGLang or vLLM server
-    (docs/sglang.md, docs/vllm.md)."""
-    return cfg.deployment.mode == "disaggregated" and cfg.target.engine in DRIVEN_ENGINES
 
 
 async def feeder_manifest(run, cfg: RunConfig, prepared, timeout_s: float = 600.0) -> bool:

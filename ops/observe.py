@@ -5,15 +5,20 @@ and the run's progress in its KV (read by `specbus top`).
 
 `reporter(cfg, on_log, rank, ...)` composes them into the trainer's `on_log` hook; neither can
 stop training (a failed write is logged once; a progress write never waits for the broker).
+
+Beside the console line, `specbus train` appends each row to `<run_dir>/logs/metrics.jsonl`
+(`MetricsFile`, ending with a "final" row); the demo and tests read it back (`read_metrics`).
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from specbus.core.config import RunConfig
@@ -136,3 +141,38 @@ def tensorboard_hint(cfg: RunConfig) -> str | None:
     if not cfg.telemetry.tensorboard or importlib.util.find_spec("tensorboard") is None:
         return None
     return f"TensorBoard: tensorboard --logdir {cfg.resolved_tensorboard_dir}"
+
+
+METRICS_FILE = "metrics.jsonl"  # <run_dir>/logs/: rank 0's log rows, then a "final" row
+
+
+class MetricsFile:
+    """Rank 0's log rows as JSON lines (appended: a resumed run continues the file); the demo
+    reads them for its progress and summary."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def write(self, row: dict) -> None:
+        """Append one row (best effort: a full disk must not stop training)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            log.warning("could not write %s: %s", self.path, e)
+
+
+def read_metrics(path) -> list[dict]:
+    """The rows of a metrics file (a torn last line is skipped); [] when there is none."""
+    rows = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows

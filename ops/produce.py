@@ -75,7 +75,7 @@ def _intake_of(cfg: RunConfig, driven: bool) -> dict:
     `live.token` / $SPECBUS_INTAKE_TOKEN, else `<run_dir>/live/intake.json`."""
     if not driven:
         return {}
-    from specbus.ops.live import read_endpoint
+    from specbus.ops.intake_endpoint import read_endpoint
 
     known = read_endpoint(cfg) or {}
     token = cfg.live.token or os.environ.get("SPECBUS_INTAKE_TOKEN") or known.get("token")

@@ -77,7 +77,7 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
     if url:
         env[plugin.ENV_URL] = url
     else:  # same host: the intake's URL and token file (read at every handshake)
-        from specbus.ops.live import endpoint_file
+        from specbus.ops.intake_endpoint import endpoint_file
 
         env[plugin.ENV_ENDPOINT] = str(endpoint_file(cfg))
     if cfg.live.tls_ca:
@@ -90,7 +90,7 @@ def run_sglang_serve(cfg: RunConfig, *, intake_url: str | None, token: str | Non
                      speculative: bool = False, draft_dir: str | None = None,
                      num_draft_tokens: int = 3) -> int:  # fmt: skip
     """`specbus serve --engine sglang` (module doc). Returns the exit code (or execs)."""
-    from specbus.ops.live import TOKEN_ENV
+    from specbus.ops.intake_endpoint import TOKEN_ENV
     from specbus.patches.sglang import layer
 
     env, argv = server_command(cfg, intake_url=intake_url, host=host, port=port,

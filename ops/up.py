@@ -46,7 +46,7 @@ from typing import Any
 from pydantic import ValidationError
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError, SpecbusError
-from specbus.ops.cli import broker_dir
+from specbus.ops.discover import about_broker, broker_dir
 from specbus.ops.services.common import (
     LOOPBACK,
     DirInUse,
@@ -74,22 +74,6 @@ MAX_FAILED_STARTS = 3
 def mooncake_dir(cfg: RunConfig) -> Path:
     """The Mooncake services' work dir of a run (`<run_dir>/mooncake`)."""
     return cfg.resolved_run_dir / "mooncake"
-
-
-def about_broker(args: argparse.Namespace, cfg: RunConfig, nodes: int = 1) -> dict[str, Any]:
-    """What a broker `specbus up` starts serves, for its announcement: the run and config it
-    was started for; `shared` for a plain `specbus up` (no config, the default run, one node,
-    no auth or TLS): the machine's broker that commands of a run with no broker of its own
-    use (ops/discover.py). Any other broker serves its own run only."""
-    secured = bool(getattr(args, "auth", None) or getattr(args, "tls", None))
-    return {
-        "run": cfg.run,
-        "config": str(Path(args.config).resolve()) if args.config else None,
-        "nodes": nodes,
-        "auth": bool(getattr(args, "auth", None)),
-        "tls": bool(getattr(args, "tls", None)),
-        "shared": args.config is None and cfg.run == "default" and nodes == 1 and not secured,
-    }
 
 
 def config_argv(args: argparse.Namespace) -> list[str]:

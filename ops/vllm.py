@@ -33,7 +33,7 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
     """(environment, argv) of the vLLM server that captures for `cfg` (module doc)."""
     from specbus.core.export.speculators import vllm_layer_ids
     from specbus.core.models.target import load_target_info, resolve_target_dir
-    from specbus.ops.live import is_driven
+    from specbus.ops.intake_endpoint import is_driven
     from specbus.producers.live import sink_env
 
     model = resolve_target_dir(cfg.target.model)
@@ -70,7 +70,7 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
     if url:
         env[sink_env.ENV_URL] = url
     else:  # same host: the intake's URL and token file (read at every handshake)
-        from specbus.ops.live import endpoint_file
+        from specbus.ops.intake_endpoint import endpoint_file
 
         env[sink_env.ENV_ENDPOINT] = str(endpoint_file(cfg))
     if cfg.live.tls_ca:
@@ -81,7 +81,7 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
 def run_vllm_serve(cfg: RunConfig, *, intake_url: str | None, token: str | None,
                    host: str | None, port: int | None, dry_run: bool) -> int:  # fmt: skip
     """`specbus serve --engine vllm` (module doc). Returns the exit code (or execs)."""
-    from specbus.ops.live import TOKEN_ENV
+    from specbus.ops.intake_endpoint import TOKEN_ENV
     from specbus.patches.vllm import layer
     from specbus.producers.live import sink_env
 

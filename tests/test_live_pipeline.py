@@ -153,7 +153,7 @@ class Background:
 def trained_step(run: LiveRun) -> int:
     """The last step rank 0 logged (a row per step with `training.log_every=1`; a row is
     written after its step's ack, before its checkpoint)."""
-    from specbus.ops.commands import METRICS_FILE, read_metrics
+    from specbus.ops.observe import METRICS_FILE, read_metrics
 
     rows = read_metrics(run.cfg.resolved_run_dir / "logs" / METRICS_FILE)
     return max((int(r["step"]) for r in rows if "step" in r and "final" not in r), default=0)

@@ -15,7 +15,8 @@ import asyncio
 import pytest
 from specbus.core.errors import ConfigError
 from specbus.core.store import open_store
-from specbus.ops.live import endpoint_file, run_intake
+from specbus.ops.intake_endpoint import endpoint_file
+from specbus.ops.live import run_intake
 from specbus.ops.services.common import free_port
 from specbus.patches.sglang import layer
 
