@@ -143,3 +143,69 @@ def test_no_library_file_is_above_500_lines():
         if (n := len(p.read_text().splitlines())) > 500
     ]
     assert offenders == []
+
+
+def _module_graph(pkg: str) -> dict[str, dict[str, int]]:
+    """`specbus.<pkg>` module -> {module of the same package it imports: line}, deferred
+    (function-level) imports included, annotation-only ones (`if TYPE_CHECKING:`) not;
+    `from specbus.x import y` counts `specbus.x.y` when y is a module."""
+    files = {}
+    for p in (ROOT / pkg).rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        files[".".join(("specbus", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = p
+    graph: dict[str, dict[str, int]] = {}
+    for module, p in files.items():
+        if p.name == "__init__.py":  # a package's re-exports point down, never at a sibling
+            continue
+        tree = ast.parse(p.read_text(), filename=str(p))
+        typing_only = {
+            id(sub)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for sub in ast.walk(node)
+        }
+        edges = graph.setdefault(module, {})
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for name in names:
+                if name in files and name != module:
+                    edges.setdefault(name, node.lineno)
+    return graph
+
+
+def _a_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One import cycle of `graph` as ["a:line", "b:line", ...] (a imports b at line), or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 finished
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in graph.get(m, {}):
+            if state.get(n) == 1:
+                ring = path[path.index(n) :]
+                return [f"{a}:{graph[a][b]}" for a, b in zip(ring, [*ring[1:], n], strict=True)]
+            if n not in state and (found := visit(n)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_modules_inside_a_package_import_one_way():
+    """No import cycle between the modules of a package, deferred imports included: a module
+    borrowing a helper from one that imports it is a helper in the wrong module."""
+    cycles = {pkg: _a_cycle(_module_graph(pkg)) for pkg in [*PACKAGES, "patches"]}
+    assert {pkg: c for pkg, c in cycles.items() if c} == {}
