@@ -203,8 +203,12 @@ def _run(args: argparse.Namespace) -> int:
     versions = sorted({v for _, _, s in probes if s for v in s["draft_versions"]})
     print(f"served outputs equal the target's greedy output: {len(probes) - len(differ)} of "
           f"{len(probes)} probes (draft versions {versions}, {dtype})", flush=True)  # fmt: skip
+    for d in differ:
+        print(f"  probe {d.probe} departs at token {d.token}, where the target's top-2 logit "
+              f"margin is {d.margin:.4f}", flush=True)  # fmt: skip
     if differ and dtype == "float32":
-        print(f"probes {differ} differ from the target's greedy output", file=sys.stderr)
+        print(f"probes {[d.probe for d in differ]} differ from the target's greedy output",
+              file=sys.stderr)  # fmt: skip
         return 1
 
     from specbus.ops.evaluate import compare_drafts

@@ -184,12 +184,35 @@ def probe(url: str, prompts: list, max_tokens: int) -> list[tuple[list, str, dic
     return out
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """Where a served answer left the target's greedy output: probe index, the first token
+    (0-based, of the continuation) whose decode departs from the served text, and the
+    target's top-1 minus top-2 logit there (one forward over the prompt and the tokens before
+    it, the logits upcast to fp32). In bf16 a margin
+    within a few logit ulps (~0.06-0.25 at the usual magnitudes) is a near-tie that a verify
+    forward and a one-token forward can round apart; a large margin is a bug."""
+
+    probe: int
+    token: int
+    margin: float
+
+
+def first_divergence(decode, tokens: list[int], text: str) -> int:
+    """The first index j of `tokens` whose decoded prefix `decode(tokens[:j+1])` is no longer
+    a prefix of `text` (len(tokens) when every prefix is, i.e. `text` only runs longer)."""
+    for j in range(len(tokens)):
+        if not text.startswith(decode(tokens[: j + 1])):
+            return j
+    return len(tokens)
+
+
 def lossless_check(cfg: RunConfig, answers: list[tuple[list, str, dict | None]],
-                   max_tokens: int) -> tuple[list[int], str]:  # fmt: skip
-    """The indices of `answers` (from `probe`) that differ from the target's own greedy output
-    (decoded here token by token, `core.eval.speculative.greedy_generate`), and the target's
-    dtype (in bf16 a verify forward and a one-token forward can round a near-tie apart; in
-    fp32 the outputs must be equal)."""
+                   max_tokens: int) -> tuple[list[Divergence], str]:  # fmt: skip
+    """The answers (from `probe`) that differ from the target's own greedy output (decoded
+    here token by token, `core.eval.speculative.greedy_generate`), each as a `Divergence`,
+    and the target's dtype (in bf16 a verify forward and a one-token forward can round a
+    near-tie apart; in fp32 the outputs must be equal)."""
     import torch
     from specbus.core.data.templates import detect_template
     from specbus.core.data.tokenize import prompt_ids
@@ -201,14 +224,22 @@ def lossless_check(cfg: RunConfig, answers: list[tuple[list, str, dict | None]],
     try:
         tok, eos = engine.tokenizer, tuple(engine.info.eos_token_ids)
         template = detect_template(tok)
+
+        def decode(ids: list[int]) -> str:
+            return tok.decode([t for t in ids if t not in eos], skip_special_tokens=True)
+
         differ = []
         with torch.no_grad(), sdpa_backends(device=engine.device):  # as the server decodes
             for i, (messages, text, _) in enumerate(answers):
                 ids = prompt_ids({"messages": messages}, tok, template)
                 tokens = greedy_generate(engine.model, ids, max_tokens, eos)
-                want = tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
-                if want != text:
-                    differ.append(i)
+                if decode(tokens) == text:
+                    continue
+                j = min(first_divergence(decode, tokens, text), len(tokens) - 1)
+                seq = torch.cat([ids, torch.tensor(tokens[:j], dtype=ids.dtype)])
+                logits = engine.model(seq[None].to(engine.device)).logits[0, -1].float()
+                top = logits.topk(2).values
+                differ.append(Divergence(i, j, float(top[0] - top[1])))
         return differ, str(engine.dtype).removeprefix("torch.")
     finally:
         engine.close()

@@ -23,6 +23,7 @@ of a short run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -222,7 +223,8 @@ def loop_part(args, work: Path, broker_url: str, procs: Launcher) -> dict:
         "versions": {str(v): d for v, d in (final.versions.items() if final else [])},
         "reloads": final.reloads if final else None,
         "users": {**_merge(reports), **({"error": errors} if errors else {})},
-        "ab": ab, "probes": len(answers), "probes_differing": differ, "dtype": dtype,
+        "ab": ab, "probes": len(answers), "probes_differing": [d.probe for d in differ],
+        "divergences": [dataclasses.asdict(d) for d in differ], "dtype": dtype,
         "probe_versions": sorted({v for _, _, s in answers if s for v in s["draft_versions"]}),
     }  # fmt: skip
 
@@ -245,6 +247,9 @@ def print_loop(lp: dict) -> None:
     print(f"  lossless: {lp['probes'] - len(lp['probes_differing'])} of {lp['probes']} greedy "
           f"probes equal the target's greedy output ({lp['dtype']}, drafts "
           f"{lp['probe_versions']})")  # fmt: skip
+    for d in lp.get("divergences", []):
+        print(f"    probe {d['probe']} departs at token {d['token']}: the target's top-2 logit "
+              f"margin there is {d['margin']:.4f}")  # fmt: skip
     points = [(c["t"], c["version"], round(c["accept_length"], 3)) for c in curve]
     print("  curve (s, version, tokens/verify): " + json.dumps(points))
 
