@@ -15,7 +15,9 @@ nothing from `patches/`, which no library module imports (tests/test_architectur
   SGLang plugin (its `sglang.srt.plugins` entry point) and the vLLM KV connector (the
   server's `--kv-transfer-config`). Dotted-path strings, not imported modules: the engine
   imports them in its own process, and importing them here would import the engine (vLLM,
-  SGLang) into every host that only writes a server command.
+  SGLang) into every host that only writes a server command;
+- `DRIVEN_PARAM`: the `kv_transfer_params` key under which a driving producer
+  (`vllm_server.py`) sends its request id to the vLLM connector (`patches/vllm/capture.py`).
 """
 
 SGLANG_VERSION = "0.5.23"
@@ -26,6 +28,7 @@ CONVENTIONS = {"eagle3": "EAGLE3", "dspark": "DSPARK"}
 PLUGIN_MODULE = "specbus.patches.sglang.plugin"
 CONNECTOR = "SpecbusCaptureConnector"
 CONNECTOR_MODULE = "specbus.patches.vllm.connector"
+DRIVEN_PARAM = "specbus_rid"
 
 _RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor"
 # (target, hook type, hook function of the plugin module)
