@@ -1,6 +1,6 @@
 """SGLang commands: `specbus sglang apply|check|revert` and `specbus serve --engine sglang`.
 
-- `apply|check|revert [--site DIR]`: the capture layer of `patches/sglang/layer.py` on the
+- `apply|check|revert [--site DIR]`: the capture layer of `ops/sglang_layer.py` on the
   SGLang installed in this interpreter (or in `--site`).
 - `specbus serve --engine sglang -c run.yaml`: prints the exact command that starts a stock
   SGLang server capturing for the run (upstream aux-capture flags with the run's layer ids and
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError
-from specbus.patches.sglang import CONVENTIONS
+from specbus.producers.engines.pins import CONVENTIONS
 
 
 def draft_dir_of(cfg: RunConfig, draft_dir: str | Path | None = None) -> Path:
@@ -54,7 +54,7 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
     """(environment, argv) of the SGLang server that captures for `cfg` (module doc); with
     `speculative`, decoding with the exported draft (`speculative_flags`)."""
     from specbus.core.models.target import load_target_info, resolve_target_dir
-    from specbus.patches.sglang import plugin
+    from specbus.producers.live import sink_env
 
     model = resolve_target_dir(cfg.target.model)
     info = load_target_info(model, name=cfg.target.model)
@@ -72,16 +72,16 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
         argv += ["--dtype", cfg.target.dtype]
     if speculative:
         argv += speculative_flags(cfg, draft_dir_of(cfg, draft_dir), num_draft_tokens)
-    env = {plugin.ENV_RATE: f"{cfg.live.sample_rate:g}", plugin.ENV_QUEUE: str(cfg.live.queue)}
+    env = {sink_env.ENV_RATE: f"{cfg.live.sample_rate:g}", sink_env.ENV_QUEUE: str(cfg.live.queue)}
     url = intake_url or cfg.live.url
     if url:
-        env[plugin.ENV_URL] = url
+        env[sink_env.ENV_URL] = url
     else:  # same host: the intake's URL and token file (read at every handshake)
         from specbus.ops.intake_endpoint import endpoint_file
 
-        env[plugin.ENV_ENDPOINT] = str(endpoint_file(cfg))
+        env[sink_env.ENV_ENDPOINT] = str(endpoint_file(cfg))
     if cfg.live.tls_ca:
-        env[plugin.ENV_CA] = str(cfg.live.tls_ca)
+        env[sink_env.ENV_CA] = str(cfg.live.tls_ca)
     return env, argv
 
 
@@ -90,8 +90,8 @@ def run_sglang_serve(cfg: RunConfig, *, intake_url: str | None, token: str | Non
                      speculative: bool = False, draft_dir: str | None = None,
                      num_draft_tokens: int = 3) -> int:  # fmt: skip
     """`specbus serve --engine sglang` (module doc). Returns the exit code (or execs)."""
+    from specbus.ops import sglang_layer as layer
     from specbus.ops.intake_endpoint import TOKEN_ENV
-    from specbus.patches.sglang import layer
 
     env, argv = server_command(cfg, intake_url=intake_url, host=host, port=port,
                                speculative=speculative, draft_dir=draft_dir,
@@ -119,7 +119,7 @@ def run_sglang_serve(cfg: RunConfig, *, intake_url: str | None, token: str | Non
 
 def cmd_sglang(args: argparse.Namespace) -> int:
     """`specbus sglang apply|check|revert`."""
-    from specbus.patches.sglang import layer
+    from specbus.ops import sglang_layer as layer
 
     site = Path(args.site) if args.site else None
     if args.action == "apply":

@@ -1,7 +1,7 @@
 """vLLM commands: `specbus vllm check` and `specbus serve --engine vllm`.
 
 - `check [--site DIR]`: the installed vLLM against the connector's pin and every vLLM name it
-  uses (`patches/vllm/layer.py`); exit 1 with the problems named.
+  uses (`ops/vllm_layer.py`); exit 1 with the problems named.
 - `specbus serve --engine vllm -c run.yaml`: prints the stock `vllm serve` command that
   captures for the run, then execs it (`--dry-run`: only prints). The command: the run's
   target, `--speculative-config` with the `extract_hidden_states` method and the run's layers
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError
-from specbus.patches.vllm import CONNECTOR, CONNECTOR_MODULE
+from specbus.producers.engines.pins import CONNECTOR, CONNECTOR_MODULE, VLLM_VERSION
 
 
 def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str | None = None,
@@ -81,8 +81,8 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
 def run_vllm_serve(cfg: RunConfig, *, intake_url: str | None, token: str | None,
                    host: str | None, port: int | None, dry_run: bool) -> int:  # fmt: skip
     """`specbus serve --engine vllm` (module doc). Returns the exit code (or execs)."""
+    from specbus.ops import vllm_layer as layer
     from specbus.ops.intake_endpoint import TOKEN_ENV
-    from specbus.patches.vllm import layer
     from specbus.producers.live import sink_env
 
     env, argv = server_command(cfg, intake_url=intake_url, host=host, port=port)
@@ -99,7 +99,7 @@ def run_vllm_serve(cfg: RunConfig, *, intake_url: str | None, token: str | None,
         )
     exe = shutil.which("vllm")
     if exe is None:
-        raise ConfigError("no `vllm` command on PATH (pip install vllm==0.33.0)")
+        raise ConfigError(f"no `vllm` command on PATH (pip install vllm=={VLLM_VERSION})")
     secret = token or cfg.live.token or os.environ.get(TOKEN_ENV)
     os.execve(exe, argv, {**os.environ, **env, **({TOKEN_ENV: secret} if secret else {})})
     return 0  # pragma: no cover - execve does not return
@@ -107,7 +107,7 @@ def run_vllm_serve(cfg: RunConfig, *, intake_url: str | None, token: str | None,
 
 def cmd_vllm(args: argparse.Namespace) -> int:
     """`specbus vllm check`."""
-    from specbus.patches.vllm import layer
+    from specbus.ops import vllm_layer as layer
 
     state = layer.check(Path(args.site) if args.site else None)
     print(json.dumps(state, indent=1))

@@ -120,6 +120,35 @@ def test_no_flat_imports_remain():
     assert offenders == []
 
 
+def test_patches_is_a_leaf():
+    """`patches/` is the code the serving engines load (SGLang's plugin, vLLM's connector); the
+    library never imports it, not even deferred: what both sides share (the pins, the hooked
+    methods, the module paths) is `producers/engines/pins.py`, the `apply`/`check` tools are ops/."""
+    offenders = [
+        f"{p.relative_to(ROOT)}: {m}{'' if top else ' (deferred)'}"
+        for pkg in PACKAGES
+        for p in (ROOT / pkg).rglob("*.py")
+        for m, top in _imports(p)
+        if _root(m) == "patches"
+    ]
+    assert offenders == []
+
+
+def test_the_engines_load_the_pinned_modules():
+    """The names the engines load by (pins.py) are in patches/: SGLang's entry point
+    `PLUGIN_MODULE:register` with every hook function of `SGLANG_HOOKS`, vLLM's
+    `CONNECTOR_MODULE.CONNECTOR`. Read by AST: importing them needs the engines."""
+    from specbus.producers.engines import pins
+
+    def defined(module: str) -> set[str]:
+        path = ROOT / Path(*module.split(".")[1:]).with_suffix(".py")
+        return {n.name for n in ast.parse(path.read_text()).body if hasattr(n, "name")}
+
+    plugin = defined(pins.PLUGIN_MODULE)
+    assert {"register", *(hook for _, _, hook in pins.SGLANG_HOOKS)} <= plugin
+    assert pins.CONNECTOR in defined(pins.CONNECTOR_MODULE)
+
+
 def _function(path: Path, name: str) -> ast.FunctionDef:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.FunctionDef) and node.name == name:

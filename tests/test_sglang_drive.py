@@ -30,8 +30,8 @@ from specbus.core.config import TargetConfig
 from specbus.core.contracts import PromptTask
 from specbus.core.models.target import load_target_info
 from specbus.core.strategies.base import build_strategy
+from specbus.ops import sglang_layer as layer
 from specbus.ops.services.common import free_port
-from specbus.patches.sglang import layer
 from specbus.producers.driven import DrivenWorker
 from specbus.producers.engines.sglang_server import (
     LayerNotApplied,

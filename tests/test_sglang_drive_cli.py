@@ -15,10 +15,10 @@ import asyncio
 import pytest
 from specbus.core.errors import ConfigError
 from specbus.core.store import open_store
+from specbus.ops import sglang_layer as layer
 from specbus.ops.intake_endpoint import endpoint_file
 from specbus.ops.live import run_intake
 from specbus.ops.services.common import free_port
-from specbus.patches.sglang import layer
 
 from tests.fixtures.live import LiveRun, wait_until
 from tests.fixtures.pipeline import pipeline_config, write_tokenised_data

@@ -22,7 +22,8 @@ import pytest
 import torch
 from specbus.core.models.target import load_target_info
 from specbus.core.strategies.base import build_strategy
-from specbus.patches.sglang import SGLANG_VERSION, layer
+from specbus.ops import sglang_layer as layer
+from specbus.producers.engines.pins import SGLANG_VERSION
 from specbus.producers.live.wire import sample_id_of
 
 from tests.fixtures.live import live_config, start_intake_thread, write_chats

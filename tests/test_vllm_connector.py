@@ -26,9 +26,10 @@ import pytest
 import torch
 from specbus.core.export.speculators import export_eagle3
 from specbus.core.models.target import load_final_norm, load_target_info
+from specbus.ops import vllm_layer as layer
 from specbus.ops.services.common import free_port
-from specbus.patches.vllm import VLLM_VERSION, layer
 from specbus.patches.vllm.capture import FinalNorm
+from specbus.producers.engines.pins import VLLM_VERSION
 from specbus.producers.live.wire import sample_id_of
 
 from tests.fixtures.live import live_config, start_intake_thread, wait_until, write_chats

@@ -7,12 +7,10 @@ Mechanism: an SGLang *general plugin* (the `sglang.srt.plugins` entry-point grou
 engine-agnostic `CaptureSink` instead of the JSON response.
 
 - `rows.py`: per-request row bookkeeping (positions, gaps, prefix hits), no sglang import;
-- `plugin.py`: the entry point, the hooks, the startup refusal, the sink of the server;
-- `layer.py`: `specbus sglang apply|check|revert` (writes/removes the entry point's tiny
-  distribution next to the installed SGLang; refuses another SGLang version by name).
-"""
+- `plugin.py`: the entry point, the hooks, the startup refusal, the sink of the server.
 
-SGLANG_VERSION = "0.5.23"  # the one version the hooks were read against and tested on
-# strategy -> SGLang's capture convention (`--speculative-algorithm` under aux capture; it
-# picks the model's capture hook); the other strategies: DFLASH
-CONVENTIONS = {"eagle3": "EAGLE3", "dspark": "DSPARK"}
+The pin, the hooked methods and the plugin's module path are in `producers/engines/pins.py`
+(shared with the host side); `specbus sglang apply|check|revert`, which writes/removes the
+entry point's tiny distribution next to the installed SGLang, is `ops/sglang_layer.py`.
+Nothing in the library imports this package (tests/test_architecture.py): SGLang loads it.
+"""

@@ -6,7 +6,8 @@ scheduler process) through the `sglang.srt.plugins` entry point `specbus capture
 `SPECBUS_CAPTURE_INTAKE_URL` or `SPECBUS_CAPTURE_ENDPOINT` (so an applied layer costs nothing
 when capture is off), and refuses (logs, registers nothing) on another SGLang version.
 
-The hooks (`TARGETS`; SGLang's `HookRegistry` applies them):
+The hooks (`SGLANG_HOOKS` of `producers/engines/pins.py`; SGLang's `HookRegistry` applies
+them):
 - `Req.__init__` (after): a request whose id `capture_decision` samples, at the launch-time
   rate `SPECBUS_CAPTURE_SAMPLE_RATE` (the same on every TP rank, no handshake needed, so every
   rank builds the same forward batches; a driven id `specbus-task:<seq>:<sample id>` of a
@@ -31,35 +32,12 @@ from __future__ import annotations
 import logging
 
 import torch
-from specbus.patches.sglang import SGLANG_VERSION
 from specbus.patches.sglang.rows import Rows, row_slices
-from specbus.producers.live.sink_env import (  # noqa: F401  (the launch variables: ops/sglang.py)
-    ENV_CA,
-    ENV_ENDPOINT,
-    ENV_QUEUE,
-    ENV_RATE,
-    ENV_TOKEN,
-    ENV_URL,
-    configured,
-    launch_rate,
-    sink_from_env,
-)
+from specbus.producers.engines.pins import SGLANG_HOOKS, SGLANG_VERSION
+from specbus.producers.live.sink_env import configured, launch_rate, sink_from_env
 from specbus.producers.live.wire import capture_decision, sample_id_of
 
 log = logging.getLogger("specbus.sglang")
-
-_RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor"
-# (target, hook type, hook function of this module): what `register` hooks, what
-# `specbus sglang check` finds in the installed source.
-TARGETS = (
-    ("sglang.srt.managers.schedule_batch.Req.__init__", "AFTER", "on_request"),
-    ("sglang.srt.managers.scheduler.Scheduler.__init__", "BEFORE", "before_scheduler"),
-    ("sglang.srt.managers.scheduler.Scheduler.__init__", "AFTER", "after_scheduler"),
-    (f"{_RESULTS}.SchedulerBatchResultProcessor.process_batch_result_prefill", "AROUND",
-     "around_prefill"),
-    (f"{_RESULTS}.SchedulerBatchResultProcessor.process_batch_result_decode", "AROUND",
-     "around_decode"),
-)  # fmt: skip
 
 
 class CaptureLayerError(ValueError):
@@ -96,7 +74,7 @@ def register() -> None:
 
         STATE.rate = launch_rate()
         STATE.on = True
-        for target, kind, name in TARGETS:
+        for target, kind, name in SGLANG_HOOKS:
             HookRegistry.register(target, globals()[name], HookType[kind])
     except Exception as e:  # noqa: BLE001 - a plugin must not stop the server
         log.error("specbus capture layer not registered: %s", e)

@@ -10,11 +10,10 @@ request finishes. No vLLM file is changed and nothing is installed next to vLLM.
 - `capture.py`: the layer's rules, no vllm import: the startup refusal, which requests are
   captured, the rows of a finished request out of the hidden-state cache, the capture handed
   to the engine-agnostic `CaptureSink`;
-- `connector.py`: `SpecbusCaptureConnector`, the `KVConnectorBase_V1` subclass vLLM loads;
-- `layer.py`: `specbus vllm check` (the version and every vLLM name the connector uses, read
-  from the installed source; another vLLM version is refused by name).
-"""
+- `connector.py`: `SpecbusCaptureConnector`, the `KVConnectorBase_V1` subclass vLLM loads.
 
-VLLM_VERSION = "0.33.0"  # the one version the connector was read against and tested on
-CONNECTOR = "SpecbusCaptureConnector"
-CONNECTOR_MODULE = "specbus.patches.vllm.connector"
+The pin, the connector's name and module path are in `producers/engines/pins.py` (shared with
+the host side); `specbus vllm check` (the version and every vLLM name the connector uses, read
+from the installed source; another vLLM version is refused by name) is `ops/vllm_layer.py`.
+Nothing in the library imports this package (tests/test_architecture.py): vLLM loads it.
+"""

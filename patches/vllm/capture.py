@@ -34,12 +34,12 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from specbus.producers.engines.pins import DRIVEN_PARAM
 from specbus.producers.live.wire import capture_decision
 
 log = logging.getLogger("specbus.vllm")
 
 LAYER_IDS = "eagle_aux_hidden_state_layer_ids"  # the extract_hidden_states draft config's key
-DRIVEN_PARAM = "specbus_rid"  # the kv_transfer_params key of a driving producer's request id
 FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # the statuses whose rows are whole
 
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from specbus.patches.vllm import VLLM_VERSION
 from specbus.patches.vllm.capture import (
     CaptureLayerError,
     Copy,
@@ -36,6 +35,7 @@ from specbus.patches.vllm.capture import (
     copy_rows,
     decide,
 )
+from specbus.producers.engines.pins import VLLM_VERSION
 from specbus.producers.live import sink_env
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,

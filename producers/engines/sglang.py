@@ -1,4 +1,4 @@
-"""The `sglang` target engine (SGLang 0.5.23, `patches/sglang/`); `sglang_server` is in
+"""The `sglang` target engine (SGLang 0.5.23, pinned in `pins.py`; its capture layer is `patches/sglang/`); `sglang_server` is in
 `sglang_server.py` (driven capture through a running server's capture layer).
 
 It refuses at construction, with the install command, when SGLang is absent or another
@@ -27,7 +27,7 @@ from specbus.core.models.target import (
     tokenizer_fingerprint,
 )
 from specbus.core.strategies.base import FeatureContract
-from specbus.patches.sglang import CONVENTIONS, SGLANG_VERSION
+from specbus.producers.engines.pins import CONVENTIONS, SGLANG_VERSION
 
 INSTALL = f"pip install sglang=={SGLANG_VERSION} (a CUDA machine), then `specbus sglang apply`"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

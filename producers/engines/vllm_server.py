@@ -6,7 +6,8 @@ protocol; the same errors), but the prefill is vLLM's OpenAI `POST /v1/completio
 task's exact token ids as the prompt, one greedy token, and the driven request id in
 `kv_transfer_params` (`{"specbus_rid": "specbus-task:<seq>:<sample id>"}`): vLLM gives each
 request an id of its own (a random suffix), so the connector names the capture by this
-parameter (`patches/vllm/capture.py`). `prompt + output[:-1]` is then exactly the task's rows.
+parameter (`pins.DRIVEN_PARAM`, read by `patches/vllm/capture.py`). `prompt + output[:-1]` is
+then exactly the task's rows.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import time
 
 from specbus.core.errors import CaptureError
+from specbus.producers.engines.pins import DRIVEN_PARAM
 from specbus.producers.engines.sglang_server import ServerUnreachable, SGLangServerEngine
 
 LAUNCH = ("start the server with the command `specbus serve --engine vllm --dry-run -c run.yaml` "
           "prints (the connector and extract_hidden_states settings, SPECBUS_CAPTURE_ENDPOINT or "
           "SPECBUS_CAPTURE_INTAKE_URL + SPECBUS_INTAKE_TOKEN)")  # fmt: skip
-DRIVEN_PARAM = "specbus_rid"  # = patches.vllm.capture.DRIVEN_PARAM (no vllm import here)
 
 
 class VLLMServerEngine(SGLangServerEngine):

@@ -14,7 +14,7 @@ import importlib.metadata as md
 from pathlib import Path
 
 from specbus.core.errors import ConfigError
-from specbus.patches.vllm import VLLM_VERSION
+from specbus.producers.engines.pins import VLLM_VERSION
 
 INSTALL = f"pip install vllm=={VLLM_VERSION}"
 

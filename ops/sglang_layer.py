@@ -10,6 +10,9 @@ name, and a source where a hooked method or a field the hooks read is missing.
 
 `check` reads the installed SGLang without importing it (an AST of the hooked files: imports
 need CUDA-only packages on most machines) and reports what is there.
+
+The plugin itself (`patches/sglang/plugin.py`) is never imported here: its module path, its
+hooks and the pin come from `producers/engines/pins.py`.
 """
 
 from __future__ import annotations
@@ -24,11 +27,10 @@ import time
 from pathlib import Path
 
 from specbus.core.errors import ConfigError
-from specbus.patches.sglang import SGLANG_VERSION
-from specbus.patches.sglang.plugin import TARGETS
+from specbus.producers.engines.pins import PLUGIN_MODULE, SGLANG_HOOKS, SGLANG_VERSION
 
 DIST = "specbus_sglang_capture"
-ENTRY_POINT = "specbus_capture = specbus.patches.sglang.plugin:register"
+ENTRY_POINT = f"specbus_capture = {PLUGIN_MODULE}:register"
 INSTALL = f"pip install sglang=={SGLANG_VERSION}"
 
 # file (under sglang/srt) -> class -> the names the hooks call or read in it: methods, fields
@@ -145,7 +147,7 @@ def apply(site: Path | None = None) -> dict:
         "INSTALLER": "specbus\n",
         "specbus-layer.json": json.dumps({
             "sglang": dist.version, "applied_at": time.time(), "entry_point": ENTRY_POINT,
-            "targets": [f"{kind} {target}" for target, kind, _ in TARGETS],
+            "targets": [f"{kind} {target}" for target, kind, _ in SGLANG_HOOKS],
         }, indent=1) + "\n",
     }  # fmt: skip
     for name, text in files.items():
