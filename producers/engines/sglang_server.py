@@ -85,17 +85,22 @@ class SGLangServerEngine:
                                f"{resp.text[:200]}")  # fmt: skip
         return resp
 
+    def prefill_request(self, rid: str, input_ids: list[int]) -> tuple[str, dict]:
+        """(path, JSON body) of the one-token greedy prefill of `input_ids` named `rid`:
+        SGLang's native `/generate` with the rid as the request id."""
+        return "/generate", {"input_ids": list(input_ids), "rid": rid,
+                             "sampling_params": {"max_new_tokens": 1, "temperature": 0}}  # fmt: skip
+
     def generate(self, rid: str, input_ids: list[int]) -> dict:
-        """POST one prefill to `/generate`; unreachable: retried with backoff, then
-        `ServerUnreachable`. A 4xx/5xx answer is a `CaptureError` with the server's words."""
+        """POST one prefill (`prefill_request`); unreachable: retried with backoff, then
+        `ServerUnreachable`. A 4xx answer is a `CaptureError` with the server's words."""
         import httpx
 
-        body = {"input_ids": list(input_ids), "rid": rid,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}  # fmt: skip
+        path, body = self.prefill_request(rid, input_ids)
         deadline, delay, last = time.monotonic() + self.cfg.server_give_up_s, 0.2, None
         while True:
             try:
-                resp = self._http.post(self.url + "/generate", json=body)
+                resp = self._http.post(self.url + path, json=body)
             except httpx.TransportError as e:  # refused, reset, killed mid-request
                 last = e
                 self.retries += 1
@@ -103,11 +108,11 @@ class SGLangServerEngine:
                 if resp.status_code == 200:
                     return resp.json()
                 if resp.status_code < 500:
-                    raise CaptureError(f"SGLang server {self.url} refused {rid}: HTTP "
+                    raise CaptureError(f"{self.server} server {self.url} refused {rid}: HTTP "
                                        f"{resp.status_code} {resp.text[:300]}")  # fmt: skip
                 last = RuntimeError(f"HTTP {resp.status_code} {resp.text[:200]}")
             if time.monotonic() + delay > deadline:
-                raise ServerUnreachable(f"SGLang server {self.url} unreachable for "
+                raise ServerUnreachable(f"{self.server} server {self.url} unreachable for "
                                         f"{self.cfg.server_give_up_s:g}s: {last!r}")  # fmt: skip
             time.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -12,11 +12,8 @@ then exactly the task's rows.
 
 from __future__ import annotations
 
-import time
-
-from specbus.core.errors import CaptureError
 from specbus.producers.engines.pins import DRIVEN_PARAM
-from specbus.producers.engines.sglang_server import ServerUnreachable, SGLangServerEngine
+from specbus.producers.engines.sglang_server import SGLangServerEngine
 
 LAUNCH = ("start the server with the command `specbus serve --engine vllm --dry-run -c run.yaml` "
           "prints (the connector and extract_hidden_states settings, SPECBUS_CAPTURE_ENDPOINT or "
@@ -30,29 +27,8 @@ class VLLMServerEngine(SGLangServerEngine):
     server = "vLLM"
     launch = LAUNCH
 
-    def generate(self, rid: str, input_ids: list[int]) -> dict:
-        """POST one prefill to `/v1/completions`; unreachable: retried with backoff, then
-        `ServerUnreachable`. A 4xx answer is a `CaptureError` with the server's words."""
-        import httpx
-
-        body = {"prompt": list(input_ids), "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {DRIVEN_PARAM: rid}}  # fmt: skip
-        deadline, delay, last = time.monotonic() + self.cfg.server_give_up_s, 0.2, None
-        while True:
-            try:
-                resp = self._http.post(self.url + "/v1/completions", json=body)
-            except httpx.TransportError as e:  # refused, reset, killed mid-request
-                last = e
-                self.retries += 1
-            else:
-                if resp.status_code == 200:
-                    return resp.json()
-                if resp.status_code < 500:
-                    raise CaptureError(f"vLLM server {self.url} refused {rid}: HTTP "
-                                       f"{resp.status_code} {resp.text[:300]}")  # fmt: skip
-                last = RuntimeError(f"HTTP {resp.status_code} {resp.text[:200]}")
-            if time.monotonic() + delay > deadline:
-                raise ServerUnreachable(f"vLLM server {self.url} unreachable for "
-                                        f"{self.cfg.server_give_up_s:g}s: {last!r}")  # fmt: skip
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+    def prefill_request(self, rid: str, input_ids: list[int]) -> tuple[str, dict]:
+        """vLLM's OpenAI `/v1/completions` with the task's token ids as the prompt and the
+        driven request id in `kv_transfer_params` (module doc)."""
+        return "/v1/completions", {"prompt": list(input_ids), "max_tokens": 1, "temperature": 0,
+                                   "kv_transfer_params": {DRIVEN_PARAM: rid}}  # fmt: skip
