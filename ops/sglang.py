@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import sys
 from pathlib import Path
 
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError
+from specbus.ops.engine_launch import capture_environment, exec_server, print_command
 from specbus.producers.engines.pins import CONVENTIONS
 
 
@@ -54,7 +53,6 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
     """(environment, argv) of the SGLang server that captures for `cfg` (module doc); with
     `speculative`, decoding with the exported draft (`speculative_flags`)."""
     from specbus.core.models.target import load_target_info, resolve_target_dir
-    from specbus.producers.live import sink_env
 
     model = resolve_target_dir(cfg.target.model)
     info = load_target_info(model, name=cfg.target.model)
@@ -72,16 +70,7 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
         argv += ["--dtype", cfg.target.dtype]
     if speculative:
         argv += speculative_flags(cfg, draft_dir_of(cfg, draft_dir), num_draft_tokens)
-    env = {sink_env.ENV_RATE: f"{cfg.live.sample_rate:g}", sink_env.ENV_QUEUE: str(cfg.live.queue)}
-    url = intake_url or cfg.live.url
-    if url:
-        env[sink_env.ENV_URL] = url
-    else:  # same host: the intake's URL and token file (read at every handshake)
-        from specbus.ops.intake_endpoint import endpoint_file
-
-        env[sink_env.ENV_ENDPOINT] = str(endpoint_file(cfg))
-    if cfg.live.tls_ca:
-        env[sink_env.ENV_CA] = str(cfg.live.tls_ca)
+    env = capture_environment(cfg, sample_rate=cfg.live.sample_rate, intake_url=intake_url)
     return env, argv
 
 
@@ -91,19 +80,11 @@ def run_sglang_serve(cfg: RunConfig, *, intake_url: str | None, token: str | Non
                      num_draft_tokens: int = 3) -> int:  # fmt: skip
     """`specbus serve --engine sglang` (module doc). Returns the exit code (or execs)."""
     from specbus.ops import sglang_layer as layer
-    from specbus.ops.intake_endpoint import TOKEN_ENV
 
     env, argv = server_command(cfg, intake_url=intake_url, host=host, port=port,
                                speculative=speculative, draft_dir=draft_dir,
                                num_draft_tokens=num_draft_tokens)  # fmt: skip
-    shown = dict(env)
-    if (
-        token
-        or cfg.live.token
-        or (env.get("SPECBUS_CAPTURE_INTAKE_URL") and TOKEN_ENV in os.environ)
-    ):
-        shown[TOKEN_ENV] = "<the intake's token>"  # never printed
-    print(" ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()), shlex.join(argv), flush=True)
+    print_command(cfg, env, argv, token)
     if dry_run:
         return 0
     if speculative and not (draft_dir_of(cfg, draft_dir) / "config.json").exists():
@@ -112,8 +93,7 @@ def run_sglang_serve(cfg: RunConfig, *, intake_url: str | None, token: str | Non
     state = layer.check()
     if not state["ok"]:
         raise ConfigError("the SGLang capture layer is not ready: " + "; ".join(state["problems"]))
-    secret = token or cfg.live.token or os.environ.get(TOKEN_ENV)
-    os.execve(argv[0], argv, {**os.environ, **env, **({TOKEN_ENV: secret} if secret else {})})
+    exec_server(argv[0], argv, env, cfg, token)
     return 0  # pragma: no cover - execve does not return
 
 

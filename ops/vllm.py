@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import shutil
 from pathlib import Path
 
 from specbus.core.config import RunConfig
 from specbus.core.errors import ConfigError
+from specbus.ops.engine_launch import capture_environment, exec_server, print_command
 from specbus.producers.engines.pins import CONNECTOR, CONNECTOR_MODULE, VLLM_VERSION
 
 
@@ -34,7 +33,6 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
     from specbus.core.export.speculators import vllm_layer_ids
     from specbus.core.models.target import load_target_info, resolve_target_dir
     from specbus.ops.intake_endpoint import is_driven
-    from specbus.producers.live import sink_env
 
     model = resolve_target_dir(cfg.target.model)
     info = load_target_info(model, name=cfg.target.model)
@@ -65,16 +63,7 @@ def server_command(cfg: RunConfig, *, intake_url: str | None = None, host: str |
     if cfg.target.dtype != "auto":
         argv += ["--dtype", cfg.target.dtype]
     rate = 0.0 if is_driven(cfg) else cfg.live.sample_rate
-    env = {sink_env.ENV_RATE: f"{rate:g}", sink_env.ENV_QUEUE: str(cfg.live.queue)}
-    url = intake_url or cfg.live.url
-    if url:
-        env[sink_env.ENV_URL] = url
-    else:  # same host: the intake's URL and token file (read at every handshake)
-        from specbus.ops.intake_endpoint import endpoint_file
-
-        env[sink_env.ENV_ENDPOINT] = str(endpoint_file(cfg))
-    if cfg.live.tls_ca:
-        env[sink_env.ENV_CA] = str(cfg.live.tls_ca)
+    env = capture_environment(cfg, sample_rate=rate, intake_url=intake_url)
     return env, argv
 
 
@@ -82,14 +71,9 @@ def run_vllm_serve(cfg: RunConfig, *, intake_url: str | None, token: str | None,
                    host: str | None, port: int | None, dry_run: bool) -> int:  # fmt: skip
     """`specbus serve --engine vllm` (module doc). Returns the exit code (or execs)."""
     from specbus.ops import vllm_layer as layer
-    from specbus.ops.intake_endpoint import TOKEN_ENV
-    from specbus.producers.live import sink_env
 
     env, argv = server_command(cfg, intake_url=intake_url, host=host, port=port)
-    shown = dict(env)
-    if token or cfg.live.token or (env.get(sink_env.ENV_URL) and TOKEN_ENV in os.environ):
-        shown[TOKEN_ENV] = "<the intake's token>"  # never printed
-    print(" ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items()), shlex.join(argv), flush=True)
+    print_command(cfg, env, argv, token)
     if dry_run:
         return 0
     state = layer.check()
@@ -100,8 +84,7 @@ def run_vllm_serve(cfg: RunConfig, *, intake_url: str | None, token: str | None,
     exe = shutil.which("vllm")
     if exe is None:
         raise ConfigError(f"no `vllm` command on PATH (pip install vllm=={VLLM_VERSION})")
-    secret = token or cfg.live.token or os.environ.get(TOKEN_ENV)
-    os.execve(exe, argv, {**os.environ, **env, **({TOKEN_ENV: secret} if secret else {})})
+    exec_server(exe, argv, env, cfg, token)
     return 0  # pragma: no cover - execve does not return
 
 
