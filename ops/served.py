@@ -189,9 +189,9 @@ class Divergence:
     """Where a served answer left the target's greedy output: probe index, the first token
     (0-based, of the continuation) whose decode departs from the served text, and the
     target's top-1 minus top-2 logit there (one forward over the prompt and the tokens before
-    it, the logits upcast to fp32). In bf16 a margin
-    within a few logit ulps (~0.06-0.25 at the usual magnitudes) is a near-tie that a verify
-    forward and a one-token forward can round apart; a large margin is a bug."""
+    it, the logits upcast to fp32). In bf16 a margin within a few logit ulps (~0.06-0.25 at
+    the usual magnitudes) is a near-tie that a verify forward and a one-token forward can
+    round apart; a large margin is a bug."""
 
     probe: int
     token: int

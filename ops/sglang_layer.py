@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from specbus.core.errors import ConfigError
+from specbus.ops.installed import engine_dist
 from specbus.producers.engines.pins import PLUGIN_MODULE, SGLANG_HOOKS, SGLANG_VERSION
 
 DIST = "specbus_sglang_capture"
@@ -65,15 +66,7 @@ class LayerError(ConfigError):
 def sglang_dist(site: Path | None = None) -> md.Distribution:
     """The SGLang distribution installed in `site` (default: this interpreter's path);
     `LayerError` with the install command if none."""
-    if site is not None:
-        found = list(md.distributions(name="sglang", path=[str(site)]))
-        if not found:
-            raise LayerError(f"SGLang is not installed in {site}: {INSTALL}")
-        return found[0]
-    try:
-        return md.distribution("sglang")
-    except md.PackageNotFoundError as e:
-        raise LayerError(f"SGLang is not installed here: {INSTALL}") from e
+    return engine_dist("sglang", "SGLang", INSTALL, site, LayerError)
 
 
 def site_dir(dist: md.Distribution | None = None) -> Path:

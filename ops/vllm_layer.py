@@ -14,6 +14,7 @@ import importlib.metadata as md
 from pathlib import Path
 
 from specbus.core.errors import ConfigError
+from specbus.ops.installed import engine_dist
 from specbus.producers.engines.pins import VLLM_VERSION
 
 INSTALL = f"pip install vllm=={VLLM_VERSION}"
@@ -82,15 +83,7 @@ class LayerError(ConfigError):
 def vllm_dist(site: Path | None = None) -> md.Distribution:
     """The vLLM distribution installed in `site` (default: this interpreter's path);
     `LayerError` with the install command if none."""
-    if site is not None:
-        found = list(md.distributions(name="vllm", path=[str(site)]))
-        if not found:
-            raise LayerError(f"vLLM is not installed in {site}: {INSTALL}")
-        return found[0]
-    try:
-        return md.distribution("vllm")
-    except md.PackageNotFoundError as e:
-        raise LayerError(f"vLLM is not installed here: {INSTALL}") from e
+    return engine_dist("vllm", "vLLM", INSTALL, site, LayerError)
 
 
 def _class_names(cls: ast.ClassDef) -> set[str]:
