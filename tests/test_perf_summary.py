@@ -166,6 +166,24 @@ def test_an_mfu_against_another_peak_and_a_call_without_a_floor(tmp_path, capsys
     assert "EAGLE3 4096, best mode >= 4.5: not measured" in capsys.readouterr().out
 
 
+def test_a_profile_only_call_names_the_peak_its_mfu_is_against(tmp_path, capsys, monkeypatch):
+    """A call of the profile stage alone (no pipeline report) still says which peak its step
+    rows' MFU is read against: the profile's own flops section."""
+    monkeypatch.delenv(flops.PEAK_ENV, raising=False)
+    c1 = tmp_path / "c1"
+    c1.mkdir()
+    section = flops.flops_section(H200)
+    section["per_sample"] = {"eagle3/2048": {"train_step": 34.44e12}}
+    step = {"step_ms": 82.6, "kernel_ms": 77.6, "busy_frac": 0.94, "launches": 1342,
+            "syncs": 4, "casts": 186, "compute_ops": 69, "peak_alloc_gib": 14.7, "mfu": 0.42}
+    (c1 / "step_profile.json").write_text(json.dumps(
+        {"device": H200, "results": {"eagle3": {"2048": step}}, "flops": section}))  # fmt: skip
+    perf_summary.main([str(c1), "--out", str(tmp_path / "s.json")])
+    text = capsys.readouterr().out
+    assert f"MFU against: {section['peak_source']}" in text
+    assert re.search(r"c1\s+eagle3/2048\s+step 82\.6 ms, MFU 42%", text)
+
+
 STAGES = ("profile", "gputests", "eagle3-2048", "eagle3-4096", "dflash", "mixed")
 
 

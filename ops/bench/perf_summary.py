@@ -156,6 +156,7 @@ def read_call(label: str, out: Path, peak: float | None) -> dict:
             call["rows"].append(entry)
     prof = _json(out / "step_profile.json")
     call["device"] = call["device"] or prof.get("device")
+    call["peak_source"] = call["peak_source"] or (prof.get("flops") or {}).get("peak_source")
     per_step = (prof.get("flops") or {}).get("per_sample") or {}
     for name, by_seq in (prof.get("results") or {}).items():
         if "error" in by_seq:
