@@ -75,3 +75,25 @@ def test_long_context_bench_reports_every_length_and_the_check(tmp_path):
     assert sweep["check"]["loss_rel"] < 1e-5 and sweep["check"]["grad_rel_max"] < 1e-4
     assert [sweep[s]["checkpointed"] for s in ("128", "256")] == [False, True]
     assert all(sweep[s]["chunked"] and sweep[s]["tokens_per_s"] > 0 for s in ("128", "256"))
+
+
+@pytest.mark.slow
+def test_long_context_bench_runs_dflash_in_both_modes_and_times_other_sdpa_orders(tmp_path):
+    """Issue 25's other rows: DFlash's sweep, each SDPA order's capture of the same sample, and
+    the pipeline colocated and disaggregated (a producer process, the shm store) on the tiny
+    target."""
+    out = tmp_path / "long.json"
+    _bench("long_context", "--tiny", "--strategy", "dflash", "--stages", "sweep,pipeline",
+           "--seqs", "128", "--pipeline-seqs", "128", "--modes", "colocated,disaggregated",
+           "--capture-orders", "default;math", "--out", str(out), timeout=300)  # fmt: skip
+    report = json.loads(out.read_text())
+    assert "check" not in report["sweep"]  # the chunked-path check is EAGLE3's
+    row = report["sweep"]["128"]
+    assert row["tokens_per_s"] > 0 and not row["chunked"] and not row["checkpointed"]
+    assert sorted(row["capture_s_by_order"]) == ["default", "math"]
+    assert all(s > 0 for s in row["capture_s_by_order"].values())
+    for mode in ("colocated", "disaggregated"):
+        run = report["pipeline"][mode]["128"]
+        assert "error" not in run, run.get("error")
+        assert run["samples_per_s"] > 0 and run["steady_steps"] >= 1
+    assert report["flops"]["per_sample"]["128"]["train_step"] > 0

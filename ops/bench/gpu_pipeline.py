@@ -58,7 +58,18 @@ def strategy_tree(args) -> dict:
     return {"ttt_length": args.ttt, "draft": {"draft_vocab_size": args.draft_vocab}}
 
 
-def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: str, args):
+def config_for(
+    run: str,
+    work: Path,
+    target: Path,
+    data: Path,
+    seq: int,
+    mode: str,
+    args,
+    strategy: dict | None = None,
+):
+    """A run of `mode` at `seq` tokens; `strategy` (a strategy section) defaults to
+    `strategy_tree(args)`."""
     sample_bytes = seq * QWEN3_8B["hidden_size"] * 4 * 2  # 3 aux + final, bf16
     budget = max(2 << 30, 12 * sample_bytes)
     tree = {
@@ -71,7 +82,7 @@ def config_for(run: str, work: Path, target: Path, data: Path, seq: int, mode: s
         },
         "target": {"model": str(target), "capture_batch": args.micro_batch,
                    "context_length": max(seq, 4096)},
-        "strategy": strategy_tree(args),
+        "strategy": strategy if strategy is not None else strategy_tree(args),
         "data": {"source": str(data), "max_length": seq, "holdout": 0},
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
                      "checkpoint_every": 100_000, "prefetch": args.prefetch, "lr": 1e-4,

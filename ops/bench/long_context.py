@@ -1,10 +1,12 @@
-"""Long-context benchmark: EAGLE3 on the Qwen3-8B-shaped random target, one GPU, lengths up to
-the first that fails (docs/benchmarks.md, "Long context").
+"""Long-context benchmark: EAGLE3 (or DFlash, `--strategy dflash`) on the Qwen3-8B-shaped random
+target, one GPU, lengths up to the first that fails (docs/benchmarks.md, "Long context").
 
 Stages (`--stages`, in this order):
-- `pipeline`: colocated runs through real processes at `--pipeline-seqs` (`gpu_pipeline.run_mode`:
-  `specbus feed` + `specbus train` with the hf engine swapped for the random target): the
-  trainer's steady samples/s and tokens/s, its peak allocated/reserved CUDA memory;
+- `pipeline`: runs through real processes at `--pipeline-seqs`, in each of `--modes`
+  (`colocated`, `disaggregated`: a producer and a trainer process on the GPU, the features
+  through the shm store; `gpu_pipeline.run_mode`: `specbus feed` + `specbus train` with the hf
+  engine swapped for the random target): the trainer's steady samples/s and tokens/s, its peak
+  allocated/reserved CUDA memory;
 - `sweep`: one process, the target built once; first (`--check L`) the long-context paths
   against the plain one on one batch of L tokens (relative differences of the loss, metrics
   and gradients: rounding only); then every length of `--seqs` ascending until one fails
@@ -13,7 +15,11 @@ Stages (`--stages`, in this order):
   default strategy settings: the long-context paths above `strategy.chunk_tokens`, TTT
   steps checkpointed from `strategy.checkpoint_tokens`); samples/s, tokens/s, capture and
   step seconds, peak allocated/reserved memory (of the whole loop and of the capture alone),
-  and the slope of the peak per 1k tokens between consecutive lengths;
+  and the slope of the peak per 1k tokens between consecutive lengths; with
+  `--capture-orders` (e.g. `default`: torch's own SDPA order, cuDNN first on sm90) the same
+  sample's capture timed again under each SDPA backend order (`capture_s_by_order`): the
+  prefill's attention is most of its time at long lengths, and cuDNN's per-shape plan, the
+  reason the engine puts flash first, costs little when a prefill takes seconds;
 - `floor`: the bare floor probe (`--floor FILE`, a copy of the steering folder's floor.py,
   lengths from `$FLOOR_SEQS`) in a process of its own, as the baseline.
 
@@ -24,6 +30,8 @@ recomputation by the checkpointed steps not counted; written once per length und
 
     python -m specbus.ops.bench.long_context --out $OUT/long_context.json --floor .gpu/floor.py
     python -m specbus.ops.bench.long_context --tiny --seqs 256,512,1024 --pipeline-seqs 512  # CPU
+    python -m specbus.ops.bench.long_context --strategy dflash --modes colocated,disaggregated \
+        --capture-orders default --out $OUT/long_dflash.json
 """
 
 from __future__ import annotations
@@ -43,8 +51,23 @@ import torch
 from specbus.ops.bench.flops import describe, flops_section, fmt_mfu, mfu, sample_flops
 from specbus.ops.bench.gpu_pipeline import config_for, run_mode, strategy_tree
 from specbus.ops.bench.random_target import QWEN3_8B, TINY, random_engine, write_data, write_target
+from specbus.producers.engines.hf import SDPA_ENV
 
 SEQS = "2048,4096,8192,16384,32768,65536,131072"
+
+
+def long_strategy_tree(args, vocab: int) -> dict:
+    """The strategy section of every run: EAGLE3 as the GPU pipeline bench has it (with the
+    long-context thresholds given), or DFlash as the DFlash bench has it (1 layer, 512
+    anchors x 16, the mask token an embedding row past the tokenizer's)."""
+    if args.strategy == "dflash":
+        return {"name": "dflash", "mask_token_id": vocab - 1, "block_size": 16,
+                "num_anchors": 512, "draft": {"num_layers": 1}}  # fmt: skip
+    tree = strategy_tree(args)
+    for key in ("chunk_tokens", "checkpoint_tokens"):
+        if getattr(args, key):
+            tree[key] = getattr(args, key)
+    return tree
 
 
 def steps_for(seq: int) -> tuple[int, int]:
@@ -65,8 +88,8 @@ def reps_for(seq: int) -> int:
 # sweep: one process, every length
 
 
-def sweep(target: Path, seqs: list[int], args) -> dict:
-    from specbus.core.config import DraftConfig, StrategyConfig, TargetConfig, TrainingConfig
+def sweep(target: Path, seqs: list[int], args, vocab_size: int) -> dict:
+    from specbus.core.config import TargetConfig, TrainingConfig, build_config
     from specbus.core.data.vocab import build_vocab_mapping, count_tokens
     from specbus.core.models.target import load_target_heads
     from specbus.core.strategies.base import StepContext, build_strategy
@@ -77,11 +100,8 @@ def sweep(target: Path, seqs: list[int], args) -> dict:
     engine = random_engine(TargetConfig(model=str(target), device=device.type, capture_batch=1,
                                         context_length=max(seqs)))  # fmt: skip
     heads = load_target_heads(target)
-    strategy_cfg = StrategyConfig(
-        ttt_length=args.ttt, draft=DraftConfig(draft_vocab_size=args.draft_vocab),
-        **({"chunk_tokens": args.chunk_tokens} if args.chunk_tokens else {}),
-        **({"checkpoint_tokens": args.checkpoint_tokens} if args.checkpoint_tokens else {}),
-    )  # fmt: skip
+    strategy_cfg = build_config({"strategy": long_strategy_tree(args, vocab_size)}).strategy
+    eagle3 = strategy_cfg.name == "eagle3"
     strategy = build_strategy(strategy_cfg, engine.info, heads=heads)
     contract = strategy.feature_contract(engine.info)
     g = torch.Generator().manual_seed(2)
@@ -96,15 +116,15 @@ def sweep(target: Path, seqs: list[int], args) -> dict:
             torch.cuda.synchronize()
 
     rows: dict[str, dict] = {}
-    if args.check:
+    if args.check and eagle3:  # the chunked / checkpointed paths are EAGLE3's
         rows["check"] = check(engine, strategy, draft, contract, args.check)
         print("check", json.dumps(rows["check"]), flush=True)
     for seq in seqs:
         ids = torch.randint(3, engine.info.vocab_size, (seq,), generator=g)
         mask = torch.cat([torch.zeros(seq // 4), torch.ones(seq - seq // 4)]).long()
-        row: dict = {"checkpointed": strategy_cfg.checkpoint_tokens is not None
+        row: dict = {"checkpointed": eagle3 and strategy_cfg.checkpoint_tokens is not None
                      and seq >= strategy_cfg.checkpoint_tokens,
-                     "chunked": strategy_cfg.chunk_tokens is not None
+                     "chunked": eagle3 and strategy_cfg.chunk_tokens is not None
                      and seq > strategy_cfg.chunk_tokens}  # fmt: skip
         try:
             if cuda:
@@ -137,6 +157,10 @@ def sweep(target: Path, seqs: list[int], args) -> dict:
             )
             row.update(capture_s=capture_s, step_s=step_s, samples_per_s=1 / (capture_s + step_s),
                        tokens_per_s=seq / (capture_s + step_s))  # fmt: skip
+            if args.capture_orders:
+                row["capture_s_by_order"] = capture_by_order(
+                    engine, ids, mask, contract, args.capture_orders.split(";"), reps_for(seq),
+                    sync)  # fmt: skip
             if cuda:
                 row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -151,6 +175,32 @@ def sweep(target: Path, seqs: list[int], args) -> dict:
     add_slopes(rows)
     engine.close()
     return rows
+
+
+def capture_by_order(engine, ids, mask, contract, orders: list[str], reps: int, sync) -> dict:
+    """The median capture time of one sample under each SDPA backend order (`default`: torch's
+    own; else names as `$SPECBUS_SDPA_BACKENDS` takes them), after one untimed capture per
+    order (a new order's first call builds its plans); the environment is restored."""
+    saved, out = os.environ.get(SDPA_ENV), {}
+    try:
+        for order in orders:
+            os.environ[SDPA_ENV] = order
+            times = []
+            for i in range(1 + reps):
+                sync()
+                t0 = time.perf_counter()
+                features = engine.capture([ids], [mask], contract, device=engine.device)
+                sync()
+                if i:
+                    times.append(time.perf_counter() - t0)
+                del features
+            out[order] = statistics.median(times)
+    finally:
+        if saved is None:
+            os.environ.pop(SDPA_ENV, None)
+        else:
+            os.environ[SDPA_ENV] = saved
+    return out
 
 
 def check(engine, strategy, draft, contract, seq: int) -> dict:
@@ -207,22 +257,27 @@ def add_slopes(rows: dict[str, dict]) -> None:
 # pipeline: real processes
 
 
-def pipeline(target: Path, seqs: list[int], args, work: Path, vocab: int) -> dict:
-    rows = {}
+def pipeline(target: Path, seqs: list[int], modes: list[str], args, work: Path, vocab: int) -> dict:
+    """`{mode: {seq: row}}`: each length through real processes in each mode; a failed run
+    keeps the other runs' figures."""
+    rows: dict[str, dict] = {mode: {} for mode in modes}
+    strategy = long_strategy_tree(args, vocab)
     for seq in seqs:
         steps, warmup = steps_for(seq)
         args.steps, args.warmup = (3, 1) if args.tiny else (steps, warmup)
         args.log_every = 1 if seq > 16384 or args.tiny else 2
         data = write_data(work / f"data-{seq}.jsonl", args.steps * args.micro_batch + 4, seq, vocab)
-        run = f"long-{seq}-{uuid.uuid4().hex[:6]}"
-        cfg = config_for(run, work, target, data, seq, "colocated", args)
-        t0 = time.perf_counter()
-        try:
-            rows[str(seq)] = run_mode(cfg, work, "colocated", args.warmup, args.timeout)
-        except Exception as e:  # keep the other lengths' figures
-            rows[str(seq)] = {"error": str(e)[-3000:]}
-        rows[str(seq)]["wall_s"] = time.perf_counter() - t0
-        print("pipeline", seq, json.dumps(rows[str(seq)], default=str), flush=True)
+        for mode in modes:
+            run = f"long-{seq}-{mode[:5]}-{uuid.uuid4().hex[:6]}"
+            cfg = config_for(run, work, target, data, seq, mode, args, strategy=strategy)
+            t0 = time.perf_counter()
+            try:
+                row = run_mode(cfg, work, mode, args.warmup, args.timeout)
+            except Exception as e:  # keep the other runs' figures
+                row = {"error": str(e)[-3000:]}
+            row["wall_s"] = time.perf_counter() - t0
+            rows[mode][str(seq)] = row
+            print("pipeline", mode, seq, json.dumps(row, default=str), flush=True)
     return rows
 
 
@@ -254,6 +309,15 @@ def main() -> None:
     ap.add_argument("--stages", default="pipeline,sweep,floor")
     ap.add_argument("--seqs", default=SEQS, help="the sweep's lengths, ascending")
     ap.add_argument("--pipeline-seqs", default="4096,32768,65536")
+    ap.add_argument(
+        "--modes",
+        default="colocated",
+        help="the pipeline's modes: colocated, disaggregated (comma-separated)",
+    )
+    ap.add_argument("--strategy", choices=("eagle3", "dflash"), default="eagle3")
+    ap.add_argument("--capture-orders", default="",
+                    help="the sweep also times each capture under these SDPA orders, ';'-separated "
+                         "(`default` = torch's; e.g. 'default;cudnn,flash,math')")  # fmt: skip
     ap.add_argument("--floor", type=Path, default=None, help="the floor probe script")
     ap.add_argument("--floor-seqs", default="2048,4096,8192,16384,32768,65536")
     ap.add_argument("--floor-timeout", type=float, default=150.0)
@@ -293,9 +357,10 @@ def main() -> None:
         t0 = time.perf_counter()
         if stage == "pipeline":
             seqs = [int(s) for s in args.pipeline_seqs.split(",") if s]
-            report["pipeline"] = pipeline(target, seqs, args, work, vocab)
+            modes = [m for m in args.modes.split(",") if m]
+            report["pipeline"] = pipeline(target, seqs, modes, args, work, vocab)
         elif stage == "sweep":
-            report["sweep"] = sweep(target, [int(s) for s in args.seqs.split(",")], args)
+            report["sweep"] = sweep(target, [int(s) for s in args.seqs.split(",")], args, vocab)
         elif stage == "floor" and args.floor is not None:
             seqs = [int(s) for s in args.floor_seqs.split(",")]
             report["floor"] = floor(args.floor, seqs, args.floor_timeout)
@@ -310,10 +375,13 @@ def add_mfu(report: dict, target_config: dict, args) -> None:
     and each row's MFU: the pipeline's over samples/s, the sweep's also per phase."""
     from specbus.core.config import build_config
 
-    strategy = build_config({"strategy": strategy_tree(args)}).strategy
+    vocab = target_config["vocab_size"]
+    strategy = build_config({"strategy": long_strategy_tree(args, vocab)}).strategy
     flops, peak = report["flops"], report["flops"]["peak_flops"]
-    for stage in ("sweep", "pipeline"):
-        for seq, row in (report.get(stage) or {}).items():
+    tables = [("sweep", report.get("sweep") or {})]
+    tables += [("pipeline", rows) for rows in (report.get("pipeline") or {}).values()]
+    for stage, table in tables:
+        for seq, row in table.items():
             if seq == "check" or "samples_per_s" not in row:
                 continue
             per = flops["per_sample"].setdefault(
@@ -326,7 +394,7 @@ def add_mfu(report: dict, target_config: dict, args) -> None:
 
 
 def print_table(report: dict) -> None:
-    print(f"\n=== {report['device']} (torch {report['torch']})")
+    print(f"\n=== {report['device']} (torch {report['torch']}), {report['args']['strategy']}")
     print(f"{'seq':>7} {'samples/s':>9} {'MFU':>5} {'tokens/s':>9} {'capture s':>9} {'step s':>7} "
           f"{'alloc GiB':>9} {'resv GiB':>8} {'capture GiB':>11} {'GiB/1k':>7} ckpt")  # fmt: skip
     for seq, r in (report.get("sweep") or {}).items():
@@ -343,12 +411,17 @@ def print_table(report: dict) -> None:
               f"{r.get('peak_reserved_gib', float('nan')):>8.1f} "
               f"{r.get('capture_peak_alloc_gib', float('nan')):>11.1f} "
               f"{r.get('slope_gib_per_1k', float('nan')):>7.2f} {r['checkpointed']}")  # fmt: skip
-    for seq, r in (report.get("pipeline") or {}).items():
+        for order, s in (r.get("capture_s_by_order") or {}).items():
+            print(f"{seq:>7} capture under SDPA order {order!r}: {s:.3f} s "
+                  f"({r['capture_s'] / s:.2f}x the engine's order)")  # fmt: skip
+    rows = [(mode, seq, r) for mode, by_seq in (report.get("pipeline") or {}).items()
+            for seq, r in by_seq.items()]  # fmt: skip
+    for mode, seq, r in rows:
         if "error" in r:
-            print(f"pipeline {seq:>7} FAILED {r['error'][-300:]}")
+            print(f"pipeline {seq:>7} {mode} FAILED {r['error'][-300:]}")
             continue
         mem = r.get("train_mem", {})
-        print(f"pipeline {seq:>7} colocated {r['samples_per_s']:.3f} samples/s "
+        print(f"pipeline {seq:>7} {mode} {r['samples_per_s']:.3f} samples/s "
               f"MFU {fmt_mfu(r.get('mfu'))} "
               f"{r['tokens_per_s']:.0f} tokens/s, step {r['step_ms']:.0f} ms, capture "
               f"{r.get('capture_frac', float('nan')):.2f}, peak "
