@@ -175,7 +175,7 @@ def test_a_profile_only_call_names_the_peak_its_mfu_is_against(tmp_path, capsys,
     section = flops.flops_section(H200)
     section["per_sample"] = {"eagle3/2048": {"train_step": 34.44e12}}
     step = {"step_ms": 82.6, "kernel_ms": 77.6, "busy_frac": 0.94, "launches": 1342,
-            "syncs": 4, "casts": 186, "compute_ops": 69, "peak_alloc_gib": 14.7, "mfu": 0.42}
+            "syncs": 4, "casts": 186, "compute_ops": 69, "peak_alloc_gib": 14.7, "mfu": 0.42}  # fmt: skip
     (c1 / "step_profile.json").write_text(json.dumps(
         {"device": H200, "results": {"eagle3": {"2048": step}}, "flops": section}))  # fmt: skip
     perf_summary.main([str(c1), "--out", str(tmp_path / "s.json")])
