@@ -178,23 +178,27 @@ def sweep(target: Path, seqs: list[int], args, vocab_size: int) -> dict:
 
 
 def capture_by_order(engine, ids, mask, contract, orders: list[str], reps: int, sync) -> dict:
-    """The median capture time of one sample under each SDPA backend order (`default`: torch's
-    own; else names as `$SPECBUS_SDPA_BACKENDS` takes them), after one untimed capture per
-    order (a new order's first call builds its plans); the environment is restored."""
+    """The median capture time (s) of one sample under each SDPA backend order (`default`:
+    torch's own; else names as `$SPECBUS_SDPA_BACKENDS` takes them), after one untimed capture
+    per order (a new order's first call builds its plans); an order that runs out of memory
+    is reported as such (the length's own row stands); the environment is restored."""
     saved, out = os.environ.get(SDPA_ENV), {}
     try:
         for order in orders:
             os.environ[SDPA_ENV] = order
             times = []
-            for i in range(1 + reps):
-                sync()
-                t0 = time.perf_counter()
-                features = engine.capture([ids], [mask], contract, device=engine.device)
-                sync()
-                if i:
-                    times.append(time.perf_counter() - t0)
-                del features
-            out[order] = statistics.median(times)
+            try:
+                for i in range(1 + reps):
+                    sync()
+                    t0 = time.perf_counter()
+                    features = engine.capture([ids], [mask], contract, device=engine.device)
+                    sync()
+                    if i:
+                        times.append(time.perf_counter() - t0)
+                    del features
+                out[order] = statistics.median(times)
+            except torch.OutOfMemoryError as e:
+                out[order] = f"out of memory: {str(e)[:200]}"
     finally:
         if saved is None:
             os.environ.pop(SDPA_ENV, None)
@@ -412,8 +416,9 @@ def print_table(report: dict) -> None:
               f"{r.get('capture_peak_alloc_gib', float('nan')):>11.1f} "
               f"{r.get('slope_gib_per_1k', float('nan')):>7.2f} {r['checkpointed']}")  # fmt: skip
         for order, s in (r.get("capture_s_by_order") or {}).items():
-            print(f"{seq:>7} capture under SDPA order {order!r}: {s:.3f} s "
-                  f"({r['capture_s'] / s:.2f}x the engine's order)")  # fmt: skip
+            took = f"{s:.3f} s ({r['capture_s'] / s:.2f}x the engine's order)" if isinstance(
+                s, float) else s  # fmt: skip
+            print(f"{seq:>7} capture under SDPA order {order!r}: {took}")
     rows = [(mode, seq, r) for mode, by_seq in (report.get("pipeline") or {}).items()
             for seq, r in by_seq.items()]  # fmt: skip
     for mode, seq, r in rows:
