@@ -142,8 +142,17 @@ def test_producer_killed_holding_features_is_recaptured_exactly_once(make_cluste
         for pid in trainers:
             os.kill(pid, signal.SIGSTOP)
         try:
-            refs, delivered = refs_of(nats_server.url, cluster.cfg.run)
-            held = [r for seq, r in refs if seq > delivered + 4 * WINDOW and r.store_uri == victim]
+            # While they are frozen p0 goes on capturing into its store; wait for it a little
+            # (under the 4 s ack wait) rather than let the trainers run on and maybe finish
+            # the run before a held ref is seen (CI once: "training ended before the fault").
+            frozen_until = time.monotonic() + 2.5
+            while True:
+                refs, delivered = refs_of(nats_server.url, cluster.cfg.run)
+                held = [r for seq, r in refs
+                        if seq > delivered + 4 * WINDOW and r.store_uri == victim]  # fmt: skip
+                if held or time.monotonic() > frozen_until:
+                    break
+                time.sleep(0.1)
             if held:
                 cluster.kill("producer-0")
         finally:

@@ -178,7 +178,9 @@ def test_the_server_serves_every_checkpoint_losslessly_and_refuses_a_corrupt_one
         (bad / "meta.json").write_text('{"step": 99999999}')
         put_pointer(run.url, run.cfg.run, {"step": 99999999, "path": str(bad)})
         wait_until(lambda: reloads(url, "refused") >= 1, 60, "the corrupt checkpoint refused")
-        assert served_version(url) == serving  # the old draft keeps serving
+        # the corrupt one is never served: the old draft keeps serving, or a good checkpoint
+        # the trainers published meanwhile (CI once: 4 -> 6 between the read and the refusal)
+        assert serving <= served_version(url) < 99999999
         answered = len(users.answers)
         wait_until(lambda: len(users.answers) >= answered + 2, 120, "answers after the refusal")
         # the trainers' next checkpoint replaces the pointer: served again
