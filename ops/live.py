@@ -63,6 +63,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# An idle keep-alive connection is closed by the server only after the clients' pools let go
+# of it: httpx (the openai client) reuses a connection idle up to 5 s, aiohttp 15 s. uvicorn's
+# default, 5 s, races httpx's: a request sent on a connection the server is closing fails
+# with "Server disconnected" (a user-visible APIConnectionError, seen in CI's closed loop).
+KEEP_ALIVE_S = 75
+
+
+def http_config(app, tls: tuple[Path, Path] | None = None):
+    """The uvicorn config of the intake and `specbus serve` (quiet, keep-alive above the
+    clients', a 5 s graceful stop). `tls`: (certificate, key) to serve HTTPS."""
+    import uvicorn
+
+    cert, key = tls if tls else (None, None)
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                          timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S,
+                          ssl_certfile=cert, ssl_keyfile=key)  # fmt: skip
+
+
 async def _serve_http(app, sock: socket.socket, tls: tuple[Path, Path] | None = None) -> None:
     """uvicorn on `sock` until SIGINT/SIGTERM: a graceful stop (a second signal: at once),
     then the caller's cleanup runs (uvicorn's own handlers would re-raise the signal after
@@ -72,11 +90,7 @@ async def _serve_http(app, sock: socket.socket, tls: tuple[Path, Path] | None = 
 
     import uvicorn
 
-    cert, key = tls if tls else (None, None)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=5, ssl_certfile=cert,
-                            ssl_keyfile=key)  # fmt: skip
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(http_config(app, tls))
     server.capture_signals = contextlib.nullcontext  # ours, below
 
     def stop() -> None:

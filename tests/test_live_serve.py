@@ -180,3 +180,42 @@ def _up(url: str) -> bool:
         return httpx.get(url + "/healthz", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_an_idle_connection_outlives_the_clients_pool(engine):
+    """The intake's and `specbus serve`'s uvicorn config keeps an idle keep-alive connection
+    open past httpx's 5 s pool expiry: a client that reuses it after 6 s idle gets an answer,
+    not "Server disconnected" (uvicorn's default, 5 s, raced the openai client in CI)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from specbus.ops.live import KEEP_ALIVE_S, bind, http_config
+    from specbus.ops.services.common import free_port
+    from specbus.producers.live.serve import Server, build_app
+
+    from tests.fixtures.live import wait_until
+
+    assert KEEP_ALIVE_S > 15  # above httpx's (5 s) and aiohttp's (15 s) pool expiry
+    generator = Generator(engine, None, max_new_tokens=4, max_batch=1)
+    port = free_port()
+    server = uvicorn.Server(http_config(build_app(Server(generator, "tiny"))))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[bind("127.0.0.1", port)])),
+                              daemon=True)  # fmt: skip
+    thread.start()
+    wait_until(lambda: _up(f"http://127.0.0.1:{port}"), 30, "the server")
+    request = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            answers = []
+            for idle in (0.0, 6.0):  # 6 s: past uvicorn's default keep-alive
+                time.sleep(idle)  # the idle time under test, not a wait for readiness
+                conn.sendall(request)
+                head = conn.recv(65536)
+                answers.append(head.split(b"\r\n", 1)[0])
+        assert answers == [b"HTTP/1.1 200 OK"] * 2
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        generator.close()
