@@ -186,7 +186,8 @@ def test_an_idle_connection_outlives_the_clients_pool(engine):
     """The intake's and `specbus serve`'s uvicorn config keeps an idle keep-alive connection
     open past httpx's 5 s pool expiry: a client that reuses it after 6 s idle gets an answer,
     not "Server disconnected" (uvicorn's default, 5 s, raced the openai client in CI)."""
-    import socket
+    import http.client
+    import json
     import threading
     import time
 
@@ -205,17 +206,18 @@ def test_an_idle_connection_outlives_the_clients_pool(engine):
                               daemon=True)  # fmt: skip
     thread.start()
     wait_until(lambda: _up(f"http://127.0.0.1:{port}"), 30, "the server")
-    request = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-            answers = []
-            for idle in (0.0, 6.0):  # 6 s: past uvicorn's default keep-alive
-                time.sleep(idle)  # the idle time under test, not a wait for readiness
-                conn.sendall(request)
-                head = conn.recv(65536)
-                answers.append(head.split(b"\r\n", 1)[0])
-        assert answers == [b"HTTP/1.1 200 OK"] * 2
+        answers, sockets = [], []
+        for idle in (0.0, 6.0):  # 6 s: past uvicorn's default keep-alive
+            time.sleep(idle)  # the idle time under test, not a wait for readiness
+            conn.request("GET", "/v1/models")  # on the same connection (HTTP/1.1 keep-alive)
+            sockets.append(conn.sock)
+            response = conn.getresponse()  # RemoteDisconnected if the server closed it
+            answers.append((response.status, json.loads(response.read())["data"][0]["id"]))
+        assert answers == [(200, "tiny")] * 2 and sockets[0] is sockets[1]
     finally:
+        conn.close()
         server.should_exit = True
         thread.join(10)
         generator.close()
