@@ -156,6 +156,9 @@ class TargetConfig(Section):
     capture_batch: int = Field(4, ge=1)
     tp_size: int = Field(1, ge=1)
     max_total_tokens: int | None = Field(None, ge=1)  # engine's tokens per forward, if bounded
+    # hf engine: torch.compile each decoder layer for capture (fuses the norms, rotary and
+    # activations between the matrix products; ~1 min to compile on the first lengths seen)
+    compile: bool = False
     cache_dir: Path | None = None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache
     # engine sglang_server (docs/sglang.md, "Driven capture"): the running server's base URL,
     # how long an unreachable server is retried, how long the intake may take to hear of a capture
@@ -167,6 +170,16 @@ class TargetConfig(Section):
     @classmethod
     def _built_engine(cls, name: str) -> str:
         return ENGINES.check(name)
+
+    @model_validator(mode="after")
+    def _compilable(self) -> TargetConfig:
+        if self.compile and (self.engine != "hf" or self.tp_size > 1):
+            raise ValueError(
+                f"target.compile is the hf engine's with tp_size 1 (got engine {self.engine!r}, "
+                f"tp_size {self.tp_size}): other engines compile their own way, sharded "
+                "layers run eager"
+            )
+        return self
 
 
 class DraftConfig(Section):

@@ -49,6 +49,17 @@ def test_step_profile_reports_each_strategy(tmp_path):
     assert "model FLOPs" in report["flops"]["convention"]
 
 
+def test_capture_bench_times_eager_and_compiled_on_the_same_weights(tmp_path):
+    out = tmp_path / "capture.json"
+    _bench("capture", "--tiny", "--reps", "1", "--warmup", "1", "--new", "2", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert sorted(report["fixed"], key=int) == ["64", "128"]  # 2048, 4096 scaled for --tiny
+    for row in report["fixed"].values():
+        assert row["eager_ms"] > 0 and row["compiled_ms"] > 0 and row["compiled_over_eager"] > 0
+        assert 0 <= row["max_rel_diff"] < 0.05  # bf16 weights: at most a few roundings apart
+    assert len(report["new"]["lengths"]) == 2 and report["new"]["compiled_ms_mean"] > 0
+
+
 def test_the_compile_limit_is_raised_above_dynamos_default():
     """Size-range guards recompile the dynamic kernels now and then; at Dynamo's default of 8
     graphs a function would run eagerly for good (docs/benchmarks.md, "Mixed lengths")."""

@@ -184,7 +184,7 @@ def test_a_profile_only_call_names_the_peak_its_mfu_is_against(tmp_path, capsys,
     assert re.search(r"c1\s+eagle3/2048\s+step 82\.6 ms, MFU 42%", text)
 
 
-STAGES = ("profile", "gputests", "eagle3-2048", "eagle3-4096", "dflash", "mixed")
+STAGES = ("profile", "gputests", "eagle3-2048", "eagle3-4096", "dflash", "mixed", "capture")
 
 
 @pytest.mark.parametrize("stage", STAGES)

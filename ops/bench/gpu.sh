@@ -36,12 +36,14 @@
 #   eagle3-4096  360 s  gpu_pipeline 4096: the same
 #   dflash       310 s  gpu_dflash: DSpark 512-4096 and DFlash 2048, colocated, 56 steps
 #   mixed        300 s  mixed_lengths: prefill and step per new / seen / fixed length
+#   capture      300 s  capture: the hf engine's prefill eager vs target.compile, 2048 + 4096 + new
 #
 #   STAGES=profile,gputests  |  STAGES=eagle3-2048  |  STAGES=eagle3-4096  |  STAGES=dflash
-#   [STAGES=mixed]
+#   [STAGES=mixed]  |  [STAGES=capture]
 #
-# A stage's own arguments go last (PROFILE_ARGS, EAGLE3_ARGS, DFLASH_ARGS, MIXED_ARGS; a
-# longer run there needs E3_RUN / DF_RUN, the per-run timeouts its limit is computed from).
+# A stage's own arguments go last (PROFILE_ARGS, EAGLE3_ARGS, DFLASH_ARGS, MIXED_ARGS,
+# CAPTURE_ARGS; a longer run there needs E3_RUN / DF_RUN, the per-run timeouts its limit is
+# computed from).
 # Each call returns $OUT/perf.tgz (and summary.txt); merge the calls, each row against the
 # floor probe of its own call:
 #   python -m specbus.ops.bench.perf_summary c1/perf.tgz c2/perf.tgz ... --out runs/perf/summary.json
@@ -57,7 +59,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 if [ "${BENCH:-pipeline}" = perf ]; then  # the stages and their limits (header), checked first
-  PERF_ORDER="profile gputests eagle3-2048 eagle3-4096 dflash mixed"
+  PERF_ORDER="profile gputests eagle3-2048 eagle3-4096 dflash mixed capture"
   PERF_BUDGET=${PERF_BUDGET:-540}  # seconds: under the device's 600 s per command
   SETUP_RESERVE=45    # wheel install, environment report, import check
   SUMMARY_RESERVE=15  # perf_summary and the packing
@@ -75,6 +77,7 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # the stages and their limits (header)
       eagle3-2048 | eagle3-4096) echo $(( BENCH_SETUP + 2 * (E3_RUN + RUN_STOP) + PRODUCER_WAIT )) ;;
       dflash) echo $(( BENCH_SETUP + 2 * (DF_RUN + RUN_STOP) )) ;;
       mixed) echo 300 ;;
+      capture) echo 300 ;;  # one process: the 8B target built, each arm compiled cold (~1-2 min)
       *) return 1 ;;
     esac
   }
@@ -165,6 +168,8 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # the floor probe, then the stages of 
         --out "$PERF/gpu_dflash.json" ${DFLASH_ARGS:-} ;;
       mixed) stage mixed python3 -m specbus.ops.bench.mixed_lengths --strategies dspark,eagle3 \
         --out "$PERF/mixed_lengths.json" ${MIXED_ARGS:-} ;;
+      capture) stage capture python3 -m specbus.ops.bench.capture --seqs 2048,4096 \
+        --out "$PERF/capture.json" ${CAPTURE_ARGS:-} ;;
     esac
   }
   for name in floor $selected; do run_stage "$name"; done

@@ -22,6 +22,10 @@ took ~55 ms per 1k tokens against ~35 for a length seen before or under flash
 (`ops/bench/mixed_lengths.py`, docs/benchmarks.md "Mixed lengths"); real traffic and the
 seed's uniform 512-4096 setup are nearly all new lengths. `SPECBUS_SDPA_BACKENDS` (e.g.
 `cudnn,flash,math`; `default` = torch's order) overrides it; the CPU keeps torch's order.
+
+`target.compile`: capture runs each decoder layer `torch.compile`d (`CompiledLayers`); the
+features equal the eager ones up to the fused kernels' rounding. Measure it before relying on
+it: `python -m specbus.ops.bench.capture` times both in one process.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from specbus.core.config import TargetConfig
 from specbus.core.errors import CaptureError, ConfigError
 from specbus.core.models.target import (
     AuxCapture,
+    decoder_layers,
     load_causal_lm,
     load_target_info,
     load_tokenizer,
@@ -121,6 +126,31 @@ def batches(lengths: list[int], size: int) -> list[tuple[int, int]]:
     return spans
 
 
+class CompiledLayers:
+    """Context manager: the target's decoder layers run `torch.compile`d forwards inside it.
+
+    Each layer's `forward` is compiled once (in `__init__`) and bound as an instance attribute
+    only while the context is open, so capture runs compiled while anything else using the
+    model (the live server's cached decode) keeps the eager forward. Only `forward` is
+    compiled, not the module call: the hooks `AuxCapture` registers per capture stay outside
+    the compiled code (new hooks would otherwise recompile every capture). The layers share
+    one code object, so one graph (static, then dynamic in the length after a second length
+    is seen) serves every layer. Not re-entrant; one thread at a time, as capture is."""
+
+    def __init__(self, model) -> None:
+        self.layers = list(decoder_layers(model))
+        self.forwards = [torch.compile(layer.forward) for layer in self.layers]
+
+    def __enter__(self) -> CompiledLayers:
+        for layer, forward in zip(self.layers, self.forwards, strict=True):
+            layer.forward = forward
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)  # the class's eager forward again
+
+
 class HFEngine:
     """A frozen HF target capturing EAGLE3/DFlash-style features."""
 
@@ -155,6 +185,7 @@ class HFEngine:
             from specbus.producers.engines.tp import shard_decoder
 
             shard_decoder(self.model, tp_mesh)
+        self._compiled = CompiledLayers(self.model) if cfg.compile else None
         self.target_fingerprint = target_fingerprint(self.path)
         self.tokenizer_fingerprint = (
             tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else "none"
@@ -220,7 +251,12 @@ class HFEngine:
         for i, ids in enumerate(chunk):
             ids_BL[i, : lengths[i]] = ids
             attn_BL[i, : lengths[i]] = 1
-        with AuxCapture(self.model, contract.aux_layers) as aux, sdpa_backends(device=self.device):
+        compiled = self._compiled if self._compiled is not None else contextlib.nullcontext()
+        with (
+            AuxCapture(self.model, contract.aux_layers) as aux,
+            sdpa_backends(device=self.device),
+            compiled,
+        ):
             base = getattr(self.model, "model", self.model)
             outputs = base(
                 input_ids=ids_BL.to(self.device),

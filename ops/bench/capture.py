@@ -1,0 +1,163 @@
+"""The `hf` engine's capture, eager against `target.compile`, in one process on one model.
+
+The prefill is the larger half of a colocated sample at 2048 tokens on an H200 (67 of ~150 ms,
+docs/benchmarks.md "The profile stage on one H200") and HF's eager decoder layers run their
+norms, rotary embedding and activations as separate kernels between the matrix products.
+`target.compile` runs each layer `torch.compile`d during capture (producers/engines/hf.py,
+`CompiledLayers`). This bench measures what that buys, on the Qwen3-8B-shaped random target
+(`--tiny`: a 4-layer one, a CPU check of the code path), both arms over the same weights:
+
+- per fixed length (`--seqs`): the median capture ms of `--reps` after `--warmup` (the compiled
+  arm's warm-up time is reported apart: its compile), tokens/s, the prefill's MFU
+  (ops/bench/flops.py), and compiled over eager;
+- `--new N`: N lengths uniform in [`--lo`, `--hi`] never seen before, each captured once by
+  each arm (new shapes: the compiled arm's dynamic graph against eager), mean ms;
+- per length, the largest difference of the compiled features from the eager ones, relative
+  to the eager feature's largest magnitude (bf16 rounds to 2^-8 = 3.9e-3 relative: a fused
+  kernel lands a few of those away).
+
+    python -m specbus.ops.bench.capture --seqs 2048,4096 --out $OUT/capture.json
+    python -m specbus.ops.bench.capture --tiny           # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from specbus.ops.bench.flops import flops_section, mfu, prefill_flops
+from specbus.ops.bench.random_target import TINY, random_engine, write_target
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_capture(engine, ids: torch.Tensor, contract, device: torch.device):
+    """(seconds, features) of one synchronised capture of `ids`, features left on `device`."""
+    _sync(device)
+    t0 = time.perf_counter()
+    features = engine.capture([ids], None, contract, device=device)[0]
+    _sync(device)
+    return time.perf_counter() - t0, features
+
+
+def largest_difference(got: dict, want: dict) -> float:
+    """max over features of max|got - want| / max|want|."""
+    worst = 0.0
+    for name, w in want.items():
+        if not torch.is_floating_point(w):
+            continue
+        scale = float(w.abs().max()) or 1.0
+        worst = max(worst, float((got[name].float() - w.float()).abs().max()) / scale)
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seqs", default="2048,4096")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--new", type=int, default=8, help="lengths never seen, each once per arm")
+    ap.add_argument("--lo", type=int, default=512)
+    ap.add_argument("--hi", type=int, default=4096)
+    ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from specbus.core.config import StrategyConfig, TargetConfig
+    from specbus.core.strategies.base import build_strategy
+    from specbus.producers.engines.hf import HFEngine
+
+    if args.tiny:
+        args.seqs = ",".join(str(max(16, int(s) // 32)) for s in args.seqs.split(","))
+        args.lo, args.hi = max(16, args.lo // 32), max(32, args.hi // 32)
+    seqs = [int(s) for s in args.seqs.split(",")]
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="specbus-capture-"))
+    target = write_target(work / "target", TINY if args.tiny else None, device=str(device))
+    context = max(seqs + [args.hi])
+    cfg = TargetConfig(model=str(target), device=str(device), capture_batch=1,
+                       context_length=context)  # fmt: skip
+    eager = random_engine(cfg)
+    compiled = HFEngine(cfg.model_copy(update={"compile": True}), model=eager.model)
+    contract = build_strategy(StrategyConfig(), eager.info).feature_contract()
+    target_config = json.loads((target / "config.json").read_text())
+    report: dict = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "flops": flops_section(torch.cuda.get_device_name() if cuda else "cpu"),
+        "fixed": {},
+    }
+    peak = report["flops"]["peak_flops"]
+    g = torch.Generator().manual_seed(0)
+    vocab = eager.info.vocab_size
+
+    def save() -> None:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1, default=str))
+
+    for seq in seqs:
+        ids = torch.randint(3, vocab, (seq,), generator=g)
+        flops = prefill_flops(target_config, seq)
+        row: dict = {"prefill_flops": flops}
+        for arm, engine in (("eager", eager), ("compiled", compiled)):
+            t0 = time.perf_counter()
+            for _ in range(args.warmup):
+                _, features = timed_capture(engine, ids, contract, device)
+            row[f"{arm}_warmup_s"] = time.perf_counter() - t0
+            times = [timed_capture(engine, ids, contract, device)[0] for _ in range(args.reps)]
+            ms = 1000 * statistics.median(times)
+            row[f"{arm}_ms"] = ms
+            row[f"{arm}_tokens_per_s"] = seq / ms * 1000
+            row[f"{arm}_mfu"] = mfu(flops, 1000 / ms, peak)
+            row[f"{arm}_features"] = features
+        row["compiled_over_eager"] = row["eager_ms"] / row["compiled_ms"]
+        row["max_rel_diff"] = largest_difference(
+            row.pop("compiled_features"), row.pop("eager_features")
+        )
+        report["fixed"][str(seq)] = row
+        print(f"{seq:>6} tokens: eager {row['eager_ms']:.1f} ms, compiled {row['compiled_ms']:.1f} "
+              f"ms ({row['compiled_over_eager']:.3f}x; its warm-up {row['compiled_warmup_s']:.1f} "
+              f"s), largest difference {row['max_rel_diff']:.2e}", flush=True)  # fmt: skip
+        save()
+    if args.new:
+        rng = random.Random(0)
+        seen = set(seqs)
+        lengths = []
+        while len(lengths) < args.new:
+            n = rng.randint(args.lo, args.hi)
+            if n not in seen:
+                seen.add(n)
+                lengths.append(n)
+        new: dict = {"lengths": lengths}
+        for arm, engine in (("eager", eager), ("compiled", compiled)):
+            batches = [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+            times = [timed_capture(engine, ids, contract, device)[0] for ids in batches]
+            new[f"{arm}_ms_mean"] = 1000 * statistics.mean(times)
+            new[f"{arm}_ms_per_1k_tokens"] = 1000 * sum(times) / sum(lengths) * 1000
+        new["compiled_over_eager"] = new["eager_ms_mean"] / new["compiled_ms_mean"]
+        report["new"] = new
+        print(f"{args.new} new lengths in [{args.lo}, {args.hi}]: eager {new['eager_ms_mean']:.1f}"
+              f" ms, compiled {new['compiled_ms_mean']:.1f} ms a capture "
+              f"({new['compiled_over_eager']:.3f}x)", flush=True)  # fmt: skip
+    if cuda:
+        report["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    save()
+
+
+if __name__ == "__main__":
+    main()
