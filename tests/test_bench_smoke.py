@@ -58,6 +58,8 @@ def test_capture_bench_times_eager_and_compiled_on_the_same_weights(tmp_path):
         assert row["eager_ms"] > 0 and row["compiled_ms"] > 0 and row["compiled_over_eager"] > 0
         assert 0 <= row["max_rel_diff"] < 0.05  # bf16 weights: at most a few roundings apart
     assert len(report["new"]["lengths"]) == 2 and report["new"]["compiled_ms_mean"] > 0
+    first = report["fixed"]["64"]
+    assert first["compiled_graphs"] >= 1 and first["eager_graphs"] == 0
 
 
 def test_the_compile_limit_is_raised_above_dynamos_default():

@@ -9,7 +9,7 @@ norms, rotary embedding and activations as separate kernels between the matrix p
 
 - per fixed length (`--seqs`): the median capture ms of `--reps` after `--warmup` (the compiled
   arm's warm-up time is reported apart: its compile), tokens/s, the prefill's MFU
-  (ops/bench/flops.py), and compiled over eager;
+  (ops/bench/flops.py), the graphs Dynamo compiled in it, and compiled over eager;
 - `--new N`: N lengths uniform in [`--lo`, `--hi`] never seen before, each captured once by
   each arm (new shapes: the compiled arm's dynamic graph against eager), mean ms;
 - per length, the largest difference of the compiled features from the eager ones, relative
@@ -76,6 +76,7 @@ def main() -> None:
     from specbus.core.config import StrategyConfig, TargetConfig
     from specbus.core.strategies.base import build_strategy
     from specbus.producers.engines.hf import HFEngine
+    from torch._dynamo.utils import counters
 
     if args.tiny:
         args.seqs = ",".join(str(max(16, int(s) // 32)) for s in args.seqs.split(","))
@@ -115,6 +116,7 @@ def main() -> None:
         flops = prefill_flops(target_config, seq)
         row: dict = {"prefill_flops": flops}
         for arm, engine in (("eager", eager), ("compiled", compiled)):
+            graphs = counters["stats"]["unique_graphs"]
             t0 = time.perf_counter()
             for _ in range(args.warmup):
                 _, features = timed_capture(engine, ids, contract, device)
@@ -125,6 +127,7 @@ def main() -> None:
             row[f"{arm}_tokens_per_s"] = seq / ms * 1000
             row[f"{arm}_mfu"] = mfu(flops, 1000 / ms, peak)
             row[f"{arm}_features"] = features
+            row[f"{arm}_graphs"] = counters["stats"]["unique_graphs"] - graphs  # Dynamo's
         row["compiled_over_eager"] = row["eager_ms"] / row["compiled_ms"]
         row["max_rel_diff"] = largest_difference(
             row.pop("compiled_features"), row.pop("eager_features")
@@ -132,7 +135,8 @@ def main() -> None:
         report["fixed"][str(seq)] = row
         print(f"{seq:>6} tokens: eager {row['eager_ms']:.1f} ms, compiled {row['compiled_ms']:.1f} "
               f"ms ({row['compiled_over_eager']:.3f}x; its warm-up {row['compiled_warmup_s']:.1f} "
-              f"s), largest difference {row['max_rel_diff']:.2e}", flush=True)  # fmt: skip
+              f"s, {row['compiled_graphs']} graph(s)), largest difference "
+              f"{row['max_rel_diff']:.2e}", flush=True)  # fmt: skip
         save()
     if args.new:
         rng = random.Random(0)
@@ -145,9 +149,11 @@ def main() -> None:
                 lengths.append(n)
         new: dict = {"lengths": lengths}
         for arm, engine in (("eager", eager), ("compiled", compiled)):
+            graphs = counters["stats"]["unique_graphs"]
             batches = [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
             times = [timed_capture(engine, ids, contract, device)[0] for ids in batches]
             new[f"{arm}_ms_mean"] = 1000 * statistics.mean(times)
+            new[f"{arm}_graphs"] = counters["stats"]["unique_graphs"] - graphs
             new[f"{arm}_ms_per_1k_tokens"] = 1000 * sum(times) / sum(lengths) * 1000
         new["compiled_over_eager"] = new["eager_ms_mean"] / new["compiled_ms_mean"]
         report["new"] = new

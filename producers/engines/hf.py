@@ -138,6 +138,9 @@ class CompiledLayers:
     is seen) serves every layer. Not re-entrant; one thread at a time, as capture is."""
 
     def __init__(self, model) -> None:
+        from specbus.core.models.kernels import raise_recompile_limit
+
+        raise_recompile_limit()  # size-range guards recompile now and then (kernels.py's doc)
         self.layers = list(decoder_layers(model))
         self.forwards = [torch.compile(layer.forward) for layer in self.layers]
 
