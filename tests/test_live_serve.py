@@ -8,6 +8,7 @@ driven capture path) on `prompt + output[:-1]` as the reference.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -112,28 +113,14 @@ def test_wave_captures_equal_the_driven_engines_features(engine, chat_target, tm
 def test_openai_endpoints_with_the_real_client(engine, chat_target):
     """`/v1/completions` and `/v1/chat/completions`, streaming or not, through AsyncOpenAI on a
     real uvicorn server (no capture: `--no-capture`); bad requests get a 400 with a message."""
-    import threading
-
     import httpx
-    import uvicorn
     from openai import APIStatusError, OpenAI
-    from specbus.ops.live import bind
-    from specbus.ops.services.common import free_port
-    from specbus.producers.live.serve import Server, build_app
-
-    from tests.fixtures.live import wait_until
 
     generator = Generator(engine, None, max_new_tokens=8, max_batch=2)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(Server(generator, "tiny")), log_level="warning",
-                                           lifespan="off"))  # fmt: skip
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[bind("127.0.0.1", port)])),
-                              daemon=True)  # fmt: skip
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _up(url), 30, "the server")
-    client = OpenAI(base_url=url + "/v1", api_key="u", max_retries=0)
-    try:
+    with (
+        _serving(generator) as url,
+        OpenAI(base_url=url + "/v1", api_key="u", max_retries=0) as client,
+    ):
         assert [m.id for m in client.models.list().data] == ["tiny"]
         chat = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "add 12 and 30"}], max_tokens=5,
@@ -166,11 +153,6 @@ def test_openai_endpoints_with_the_real_client(engine, chat_target):
                 client.chat.completions.create(model="tiny", **bad)
             assert err.value.status_code == 400
         assert httpx.post(url + "/v1/completions", content=b"{not json").status_code == 400
-    finally:
-        client.close()
-        server.should_exit = True
-        thread.join(10)
-        generator.close()
 
 
 def _up(url: str) -> bool:
@@ -182,42 +164,56 @@ def _up(url: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _serving(generator: Generator):
+    """`specbus serve`'s app and uvicorn config (`ops.live.http_config`) over `generator`, in a
+    thread on a free loopback port, until the block ends; yields its URL. Then the server
+    stops and the generator is closed."""
+    import threading
+
+    import uvicorn
+    from specbus.ops.live import bind, http_config
+    from specbus.ops.services.common import free_port
+    from specbus.producers.live.serve import Server, build_app
+
+    from tests.fixtures.live import wait_until
+
+    port = free_port()
+    server = uvicorn.Server(http_config(build_app(Server(generator, "tiny"))))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[bind("127.0.0.1", port)])),
+                              daemon=True)  # fmt: skip
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(url), 30, "the server")
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        generator.close()
+
+
 def test_an_idle_connection_outlives_the_clients_pool(engine):
     """The intake's and `specbus serve`'s uvicorn config keeps an idle keep-alive connection
     open past httpx's 5 s pool expiry: a client that reuses it after 6 s idle gets an answer,
     not "Server disconnected" (uvicorn's default, 5 s, raced the openai client in CI)."""
     import http.client
     import json
-    import threading
     import time
+    from urllib.parse import urlsplit
 
-    import uvicorn
-    from specbus.ops.live import KEEP_ALIVE_S, bind, http_config
-    from specbus.ops.services.common import free_port
-    from specbus.producers.live.serve import Server, build_app
-
-    from tests.fixtures.live import wait_until
+    from specbus.ops.live import KEEP_ALIVE_S
 
     assert KEEP_ALIVE_S > 15  # above httpx's (5 s) and aiohttp's (15 s) pool expiry
     generator = Generator(engine, None, max_new_tokens=4, max_batch=1)
-    port = free_port()
-    server = uvicorn.Server(http_config(build_app(Server(generator, "tiny"))))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[bind("127.0.0.1", port)])),
-                              daemon=True)  # fmt: skip
-    thread.start()
-    wait_until(lambda: _up(f"http://127.0.0.1:{port}"), 30, "the server")
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        answers, sockets = [], []
+    answers, sockets = [], []
+    with _serving(generator) as url:
+        conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=10)
         for idle in (0.0, 6.0):  # 6 s: past uvicorn's default keep-alive
             time.sleep(idle)  # the idle time under test, not a wait for readiness
             conn.request("GET", "/v1/models")  # on the same connection (HTTP/1.1 keep-alive)
             sockets.append(conn.sock)
             response = conn.getresponse()  # RemoteDisconnected if the server closed it
             answers.append((response.status, json.loads(response.read())["data"][0]["id"]))
-        assert answers == [(200, "tiny")] * 2 and sockets[0] is sockets[1]
-    finally:
         conn.close()
-        server.should_exit = True
-        thread.join(10)
-        generator.close()
+    assert answers == [(200, "tiny")] * 2 and sockets[0] is sockets[1]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 from specbus.ops.bench.flops import flops_section, mfu, prefill_flops
+from specbus.ops.bench.mixed_lengths import Lengths
 from specbus.ops.bench.random_target import TINY, random_engine, write_target
 
 
@@ -95,11 +95,12 @@ def main() -> None:
     compiled = HFEngine(cfg.model_copy(update={"compile": True}), model=eager.model)
     contract = build_strategy(StrategyConfig(), eager.info).feature_contract()
     target_config = json.loads((target / "config.json").read_text())
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
     report: dict = {
         "args": {k: str(v) for k, v in vars(args).items()},
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "device": device_name,
         "torch": torch.__version__,
-        "flops": flops_section(torch.cuda.get_device_name() if cuda else "cpu"),
+        "flops": flops_section(device_name),
         "fixed": {},
     }
     peak = report["flops"]["peak_flops"]
@@ -139,14 +140,9 @@ def main() -> None:
               f"{row['max_rel_diff']:.2e}", flush=True)  # fmt: skip
         save()
     if args.new:
-        rng = random.Random(0)
-        seen = set(seqs)
-        lengths = []
-        while len(lengths) < args.new:
-            n = rng.randint(args.lo, args.hi)
-            if n not in seen:
-                seen.add(n)
-                lengths.append(n)
+        unseen = Lengths(args.lo, args.hi)
+        unseen.used.update(seqs)  # new to both arms: not a fixed length either
+        lengths = unseen.new(args.new)
         new: dict = {"lengths": lengths}
         for arm, engine in (("eager", eager), ("compiled", compiled)):
             graphs = counters["stats"]["unique_graphs"]

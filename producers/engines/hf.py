@@ -188,7 +188,8 @@ class HFEngine:
             from specbus.producers.engines.tp import shard_decoder
 
             shard_decoder(self.model, tp_mesh)
-        self._compiled = CompiledLayers(self.model) if cfg.compile else None
+        # entered around every capture (a nullcontext is reusable)
+        self._compiled = CompiledLayers(self.model) if cfg.compile else contextlib.nullcontext()
         self.target_fingerprint = target_fingerprint(self.path)
         self.tokenizer_fingerprint = (
             tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else "none"
@@ -254,11 +255,10 @@ class HFEngine:
         for i, ids in enumerate(chunk):
             ids_BL[i, : lengths[i]] = ids
             attn_BL[i, : lengths[i]] = 1
-        compiled = self._compiled if self._compiled is not None else contextlib.nullcontext()
         with (
             AuxCapture(self.model, contract.aux_layers) as aux,
             sdpa_backends(device=self.device),
-            compiled,
+            self._compiled,
         ):
             base = getattr(self.model, "model", self.model)
             outputs = base(
