@@ -86,6 +86,19 @@ def write_dflash(out: Path, runs: dict[str, float]) -> None:
     (out / "gpu_dflash.json").write_text(json.dumps(report, indent=1))
 
 
+def test_a_rows_variant_is_held_to_its_modes_goal():
+    """`+compile` / `@compile` rows are settings users can choose: they count for the goal of
+    the mode they vary, the colocated one before the best-mode one."""
+    goal = perf_summary.row_goal
+    assert goal("eagle3", "2048/colocated+compile").name == "EAGLE3 2048, colocated"
+    assert goal("eagle3", "2048/colocated").name == "EAGLE3 2048, colocated"
+    assert goal("eagle3", "2048/disaggregated+compile").name == "EAGLE3 2048, best mode"
+    assert goal("eagle3", "4096/colocated+compile").name == "EAGLE3 4096, best mode"
+    assert goal("dflash", "dspark:512-4096@compile").name == "DSpark 512-4096"
+    assert goal("dflash", "dflash:2048-2048@compile").name == "DFlash 2048"
+    assert goal("dflash", "dspark:2048-2048") is None
+
+
 def test_two_calls_merge_each_row_against_its_own_floor(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(flops.PEAK_ENV, raising=False)
     # call 1: the floor probe and EAGLE3 at 2048 (a directory, as gpu.sh's $PERF)

@@ -43,7 +43,11 @@
 #
 # A stage's own arguments go last (PROFILE_ARGS, EAGLE3_ARGS, DFLASH_ARGS, MIXED_ARGS,
 # CAPTURE_ARGS; a longer run there needs E3_RUN / DF_RUN, the per-run timeouts its limit is
-# computed from).
+# computed from, and other eagle3 modes E3_RUNS, their number). E.g. the compiled capture
+# against the eager one, with one profiled step per run (trace_<seq>_<mode>.json.gz):
+#   GPU_TESTS=0 BENCH=perf STAGES=eagle3-2048 E3_RUNS=3 E3_RUN=130 \
+#     EAGLE3_ARGS="--modes colocated,colocated+compile,disaggregated+compile --profile-step 6" \
+#     bash ops/bench/gpu.sh
 # Each call returns $OUT/perf.tgz (and summary.txt); merge the calls, each row against the
 # floor probe of its own call:
 #   python -m specbus.ops.bench.perf_summary c1/perf.tgz c2/perf.tgz ... --out runs/perf/summary.json
@@ -68,13 +72,14 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # the stages and their limits (header)
   PRODUCER_WAIT=60    # gpu_pipeline waits this long for a disaggregated producer to exit
   RUN_STOP=15         # after a run: its processes' SIGTERM-to-SIGKILL 10 s, the broker's stop
   E3_RUN=${E3_RUN:-115}  # gpu_pipeline --timeout, one mode run (24 steps: within 110 s before)
+  E3_RUNS=${E3_RUNS:-2}  # mode runs in an eagle3 stage (EAGLE3_ARGS="--modes a,b,c": 3)
   DF_RUN=${DF_RUN:-120}  # gpu_dflash --timeout, one run (56 steps: within 120 s before)
   perf_limit() {  # stage -> its limit in seconds: its command's worst case
     case $1 in
       floor) echo 90 ;;  # one process, no timeout of its own (~30 s of it is start-up)
       profile) echo 200 ;;  # one process: 3 strategies x 2 lengths, every kernel compiled
       gputests) echo 150 ;;
-      eagle3-2048 | eagle3-4096) echo $(( BENCH_SETUP + 2 * (E3_RUN + RUN_STOP) + PRODUCER_WAIT )) ;;
+      eagle3-2048 | eagle3-4096) echo $(( BENCH_SETUP + E3_RUNS * (E3_RUN + RUN_STOP) + PRODUCER_WAIT )) ;;
       dflash) echo $(( BENCH_SETUP + 2 * (DF_RUN + RUN_STOP) )) ;;
       mixed) echo 300 ;;
       capture) echo 300 ;;  # one process: the 8B target built, each arm compiled cold (~1-2 min)

@@ -43,7 +43,9 @@ SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC = 5.7, 0.112
 # `--runs dspark:512-4096@torchsdpa`: the same run with its processes' environment changed
 # (docs/benchmarks.md, "Mixed lengths"): the prefill's SDPA backends in torch's own order
 # (cuDNN first on sm90: a plan per new length; the hf engine's default is flash first) or
-# flash only, the allocator's expandable segments.
+# flash only, the allocator's expandable segments; or with a config key changed:
+# `@compile`, `target.compile` on (the capture's decoder layers torch.compile'd).
+CONFIG_VARIANTS = {"compile": {"target": {"compile": True}}}
 VARIANTS = {
     "torchsdpa": {"SPECBUS_SDPA_BACKENDS": "default"},
     "flash": {"SPECBUS_SDPA_BACKENDS": "flash,efficient,math"},
@@ -65,7 +67,9 @@ def write_mixed_data(path: Path, n: int, lo: int, hi: int, vocab: int) -> Path:
     return path
 
 
-def config_for(run: str, work: Path, target: Path, data: Path, strategy: str, hi: int, args, vocab):
+def config_for(run, work: Path, target: Path, data: Path, strategy: str, hi: int, args, vocab,
+               variant: str = ""):  # fmt: skip
+    """The run's config; `variant` one of `CONFIG_VARIANTS` (or an environment variant: none)."""
     strat = {
         "name": strategy,
         "mask_token_id": vocab - 1,  # an embedding row past Qwen3's tokenizer (151669 < 151936)
@@ -81,7 +85,8 @@ def config_for(run: str, work: Path, target: Path, data: Path, strategy: str, hi
         "run_dir": str(work / run),
         "bus": {"ack_wait_s": 120.0, "heartbeat_s": 5.0, "fetch_timeout_s": 0.1},
         "store": {"uri": "mem://", "budget_bytes": 8 << 30},
-        "target": {"model": str(target), "capture_batch": 1, "context_length": max(hi, 4096)},
+        "target": {"model": str(target), "capture_batch": 1, "context_length": max(hi, 4096)}
+        | CONFIG_VARIANTS.get(variant, {}).get("target", {}),
         "strategy": strat,
         "data": {"source": str(data), "max_length": hi, "holdout": 0},
         "training": {"micro_batch": 1, "log_every": args.log_every, "checkpoint_every": 100_000,
@@ -123,8 +128,8 @@ def main() -> None:
         lo, hi = (int(x) for x in lengths.split("-"))
         if args.tiny:
             lo, hi = max(32, lo // 16), max(32, hi // 16)
-        if variant and variant not in VARIANTS:
-            ap.error(f"unknown variant @{variant}; known: {sorted(VARIANTS)}")
+        if variant and variant not in VARIANTS and variant not in CONFIG_VARIANTS:
+            ap.error(f"unknown variant @{variant}; known: {sorted([*VARIANTS, *CONFIG_VARIANTS])}")
         runs.append((name, lo, hi, variant))
     if args.tiny:
         args.steps, args.warmup, args.log_every = min(args.steps, 8), min(args.warmup, 2), 2
@@ -155,9 +160,8 @@ def main() -> None:
         data = write_mixed_data(
             work / f"data-{name}-{lo}-{hi}.jsonl", args.steps + 4, lo, hi, vocab
         )
-        cfg = config_for(
-            f"gd-{name}-{uuid.uuid4().hex[:6]}", work, target, data, name, hi, args, vocab
-        )
+        run = f"gd-{name}-{uuid.uuid4().hex[:6]}"
+        cfg = config_for(run, work, target, data, name, hi, args, vocab, variant)
         flops = mean_sample_flops(cfg.strategy, target_config, lo, hi)
         report["flops"]["per_sample"][key] = flops
         t1 = time.perf_counter()

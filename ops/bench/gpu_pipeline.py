@@ -3,7 +3,9 @@ disaggregated on one GPU, per sequence length.
 
 - colocated: one trainer rank process capturing its own tasks (`deployment.mode: colocated`);
 - disaggregated: one producer process and one trainer process sharing the GPU, tensors through
-  the shm store, metadata through the embedded broker.
+  the shm store, metadata through the embedded broker;
+- either with `+compile` (`--modes colocated+compile`): the same with `target.compile` on
+  (the capture's decoder layers `torch.compile`d; producers/engines/hf.py).
 
 The target is Qwen3-8B's architecture with random weights (nothing is downloaded): the target
 directory holds its `config.json` and a safetensors file with only `embed_tokens` and `lm_head`
@@ -14,7 +16,10 @@ model). Same compute and feature sizes as the real model; 16 GB are never writte
 Figures are the trainer's steady state: log intervals after `--warmup` optimizer steps
 (start-up, flex-attention compilation and the first captures are excluded). Capture fraction
 (colocated) is the rank's capture seconds over the steady wall time. Each worker process
-writes its peak allocated/reserved CUDA memory at exit. `--profile` adds an in-process
+writes its peak allocated/reserved CUDA memory at exit. `--profile-step N` profiles the
+trainer's optimizer step N of every run (`training.profile_step`): the row gets the step's
+GPU `timeline` (busy and overlapped ms per stream: how much of the colocated capture the step
+hides; consumers/profiling.py) and the Chrome trace is kept beside `--out`. `--profile` adds an in-process
 breakdown per sequence length (prefill, host copies, the draft's forward / backward /
 clip+optimizer; no bus) and a torch.profiler table of one draft train step.
 
@@ -68,8 +73,11 @@ def config_for(
     args,
     strategy: dict | None = None,
 ):
-    """A run of `mode` at `seq` tokens; `strategy` (a strategy section) defaults to
-    `strategy_tree(args)`."""
+    """A run of `mode` (`colocated` | `disaggregated`, `+compile` for `target.compile`) at
+    `seq` tokens; `strategy` (a strategy section) defaults to `strategy_tree(args)`."""
+    mode, _, variant = mode.partition("+")
+    if variant not in ("", "compile"):
+        raise ValueError(f"unknown mode variant +{variant} (known: +compile)")
     sample_bytes = seq * QWEN3_8B["hidden_size"] * 4 * 2  # 3 aux + final, bf16
     budget = max(2 << 30, 12 * sample_bytes)
     tree = {
@@ -81,12 +89,13 @@ def config_for(
             "budget_bytes": budget,
         },
         "target": {"model": str(target), "capture_batch": args.micro_batch,
-                   "context_length": max(seq, 4096)},
+                   "context_length": max(seq, 4096), "compile": variant == "compile"},
         "strategy": strategy if strategy is not None else strategy_tree(args),
         "data": {"source": str(data), "max_length": seq, "holdout": 0},
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
                      "checkpoint_every": 100_000, "prefetch": args.prefetch, "lr": 1e-4,
-                     "max_steps": args.steps, "total_steps": args.steps},
+                     "max_steps": args.steps, "total_steps": args.steps,
+                     "profile_step": getattr(args, "profile_step", None)},
         "deployment": {"mode": mode} | (
             {"colocated_prefetch": args.colocated_prefetch} if mode == "colocated" else {}
         ),
@@ -99,8 +108,12 @@ def config_for(
 
 
 def run_mode(cfg, work: Path, mode: str, warmup: int, timeout_s: float) -> dict:
+    """Run `cfg` (`mode`: colocated | disaggregated; its `+variant` is in `cfg`) through real
+    processes; its steady-state figures (`summarize`), and the profiled step's `timeline` and
+    trace path when `training.profile_step` is set."""
     from specbus.ops.produce import run_feeder
 
+    mode = mode.partition("+")[0]
     server = NatsServer(work / f"nats-{cfg.run}").start()
     config_path = work / f"{cfg.run}.yaml"
     config_path.write_text(dump_config(cfg))
@@ -133,7 +146,13 @@ def run_mode(cfg, work: Path, mode: str, warmup: int, timeout_s: float) -> dict:
     state = torch.load(
         ckpt / (ckpt / "latest").read_text().strip() / "state.pt", weights_only=False
     )
-    return summarize(cfg, state["history"], mode, warmup, work)
+    row = summarize(cfg, state["history"], mode, warmup, work)
+    step = cfg.training.profile_step
+    report = cfg.resolved_run_dir / "profile" / f"step{step}-rank0.json"
+    if step is not None and report.is_file():
+        row["timeline"] = json.loads(report.read_text()).get("timeline")
+        row["profile_trace"] = str(report.with_suffix(".trace.json.gz"))
+    return row
 
 
 def summarize(cfg, rows: list[dict], mode: str, warmup: int, work: Path) -> dict:
@@ -317,7 +336,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--seqs", default="2048,4096")
-    ap.add_argument("--modes", default="colocated,disaggregated")
+    ap.add_argument(
+        "--modes", default="colocated,disaggregated",
+        help="comma-separated; `+compile` after a mode: target.compile on",
+    )  # fmt: skip
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per mode run")
     ap.add_argument("--warmup", type=int, default=8, help="steps excluded from the figures")
     ap.add_argument("--log-every", type=int, default=4)
@@ -331,6 +353,10 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per mode run")
+    ap.add_argument(
+        "--profile-step", type=int, default=None,
+        help="profile the trainer's step N of every run (its GPU timeline, a trace)",
+    )  # fmt: skip
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
@@ -376,6 +402,7 @@ def main() -> None:
             except Exception as e:  # keep the other runs' figures
                 row[mode] = {"error": str(e)[-4000:]}
             row[mode]["wall_s"] = time.perf_counter() - t1
+            keep_trace(row[mode], args.out, f"trace_{seq}_{mode}.json.gz")
             row[mode]["mfu"] = mfu(
                 per_sample[str(seq)]["total"], row[mode].get("samples_per_s"), peak
             )
@@ -405,27 +432,42 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def keep_trace(row: dict, out: Path | None, name: str) -> None:
+    """The run's profiled-step trace copied beside `out` as `name` (the run's directory is
+    deleted at the end); the row then names the copy."""
+    trace = Path(row.get("profile_trace") or "")
+    if out is not None and trace.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(trace, out.parent / name)
+        row["profile_trace"] = name
+
+
 def print_table(report: dict) -> None:
     print(f"\n=== {report['device']} (torch {report['torch']})")
-    print(f"{'seq':>5} {'mode':<14} {'samples/s':>9} {'MFU':>5} {'tokens/s':>9} {'step ms':>8} "
+    print(f"{'seq':>5} {'mode':<18} {'samples/s':>9} {'MFU':>5} {'tokens/s':>9} {'step ms':>8} "
           f"{'capture':>8} {'wait':>6} {'bus ms':>7} {'alloc GiB':>9} {'resv GiB':>8}")  # fmt: skip
     for seq, row in report["results"].items():
-        for mode in ("colocated", "disaggregated"):
-            r = row.get(mode)
-            if r is None:
+        for mode, r in row.items():
+            if not isinstance(r, dict):
                 continue
             if "error" in r:
-                print(f"{seq:>5} {mode:<14} ERROR {r['error'][-300:]}")
+                print(f"{seq:>5} {mode:<18} ERROR {r['error'][-300:]}")
                 continue
             mem = r.get("train_mem", {})
             pmem = r.get("produce_mem", {})
             alloc = mem.get("peak_allocated_gib", float("nan")) + pmem.get("peak_allocated_gib", 0)
             resv = mem.get("peak_reserved_gib", float("nan")) + pmem.get("peak_reserved_gib", 0)
-            print(f"{seq:>5} {mode:<14} {r['samples_per_s']:>9.2f} {fmt_mfu(r.get('mfu')):>5} "
+            print(f"{seq:>5} {mode:<18} {r['samples_per_s']:>9.2f} {fmt_mfu(r.get('mfu')):>5} "
                   f"{r['tokens_per_s']:>9.0f} "
                   f"{r['step_ms']:>8.1f} {r.get('capture_frac', float('nan')):>8.2f} "
                   f"{r['data_wait_frac']:>6.2f} {r['bus_ms_per_step']:>7.1f} {alloc:>9.1f} "
                   f"{resv:>8.1f}")  # fmt: skip
+            if r.get("timeline"):
+                t = r["timeline"]
+                streams = ", ".join(f"stream {k} {v:.1f}" for k, v in t["streams"].items())
+                print(f"{'':>5} {'':<18} profiled step: wall {t['wall_ms']:.1f} ms, GPU busy "
+                      f"{t['busy_ms']:.1f} ({t['busy_frac']:.0%}), overlapped {t['overlap_ms']:.1f}"
+                      f"; {streams}")  # fmt: skip
         if "ratio_disagg_over_coloc" in row:
             print(f"{seq:>5} disagg/coloc   {row['ratio_disagg_over_coloc']:.3f}")
     for seq, p in (report.get("profile") or {}).items():

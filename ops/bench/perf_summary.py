@@ -41,12 +41,14 @@ class Goal:
 
 
 # Issue 26, one H200 per sample stream. "best mode": colocated or disaggregated on one GPU.
+# A row's variant (`colocated+compile`, `dspark:512-4096@compile`) is a setting users can
+# choose, so it counts for its goal.
 GOALS = (
     Goal("EAGLE3 2048, best mode", "eagle3", "2048/*", 9.0),
-    Goal("EAGLE3 2048, colocated", "eagle3", "2048/colocated", 8.0),
+    Goal("EAGLE3 2048, colocated", "eagle3", "2048/colocated*", 8.0),
     Goal("EAGLE3 4096, best mode", "eagle3", "4096/*", 4.5),
-    Goal("DSpark 512-4096", "dflash", "dspark:512-4096", 7.5),
-    Goal("DFlash 2048", "dflash", "dflash:2048-2048", 9.0),
+    Goal("DSpark 512-4096", "dflash", "dspark:512-4096*", 7.5),
+    Goal("DFlash 2048", "dflash", "dflash:2048-2048*", 9.0),
 )
 
 
@@ -54,7 +56,7 @@ def row_goal(bench: str, key: str) -> Goal | None:
     """The goal a row is held to: an exact key's before a pattern's (the colocated 2048 row
     is held to the colocated goal; either 2048 row can meet the best-mode one)."""
     matches = [g for g in GOALS if g.bench == bench and fnmatch.fnmatchcase(key, g.rows)]
-    return min(matches, key=lambda g: g.rows.count("*"), default=None)
+    return min(matches, key=lambda g: (g.rows.count("*"), -len(g.rows)), default=None)
 
 
 def _json(path: Path) -> dict:
