@@ -43,7 +43,7 @@
 #
 # A stage's own arguments go last (PROFILE_ARGS, EAGLE3_ARGS, DFLASH_ARGS, MIXED_ARGS,
 # CAPTURE_ARGS; a longer run there needs E3_RUN / DF_RUN, the per-run timeouts its limit is
-# computed from, and other eagle3 modes E3_RUNS, their number). E.g. the compiled capture
+# computed from, and more runs E3_RUNS / DF_RUNS, their number). E.g. the compiled capture
 # against the eager one, with one profiled step per run (trace_<seq>_<mode>.json.gz):
 #   GPU_TESTS=0 BENCH=perf STAGES=eagle3-2048 E3_RUNS=3 E3_RUN=130 \
 #     EAGLE3_ARGS="--modes colocated,colocated+compile,disaggregated+compile --profile-step 6" \
@@ -74,13 +74,15 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # the stages and their limits (header)
   E3_RUN=${E3_RUN:-115}  # gpu_pipeline --timeout, one mode run (24 steps: within 110 s before)
   E3_RUNS=${E3_RUNS:-2}  # mode runs in an eagle3 stage (EAGLE3_ARGS="--modes a,b,c": 3)
   DF_RUN=${DF_RUN:-120}  # gpu_dflash --timeout, one run (56 steps: within 120 s before)
+  DF_RUNS=${DF_RUNS:-2}  # runs in the dflash stage (DFLASH_ARGS="--runs a,b,c": 3)
+  case "${DFLASH_ARGS:-}" in *disagg*) DF_WAIT=$PRODUCER_WAIT ;; *) DF_WAIT=0 ;; esac
   perf_limit() {  # stage -> its limit in seconds: its command's worst case
     case $1 in
       floor) echo 90 ;;  # one process, no timeout of its own (~30 s of it is start-up)
       profile) echo 200 ;;  # one process: 3 strategies x 2 lengths, every kernel compiled
       gputests) echo 150 ;;
       eagle3-2048 | eagle3-4096) echo $(( BENCH_SETUP + E3_RUNS * (E3_RUN + RUN_STOP) + PRODUCER_WAIT )) ;;
-      dflash) echo $(( BENCH_SETUP + 2 * (DF_RUN + RUN_STOP) )) ;;
+      dflash) echo $(( BENCH_SETUP + DF_RUNS * (DF_RUN + RUN_STOP) + DF_WAIT )) ;;
       mixed) echo 300 ;;
       capture) echo 300 ;;  # one process: the 8B target built, each arm compiled cold (~1-2 min)
       *) return 1 ;;

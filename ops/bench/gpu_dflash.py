@@ -37,15 +37,18 @@ from specbus.core.config import build_config
 from specbus.ops.bench.flops import describe, flops_section, fmt_mfu, mean_sample_flops, mfu
 from specbus.ops.bench.gpu_pipeline import run_mode
 from specbus.ops.bench.perf_summary import row_goal
-from specbus.ops.bench.random_target import QWEN3_8B, TINY, write_target
+from specbus.ops.bench.random_target import QWEN3_8B, TINY, shm_uri, write_target
 
 SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC = 5.7, 0.112
 # `--runs dspark:512-4096@torchsdpa`: the same run with its processes' environment changed
 # (docs/benchmarks.md, "Mixed lengths"): the prefill's SDPA backends in torch's own order
 # (cuDNN first on sm90: a plan per new length; the hf engine's default is flash first) or
-# flash only, the allocator's expandable segments; or with a config key changed:
-# `@compile`, `target.compile` on (the capture's decoder layers torch.compile'd).
-CONFIG_VARIANTS = {"compile": {"target": {"compile": True}}}
+# flash only, the allocator's expandable segments; or with the config changed: `@compile`,
+# `target.compile` on (the capture's decoder layers torch.compile'd); `@disagg`, the
+# disaggregated layout on the same GPU (a producer process and the trainer, the shm store).
+# Variants combine with `+`: `dflash:2048-2048@compile+disagg`.
+CONFIG_VARIANTS = ("compile", "disagg")
+VARIANTS = {"compile": {"target": {"compile": True}}}
 VARIANTS = {
     "torchsdpa": {"SPECBUS_SDPA_BACKENDS": "default"},
     "flash": {"SPECBUS_SDPA_BACKENDS": "flash,efficient,math"},
@@ -68,8 +71,8 @@ def write_mixed_data(path: Path, n: int, lo: int, hi: int, vocab: int) -> Path:
 
 
 def config_for(run, work: Path, target: Path, data: Path, strategy: str, hi: int, args, vocab,
-               variant: str = ""):  # fmt: skip
-    """The run's config; `variant` one of `CONFIG_VARIANTS` (or an environment variant: none)."""
+               variants: tuple[str, ...] = ()):  # fmt: skip
+    """The run's config, with what its `CONFIG_VARIANTS` among `variants` change."""
     strat = {
         "name": strategy,
         "mask_token_id": vocab - 1,  # an embedding row past Qwen3's tokenizer (151669 < 151936)
@@ -84,15 +87,17 @@ def config_for(run, work: Path, target: Path, data: Path, strategy: str, hi: int
         "run": run,
         "run_dir": str(work / run),
         "bus": {"ack_wait_s": 120.0, "heartbeat_s": 5.0, "fetch_timeout_s": 0.1},
-        "store": {"uri": "mem://", "budget_bytes": 8 << 30},
-        "target": {"model": str(target), "capture_batch": 1, "context_length": max(hi, 4096)}
-        | CONFIG_VARIANTS.get(variant, {}).get("target", {}),
+        "store": {"uri": shm_uri(run, work, 8 << 30) if "disagg" in variants else "mem://",
+                  "budget_bytes": 8 << 30},
+        "target": {"model": str(target), "capture_batch": 1, "context_length": max(hi, 4096),
+                   "compile": "compile" in variants},
         "strategy": strat,
         "data": {"source": str(data), "max_length": hi, "holdout": 0},
         "training": {"micro_batch": 1, "log_every": args.log_every, "checkpoint_every": 100_000,
                      "lr": 6e-4, "warmup_ratio": 0.04, "grad_clip": 1.0,
                      "max_steps": args.steps, "total_steps": args.steps},
-        "deployment": {"mode": "colocated", "colocated_prefetch": args.colocated_prefetch},
+        "deployment": {"mode": "disaggregated"} if "disagg" in variants
+        else {"mode": "colocated", "colocated_prefetch": args.colocated_prefetch},
     }  # fmt: skip
     return build_config(tree)
 
@@ -128,9 +133,11 @@ def main() -> None:
         lo, hi = (int(x) for x in lengths.split("-"))
         if args.tiny:
             lo, hi = max(32, lo // 16), max(32, hi // 16)
-        if variant and variant not in VARIANTS and variant not in CONFIG_VARIANTS:
-            ap.error(f"unknown variant @{variant}; known: {sorted([*VARIANTS, *CONFIG_VARIANTS])}")
-        runs.append((name, lo, hi, variant))
+        variants = tuple(v for v in variant.split("+") if v)
+        for v in variants:
+            if v not in VARIANTS and v not in CONFIG_VARIANTS:
+                ap.error(f"unknown variant @{v}; known: {sorted([*VARIANTS, *CONFIG_VARIANTS])}")
+        runs.append((name, lo, hi, variants))
     if args.tiny:
         args.steps, args.warmup, args.log_every = min(args.steps, 8), min(args.warmup, 2), 2
         args.num_anchors = min(args.num_anchors, 32)
@@ -155,20 +162,21 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1, default=str))
 
-    for name, lo, hi, variant in runs:
-        key = f"{name}:{lo}-{hi}" + (f"@{variant}" if variant else "")
+    for name, lo, hi, variants in runs:
+        key = f"{name}:{lo}-{hi}" + (f"@{'+'.join(variants)}" if variants else "")
         data = write_mixed_data(
             work / f"data-{name}-{lo}-{hi}.jsonl", args.steps + 4, lo, hi, vocab
         )
         run = f"gd-{name}-{uuid.uuid4().hex[:6]}"
-        cfg = config_for(run, work, target, data, name, hi, args, vocab, variant)
+        cfg = config_for(run, work, target, data, name, hi, args, vocab, variants)
         flops = mean_sample_flops(cfg.strategy, target_config, lo, hi)
         report["flops"]["per_sample"][key] = flops
         t1 = time.perf_counter()
-        saved = {k: os.environ.get(k) for k in VARIANTS.get(variant, {})}
-        os.environ.update(VARIANTS.get(variant, {}))  # the run's processes inherit it
+        env = {k: v for name in variants for k, v in VARIANTS.get(name, {}).items()}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the run's processes inherit it
         try:
-            row = run_mode(cfg, work, "colocated", args.warmup, args.timeout)
+            row = run_mode(cfg, work, cfg.deployment.mode, args.warmup, args.timeout)
         except Exception as e:  # keep the other runs' figures
             row = {"error": str(e)[-4000:]}
         finally:
