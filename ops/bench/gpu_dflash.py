@@ -197,14 +197,14 @@ def main() -> None:
         save()
     print(f"\n=== {report['device']} (torch {report['torch']}); seed DSpark {SEED_SAMPLES_PER_S} "
           f"samples/s, capture {SEED_CAPTURE_FRAC:.1%}")  # fmt: skip
-    print(f"{'run':<20} {'samples/s':>9} {'MFU':>5} {'tokens/s':>9} {'step ms':>8} {'capture':>8} "
+    print(f"{'run':<32} {'samples/s':>9} {'MFU':>5} {'tokens/s':>9} {'step ms':>8} {'capture':>8} "
           f"{'alloc GiB':>9} {'resv GiB':>8} {'vs seed':>7} {'goal':>5}")  # fmt: skip
     for key, r in report["results"].items():
         if "error" in r:
-            print(f"{key:<20} ERROR {r['error'][-600:]}")
+            print(f"{key:<32} ERROR {r['error'][-600:]}")
             continue
         mem = r.get("train_mem", {})
-        print(f"{key:<20} {r['samples_per_s']:>9.2f} {fmt_mfu(r['mfu']):>5} "
+        print(f"{key:<32} {r['samples_per_s']:>9.2f} {fmt_mfu(r['mfu']):>5} "
               f"{r['tokens_per_s']:>9.0f} {r['step_ms']:>8.1f} "
               f"{r.get('capture_frac', float('nan')):>8.1%} "
               f"{mem.get('peak_allocated_gib', float('nan')):>9.1f} "

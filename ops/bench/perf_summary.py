@@ -213,12 +213,12 @@ def print_summary(calls: list[dict], goals: list[dict]) -> None:
         print(f"{c['label']}: {c['path']} ({c['device'] or 'device unknown'}), floor {fl}")
     print("\n== pipeline rows (x floor: the row's call's floor probe at its length; "
           "* at 2048 for mixed lengths)")  # fmt: skip
-    print(f"{'call':<5} {'bench':<7} {'row':<22} {'samples/s':>9} {'MFU':>5} {'goal':>5} "
+    print(f"{'call':<5} {'bench':<7} {'row':<32} {'samples/s':>9} {'MFU':>5} {'goal':>5} "
           f"{'x goal':>6} {'floor':>6} {'x floor':>7} {'tokens/s':>8} {'step ms':>7} "
           f"{'capture':>7} {'wait':>5} {'GiB':>5}")  # fmt: skip
     for c in calls:
         for r in c["rows"]:
-            head = f"{r['call']:<5} {r['bench']:<7} {r['key']:<22}"
+            head = f"{r['call']:<5} {r['bench']:<7} {r['key']:<32}"
             if "error" in r:
                 print(f"{head} ERROR {r['error'][-200:]}")
                 continue
@@ -235,7 +235,7 @@ def print_summary(calls: list[dict], goals: list[dict]) -> None:
             for key, f in by_key.items():
                 seen.setdefault((bench, key), f)
     for (bench, key), f in seen.items():
-        print(f"{bench:<7} {key:<22} {describe(f)}")
+        print(f"{bench:<7} {key:<32} {describe(f)}")
     sources = {c["peak_source"] for c in calls if c["peak_source"]}
     print("MFU against: " + ("; ".join(sorted(sources)) if sources else "no peak recorded"))
     profile = [p for c in calls for p in c["profile"]]
