@@ -42,8 +42,9 @@ def collective_counts(events) -> dict[str, int]:
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def _union_ms(spans: list[tuple[float, float]]) -> float:
-    """Total length of the union of `(start, end)` spans (microseconds in, ms out)."""
+def union_ms(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of `(start, end)` spans (microseconds in, as the profiler's
+    times are; milliseconds out)."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(spans):
         if b <= end:
@@ -65,8 +66,8 @@ def device_timeline(trace: dict) -> dict:
     for e in device:
         stream = str((e.get("args") or {}).get("stream", e.get("tid")))
         by_stream.setdefault(stream, []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-    streams = {s: _union_ms(spans) for s, spans in sorted(by_stream.items())}
-    busy = _union_ms([span for spans in by_stream.values() for span in spans])
+    streams = {s: union_ms(spans) for s, spans in sorted(by_stream.items())}
+    busy = union_ms([span for spans in by_stream.values() for span in spans])
     if events:
         wall = (max(float(e["ts"]) + float(e["dur"]) for e in events)
                 - min(float(e["ts"]) for e in events)) / 1000  # fmt: skip

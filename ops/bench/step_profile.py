@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from specbus.consumers.profiling import union_ms
 from specbus.ops.bench.flops import flops_section, mfu
 
 # host-device synchronisations: the runtime calls on a GPU; `.item()` on the CPU
@@ -61,16 +62,6 @@ WATCH = {
     "index_put_": ("aten::index_put_", "aten::_index_put_impl_"),
     "copy_": ("aten::copy_",),
 }
-
-
-def _merged_ms(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total / 1000.0  # profiler times are microseconds
 
 
 def profile_once(fn, cuda: bool) -> dict:
@@ -104,7 +95,7 @@ def profile_once(fn, cuda: bool) -> dict:
         "syncs": sum(names[k] for k in (GPU_SYNC_OPS if cuda else CPU_SYNC_OPS)),
         **{key: sum(names[k] for k in ops) for key, ops in WATCH.items()},
         "kernels": len(kernels),
-        "kernel_ms": _merged_ms(kernels),
+        "kernel_ms": union_ms(kernels),
     }
     out["top_ops"] = dict(leaves.most_common(25))
     out["table"] = prof.key_averages().table(
