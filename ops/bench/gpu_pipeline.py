@@ -107,13 +107,13 @@ def config_for(
 # One mode, through real processes
 
 
-def run_mode(cfg, work: Path, mode: str, warmup: int, timeout_s: float) -> dict:
-    """Run `cfg` (`mode`: colocated | disaggregated; its `+variant` is in `cfg`) through real
-    processes; its steady-state figures (`summarize`), and the profiled step's `timeline` and
-    trace path when `training.profile_step` is set."""
+def run_mode(cfg, work: Path, warmup: int, timeout_s: float) -> dict:
+    """Run `cfg` in its `deployment.mode` through real processes; its steady-state figures
+    (`summarize`), and the profiled step's `timeline` and trace path when
+    `training.profile_step` is set."""
     from specbus.ops.produce import run_feeder
 
-    mode = mode.partition("+")[0]
+    mode = cfg.deployment.mode
     server = NatsServer(work / f"nats-{cfg.run}").start()
     config_path = work / f"{cfg.run}.yaml"
     config_path.write_text(dump_config(cfg))
@@ -398,7 +398,7 @@ def main() -> None:
             cfg = config_for(run, work, target, data, seq, mode, args)
             t1 = time.perf_counter()
             try:
-                row[mode] = run_mode(cfg, work, mode, args.warmup, args.timeout)
+                row[mode] = run_mode(cfg, work, args.warmup, args.timeout)
             except Exception as e:  # keep the other runs' figures
                 row[mode] = {"error": str(e)[-4000:]}
             row[mode]["wall_s"] = time.perf_counter() - t1

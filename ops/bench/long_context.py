@@ -276,7 +276,7 @@ def pipeline(target: Path, seqs: list[int], modes: list[str], args, work: Path, 
             cfg = config_for(run, work, target, data, seq, mode, args, strategy=strategy)
             t0 = time.perf_counter()
             try:
-                row = run_mode(cfg, work, mode, args.warmup, args.timeout)
+                row = run_mode(cfg, work, args.warmup, args.timeout)
             except Exception as e:  # keep the other runs' figures
                 row = {"error": str(e)[-3000:]}
             row["wall_s"] = time.perf_counter() - t0
