@@ -200,7 +200,7 @@ class StrategyConfig(Section):
     name: str = Field("eagle3", pattern=r"^[a-z0-9_]+$")
     ttt_length: int = Field(7, ge=1)
     step_weight: float = Field(0.8, gt=0)
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    attention: Literal["auto", "sdpa", "flex", "flash"] = "auto"
     draft: DraftConfig = DraftConfig()
     # DFlash family (dflash, domino, dspark)
     block_size: int = Field(16, ge=2)

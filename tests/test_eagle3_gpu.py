@@ -76,3 +76,13 @@ def test_flex_uses_less_memory_at_long_sequences():
         f"peak bytes at L=4096, B=2, ttt=7: eager {eager[3] / 2**30:.2f} GiB, flex {flex[3] / 2**30:.2f} GiB"
     )
     assert flex[3] < eager[3]
+
+
+def test_flash_matches_flex_on_a_padded_batch():
+    flex = run(*batch_and_draft(1024, "flex"))
+    flash = run(*batch_and_draft(1024, "flash"))
+    torch.testing.assert_close(flash[0], flex[0], rtol=2e-2, atol=2e-2)
+    for k in range(7):
+        assert abs(float(flash[1][f"acc_{k}"]) - float(flex[1][f"acc_{k}"])) < 0.02
+    cos = torch.nn.functional.cosine_similarity(flash[2], flex[2], dim=0)
+    assert cos > 0.99, float(cos)

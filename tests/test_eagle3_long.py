@@ -16,14 +16,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.test_eagle3_loss import setup
 
 
-def run(batch_of, *, fused: bool, chunk: int | None, checkpoint: bool, ttt: int = 3):
+def run(
+    batch_of,
+    *,
+    fused: bool,
+    chunk: int | None,
+    checkpoint: bool,
+    ttt: int = 3,
+    attention: str = "eager",
+):
     strategy, draft, batch = batch_of(ttt)
     t = batch.tensors
     loss, metrics = eagle3_ttt_loss(
         draft, input_ids_BL=t["input_ids"], attention_mask_BL=t["attention_mask"],
         loss_mask_BL=t["loss_mask"], hidden_states_BL3H=t["hidden_states"],
         target_BLH=t["target"], lm_head_VH=strategy.heads.lm_head, ttt_length=ttt,
-        fused=fused, chunk=chunk, checkpoint=checkpoint,
+        fused=fused, chunk=chunk, checkpoint=checkpoint, attention=attention,
     )  # fmt: skip
     (loss * 0.7).backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from specbus.core.models import ttt_flash
 from specbus.core.models.kernels import raise_recompile_limit
 
 
@@ -312,6 +313,15 @@ def _ttt_flex(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention  # CPU: forward only (tests)
 
     return flex_attention(q_BNLD, k, v, block_mask=block, enable_gqa=gqa)
+
+
+def _ttt_flash(q_BNLD: torch.Tensor, cache: TTTCache) -> torch.Tensor:
+    """The same attention as one causal flash attention plus the diagonal keys, merged by
+    their log-sum-exps (`ttt_flash.py`); flex where the flash kernel does not take `q` (fp32
+    on CUDA, an odd head dim)."""
+    if not ttt_flash.supported(q_BNLD):
+        return _ttt_flex(q_BNLD, cache)
+    return ttt_flash.ttt_flash(q_BNLD, cache.keys, cache.values)
 
 
 _FLEX = None

@@ -34,6 +34,7 @@ from specbus.core.models.eagle3_attention import (  # noqa: F401  (part of this 
     TTTCache,
     TTTMask,
     _ttt_eager,
+    _ttt_flash,
     _ttt_flex,
     block_mask_from_tiles,
     step0_mask,
@@ -237,10 +238,10 @@ class Attention(nn.Module):
         rep = self.num_heads // self.num_kv_heads
         if isinstance(cache, TTTCache):
             q, k = apply_rope(q, k, self.inv_freq, position_ids_BL + cache.step)
-            if cache.attention == "flex":  # grouped-query attention inside the kernel
+            if cache.attention in ("flex", "flash"):  # grouped-query attention inside
                 cache.keys.append(k)
                 cache.values.append(v)
-                out = _ttt_flex(q, cache)
+                out = _ttt_flash(q, cache) if cache.attention == "flash" else _ttt_flex(q, cache)
             else:
                 cache.keys.append(_repeat_kv(k, rep))
                 cache.values.append(_repeat_kv(v, rep))

@@ -87,6 +87,10 @@ class DFlashFamilyStrategy:
         heads: TargetHeads | None = None,
         aux_layers: list[int] | None = None,
     ):
+        if cfg.attention == "flash":  # EAGLE3's TTT attention (core/models/ttt_flash.py)
+            raise ConfigError(
+                f"strategy.attention 'flash' is EAGLE3's; {cfg.name} takes auto, sdpa or flex"
+            )
         self.name = self.projector
         self.cfg, self.target, self.heads = cfg, target, heads
         self._refuse_unused(cfg)

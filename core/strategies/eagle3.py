@@ -436,8 +436,8 @@ class Eagle3Strategy:
         slower below), eager otherwise. "sdpa" is the eager reference arithmetic."""
         if self.cfg.attention == "auto":
             return "flex" if device.type == "cuda" and seq_len >= 2048 else "eager"
-        if self.cfg.attention == "flex" and device.type != "cuda":
-            raise ConfigError("strategy.attention=flex needs a CUDA device")
+        if self.cfg.attention in ("flex", "flash") and device.type != "cuda":
+            raise ConfigError(f"strategy.attention={self.cfg.attention} needs a CUDA device")
         return "eager" if self.cfg.attention == "sdpa" else self.cfg.attention
 
     def forward_loss(

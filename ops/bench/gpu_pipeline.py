@@ -57,6 +57,9 @@ from specbus.ops.bench.random_target import (  # noqa: F401  (gpu_dflash, gpu_mu
 from specbus.ops.launch import Launcher
 from specbus.ops.services.nats import NatsServer
 
+# `--modes colocated+compile+flash`: target.compile on; EAGLE3's flash TTT attention
+MODE_VARIANTS = ("compile", "flash")
+
 
 def strategy_tree(args) -> dict:
     """The EAGLE3 strategy section every run of this bench uses."""
@@ -73,11 +76,16 @@ def config_for(
     args,
     strategy: dict | None = None,
 ):
-    """A run of `mode` (`colocated` | `disaggregated`, `+compile` for `target.compile`) at
+    """A run of `mode` (`colocated` | `disaggregated`, then `+compile` for `target.compile`,
+    `+flash` for `strategy.attention: flash`) at
     `seq` tokens; `strategy` (a strategy section) defaults to `strategy_tree(args)`."""
-    mode, _, variant = mode.partition("+")
-    if variant not in ("", "compile"):
-        raise ValueError(f"unknown mode variant +{variant} (known: +compile)")
+    mode, *variants = mode.split("+")
+    for variant in variants:
+        if variant not in MODE_VARIANTS:
+            raise ValueError(f"unknown mode variant +{variant} (known: {MODE_VARIANTS})")
+    strategy = strategy if strategy is not None else strategy_tree(args)
+    if "flash" in variants:
+        strategy = strategy | {"attention": "flash"}
     sample_bytes = seq * QWEN3_8B["hidden_size"] * 4 * 2  # 3 aux + final, bf16
     budget = max(2 << 30, 12 * sample_bytes)
     tree = {
@@ -89,8 +97,8 @@ def config_for(
             "budget_bytes": budget,
         },
         "target": {"model": str(target), "capture_batch": args.micro_batch,
-                   "context_length": max(seq, 4096), "compile": variant == "compile"},
-        "strategy": strategy if strategy is not None else strategy_tree(args),
+                   "context_length": max(seq, 4096), "compile": "compile" in variants},
+        "strategy": strategy,
         "data": {"source": str(data), "max_length": seq, "holdout": 0},
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
                      "checkpoint_every": 100_000, "prefetch": args.prefetch, "lr": 1e-4,
@@ -338,7 +346,8 @@ def main() -> None:
     ap.add_argument("--seqs", default="2048,4096")
     ap.add_argument(
         "--modes", default="colocated,disaggregated",
-        help="comma-separated; `+compile` after a mode: target.compile on",
+        help="comma-separated; after a mode `+compile`: target.compile on, `+flash`: "
+        "strategy.attention flash (EAGLE3's TTT attention, core/models/ttt_flash.py)",
     )  # fmt: skip
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per mode run")
     ap.add_argument("--warmup", type=int, default=8, help="steps excluded from the figures")

@@ -1,0 +1,199 @@
+"""EAGLE3's TTT attention as one causal flash attention plus the diagonal keys, merged exactly.
+
+Shape legend (eagle3_attention.py's): B batch, N query heads, G key/value heads (N = G * R),
+L sequence, D head dim, S earlier TTT steps (the step computed is S; its keys are K0..KS).
+
+At TTT step S every query i attends to the step-0 keys K0[:i+1] (causal) and to one key per
+later step, Ks[i] (s = 1..S). A softmax over the union of two key sets is the two partial
+softmaxes merged by their log-sum-exps, so the step is:
+
+    out0, lse0 = causal flash attention (q, K0, V0)            # one fused kernel, O(L) memory
+    s_s        = q . Ks[i] * scale                              # S dot products per row
+    lse        = logsumexp(lse0, s_1, ..., s_S)
+    out        = exp(lse0 - lse) * out0 + sum_s exp(s_s - lse) * Vs[i]
+
+The backward needs no second merge: with P = exp(scores - lse) over all keys and
+Delta = rowsum(dO * out) of the *merged* output, every key's gradient is P (dP - Delta), so
+flash attention's own backward, given the merged `out` and `lse`, returns the causal part's
+exact dq, dK0, dV0 (the identity ring attention relies on), and the diagonal keys' terms are
+the same formula on S columns (`ttt_merge_grads`).
+
+Against the flex path (a block mask over [K0|K1|...|KS], whose diagonal tiles are partial and
+pay the mask for one useful key in 128) this runs the causal part in the dense flash kernel,
+and never concatenates the steps' keys. Padding: the batch is right-padded (`collate`), so a
+real query's causal keys are all real; rows past a sample's length attend to padding keys
+here and not in the reference, and neither reaches a real row (a row attends only to its own
+and earlier positions) nor the loss (masked): real rows and every gradient are the same
+function. On CUDA the causal part is torch's flash kernel (bf16/fp16); on the CPU it is the
+same arithmetic written out (the tests' reference, O(L^2) memory).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from specbus.core.models.kernels import compiled
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (fp64 stays fp64 for exact tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def supported(q_BNLD: torch.Tensor) -> bool:
+    """Whether the flash kernel takes `q` (CUDA, half precision, head dim a multiple of 8 up
+    to 256); the CPU always runs the written-out arithmetic."""
+    if not q_BNLD.is_cuda:
+        return True
+    d = q_BNLD.shape[-1]
+    return (
+        q_BNLD.dtype in (torch.bfloat16, torch.float16)
+        and d % 8 == 0
+        and d <= 256
+        and torch.backends.cuda.flash_sdp_enabled()
+    )
+
+
+def _repeat_heads(x_BGLD: torch.Tensor, r: int) -> torch.Tensor:
+    """Key/value heads repeated to the query heads (head h reads kv head h // r)."""
+    if r == 1:
+        return x_BGLD
+    b, g, seq, d = x_BGLD.shape
+    return x_BGLD[:, :, None].expand(b, g, r, seq, d).reshape(b, g * r, seq, d)
+
+
+def _causal_scores(q_BNLD, k_BNLD, scale):
+    seq = q_BNLD.shape[2]
+    s = torch.matmul(upcast(q_BNLD), upcast(k_BNLD).transpose(-1, -2)) * scale
+    future = torch.ones(seq, seq, dtype=torch.bool, device=q_BNLD.device).triu(1)
+    return s.masked_fill(future, float("-inf"))
+
+
+def causal_attention(q_BNLD, k_BNLD, v_BNLD, scale: float):
+    """(out [B, N, L, D] in q's dtype, lse [B, N, L] fp32, the kernel's state for its
+    backward): causal attention with its log-sum-exp."""
+    if q_BNLD.is_cuda:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q_BNLD, k_BNLD, v_BNLD, 0.0, True, False, scale=scale
+        )
+        return res[0], res[1], res[2:8]
+    s = _causal_scores(q_BNLD, k_BNLD, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse[..., None]), upcast(v_BNLD)).to(q_BNLD.dtype)
+    return out, lse, ()
+
+
+def causal_attention_backward(grad_BNLD, q_BNLD, k_BNLD, v_BNLD, out_BNLD, lse_BNL, scale, state):
+    """(dq, dk, dv) of the causal part, with P = exp(scores - lse) and Delta = rowsum(dO * out)
+    read from the *merged* `out` and `lse` (module docstring)."""
+    if q_BNLD.is_cuda:
+        cum_q, cum_k, max_q, max_k, seed, offset = state
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_BNLD, q_BNLD, k_BNLD, v_BNLD, out_BNLD, lse_BNL, cum_q, cum_k, max_q, max_k,
+            0.0, True, seed, offset, scale=scale,
+        )  # fmt: skip
+    g, q, k, v = upcast(grad_BNLD), upcast(q_BNLD), upcast(k_BNLD), upcast(v_BNLD)
+    p = torch.exp(_causal_scores(q_BNLD, k_BNLD, scale) - lse_BNL[..., None])
+    delta = (g * upcast(out_BNLD)).sum(-1, keepdim=True)
+    ds = p * (torch.matmul(g, v.transpose(-1, -2)) - delta)
+    dq = torch.matmul(ds, k) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
+    dv = torch.matmul(p.transpose(-1, -2), g)
+    return dq.to(q_BNLD.dtype), dk.to(k_BNLD.dtype), dv.to(v_BNLD.dtype)
+
+
+def _grouped(x_BNL_: torch.Tensor, g: int) -> torch.Tensor:
+    """[B, N, ...] -> [B, G, R, ...] (query head h = g * R + r)."""
+    return x_BNL_.unflatten(1, (g, x_BNL_.shape[1] // g))
+
+
+@compiled
+def ttt_merge(q_BNLD, out0_BNLD, lse0_BNL, scale: float, *keys_values):
+    """(out, lse): the causal part merged with the diagonal keys `keys_values` = K1..KS,
+    V1..VS (each [B, G, L, D]); compiled on CUDA."""
+    steps = len(keys_values) // 2
+    keys, values = keys_values[:steps], keys_values[steps:]
+    g = keys[0].shape[1]
+    q = upcast(_grouped(q_BNLD, g))
+    lse0 = _grouped(lse0_BNL, g).to(q.dtype)
+    scores = torch.stack([(q * upcast(k)[:, :, None]).sum(-1) * scale for k in keys])
+    top = torch.maximum(lse0, scores.amax(0))
+    lse = top + torch.log(torch.exp(lse0 - top) + torch.exp(scores - top).sum(0))
+    out = torch.exp(lse0 - lse)[..., None] * upcast(_grouped(out0_BNLD, g))
+    for s, v in enumerate(values):
+        out = out + torch.exp(scores[s] - lse)[..., None] * upcast(v)[:, :, None]
+    return out.flatten(1, 2).to(q_BNLD.dtype), lse.flatten(1, 2).to(lse0_BNL.dtype)
+
+
+@compiled
+def ttt_merge_grads(q_BNLD, grad_BNLD, out_BNLD, lse_BNL, scale: float, *keys_values):
+    """(dq from the diagonal keys, dK1..dKS, dV1..dVS); compiled on CUDA."""
+    steps = len(keys_values) // 2
+    keys, values = keys_values[:steps], keys_values[steps:]
+    g = keys[0].shape[1]
+    q = upcast(_grouped(q_BNLD, g))
+    grad = upcast(_grouped(grad_BNLD, g))
+    lse = upcast(_grouped(lse_BNL, g))
+    delta = (grad * upcast(_grouped(out_BNLD, g))).sum(-1)
+    dq = torch.zeros_like(q)
+    dks, dvs = [], []
+    for k, v in zip(keys, values, strict=True):
+        kf, vf = upcast(k)[:, :, None], upcast(v)[:, :, None]
+        p = torch.exp((q * kf).sum(-1) * scale - lse)
+        ds = p * ((grad * vf).sum(-1) - delta)
+        dq = dq + ds[..., None] * kf * scale
+        dks.append(((ds[..., None] * q).sum(2) * scale).to(k.dtype))
+        dvs.append((p[..., None] * grad).sum(2).to(v.dtype))
+    return (dq.flatten(1, 2).to(q_BNLD.dtype), *dks, *dvs)
+
+
+def _stride_one(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class TTTFlashAttention(torch.autograd.Function):
+    """`apply(q [B, N, L, D], steps, K0..K{steps-1}, V0..V{steps-1})` -> [B, N, L, D]: the TTT
+    step's attention (module docstring). Keeps q, the merged output and lse and the keys and
+    values (no repeated heads, no probabilities)."""
+
+    @staticmethod
+    def forward(ctx, q_BNLD, steps: int, *keys_values):
+        q_BNLD = _stride_one(q_BNLD)
+        keys, values = keys_values[:steps], keys_values[steps:]
+        r = q_BNLD.shape[1] // keys[0].shape[1]
+        scale = 1.0 / math.sqrt(q_BNLD.shape[-1])
+        k0, v0 = _repeat_heads(keys[0], r), _repeat_heads(values[0], r)
+        out, lse, state = causal_attention(q_BNLD, k0, v0, scale)
+        if steps > 1:
+            out, lse = ttt_merge(q_BNLD, out, lse, scale, *keys[1:], *values[1:])
+        ctx.steps, ctx.scale, ctx.r = steps, scale, r
+        tensors = [t for t in state if isinstance(t, torch.Tensor)]
+        ctx.state = [t if not isinstance(t, torch.Tensor) else None for t in state]
+        ctx.save_for_backward(q_BNLD, out, lse.contiguous(), *keys_values, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_BNLD):
+        steps, scale, r = ctx.steps, ctx.scale, ctx.r
+        q, out, lse, *rest = ctx.saved_tensors
+        keys, values = rest[:steps], rest[steps : 2 * steps]
+        saved = iter(rest[2 * steps :])
+        state = [next(saved) if s is None else s for s in ctx.state]
+        grad = _stride_one(grad_BNLD)
+        k0, v0 = _repeat_heads(keys[0], r), _repeat_heads(values[0], r)
+        dq, dk0, dv0 = causal_attention_backward(grad, q, k0, v0, out, lse, scale, state)
+        g = keys[0].shape[1]
+        dk0, dv0 = _grouped(dk0, g).sum(2), _grouped(dv0, g).sum(2)
+        dks, dvs = [dk0], [dv0]
+        if steps > 1:
+            dq_diag, *diag = ttt_merge_grads(q, grad, out, lse, scale, *keys[1:], *values[1:])
+            dq = dq + dq_diag
+            dks += diag[: steps - 1]
+            dvs += diag[steps - 1 :]
+        return (dq, None, *dks, *dvs)
+
+
+def ttt_flash(q_BNLD: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    """The TTT attention of step `len(keys) - 1` over `keys`/`values` (step 0 first)."""
+    return TTTFlashAttention.apply(q_BNLD, len(keys), *keys, *values)

@@ -1,0 +1,118 @@
+"""EAGLE3's flash TTT attention (core/models/ttt_flash.py) computes the eager path's function.
+
+On the CPU the causal part is written out (the flash kernel is CUDA's), so in float64 these
+check the merge by log-sum-exp and the hand-written backward exactly: the attention's output
+at every real row and the gradients w.r.t. q and every step's keys and values, then the whole
+TTT loss (values, metrics, gradients) with padding, checkpointing and the long-context path.
+"""
+
+import pytest
+import torch
+from specbus.core.config import StrategyConfig
+from specbus.core.errors import ConfigError
+from specbus.core.models.ttt_flash import ttt_flash
+from specbus.core.strategies import build_strategy
+
+from tests.test_eagle3_long import padded, run, single
+
+
+def leaves(*shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=torch.float64).requires_grad_(True) for s in shapes]
+
+
+def reference(q_BNLD, keys, values, pad_BL):
+    """The TTT attention written densely in float64 (the eager path's function; its softmax
+    runs in fp32, this one does not): causal + key padding over K0, one key per later step."""
+    rep = q_BNLD.shape[1] // keys[0].shape[1]
+    keys = [k.repeat_interleave(rep, dim=1) for k in keys]
+    values = [v.repeat_interleave(rep, dim=1) for v in values]
+    seq, scale = q_BNLD.shape[2], q_BNLD.shape[-1] ** -0.5
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril() & pad_BL.bool()[:, None, None, :]
+    scores = (q_BNLD @ keys[0].transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    diag = [(q_BNLD * k).sum(-1, keepdim=True) * scale for k in keys[1:]]
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
+    out = probs[..., :seq] @ values[0]
+    for s, v in enumerate(values[1:]):
+        out = out + probs[..., seq + s, None] * v
+    return out
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (3, 3)], ids=["gqa", "mha"])
+def test_flash_ttt_attention_equals_the_eager_attention(steps, heads, kv_heads):
+    b, seq, d = 2, 9, 8
+    lengths = torch.tensor([9, 6])
+    pad_BL = (torch.arange(seq)[None] < lengths[:, None]).long()  # right padding (collate's)
+    q, *kv = leaves((b, heads, seq, d), *[(b, kv_heads, seq, d)] * (2 * steps))
+    keys, values = kv[:steps], kv[steps:]
+    weight = torch.randn(b, heads, seq, d, dtype=torch.float64) * pad_BL[:, None, :, None]
+
+    want = reference(q, keys, values, pad_BL)
+    want_grads = torch.autograd.grad((want * weight).sum(), [q, *kv])
+    got = ttt_flash(q, keys, values)
+    got_grads = torch.autograd.grad((got * weight).sum(), [q, *kv])
+
+    real = pad_BL.bool()[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-12, atol=1e-12)
+    for name, g, w in zip(
+        ["q"] + [f"kv{i}" for i in range(2 * steps)], got_grads, want_grads, strict=True
+    ):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("batch_of", [padded, single], ids=["padded", "single"])
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+@pytest.mark.parametrize(
+    "chunk, checkpoint", [(None, False), (None, True), (4, False)],
+    ids=["plain", "checkpointed", "chunk4"],
+)  # fmt: skip
+def test_the_ttt_loss_through_flash_equals_the_eager_loss(batch_of, fused, chunk, checkpoint):
+    want_loss, want_m, want_g = run(batch_of, fused=fused, chunk=None, checkpoint=False)
+    loss, metrics, grads = run(
+        batch_of, fused=fused, chunk=chunk, checkpoint=checkpoint, attention="flash"
+    )
+    # the eager path's softmax runs in fp32 even on float64 inputs: its rounding, no more
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-9)
+    assert metrics.keys() == want_m.keys()
+    for key, want in want_m.items():
+        torch.testing.assert_close(metrics[key], want, rtol=1e-6, atol=1e-9, msg=key)
+    for name, want in want_g.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_flash_is_eagle3s_attention_only():
+    from tests.test_eagle3_loss import tiny_target
+
+    with pytest.raises(ConfigError, match="EAGLE3's"):
+        build_strategy(StrategyConfig(name="dflash", attention="flash"), tiny_target())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernel is CUDA's")
+@pytest.mark.parametrize("seq", [1000, 2048])
+def test_flash_matches_flex_on_cuda(seq):
+    """bf16, Qwen3-8B's heads (32 query, 8 kv, dim 128), right padding, 7 steps: the flash
+    kernel's path against flex (values at real rows, gradients)."""
+    from specbus.core.models.eagle3_attention import TTTCache, _ttt_flex
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, d, steps = 2, 32, 8, 128, 7
+    pad_BL = (torch.arange(seq)[None] < torch.tensor([seq, seq * 3 // 4])[:, None]).long()
+    pad_BL = pad_BL.cuda()
+
+    def make(*shape):
+        return (torch.randn(shape, device="cuda") * 0.5).bfloat16().requires_grad_(True)
+
+    q = make(b, heads, seq, d)
+    kv = [make(b, kv_heads, seq, d) for _ in range(2 * steps)]
+    weight = torch.randn(b, heads, seq, d, device="cuda") * pad_BL[:, None, :, None]
+    flex = _ttt_flex(q, TTTCache(pad_BL, "flex", keys=kv[:steps], values=kv[steps:]))
+    got = ttt_flash(q, kv[:steps], kv[steps:])
+    real = pad_BL.bool()[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real].float(), flex[real].float(), rtol=2e-2, atol=2e-2)
+    want_g = torch.autograd.grad((flex.float() * weight).sum(), [q, *kv])
+    got_g = torch.autograd.grad((got.float() * weight).sum(), [q, *kv])
+    for i, (g, w) in enumerate(zip(got_g, want_g, strict=True)):
+        cos = torch.nn.functional.cosine_similarity(g.flatten().float(), w.flatten().float(), 0)
+        assert cos > 0.999, (i, float(cos))
