@@ -148,6 +148,9 @@ def ttt_merge_grads(q_BNLD, grad_BNLD, out_BNLD, lse_BNL, scale: float, *keys_va
     return (dq.flatten(1, 2).to(q_BNLD.dtype), *dks, *dvs)
 
 
+_SAVED = object()  # a slot of the kernel's state that went through save_for_backward
+
+
 def _stride_one(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -168,8 +171,9 @@ class TTTFlashAttention(torch.autograd.Function):
         if steps > 1:
             out, lse = ttt_merge(q_BNLD, out, lse, scale, *keys[1:], *values[1:])
         ctx.steps, ctx.scale, ctx.r = steps, scale, r
+        # the kernel's state: tensors saved as such, the rest (lengths, None) kept as is
         tensors = [t for t in state if isinstance(t, torch.Tensor)]
-        ctx.state = [t if not isinstance(t, torch.Tensor) else None for t in state]
+        ctx.state = [_SAVED if isinstance(t, torch.Tensor) else t for t in state]
         ctx.save_for_backward(q_BNLD, out, lse.contiguous(), *keys_values, *tensors)
         return out
 
@@ -179,7 +183,7 @@ class TTTFlashAttention(torch.autograd.Function):
         q, out, lse, *rest = ctx.saved_tensors
         keys, values = rest[:steps], rest[steps : 2 * steps]
         saved = iter(rest[2 * steps :])
-        state = [next(saved) if s is None else s for s in ctx.state]
+        state = [next(saved) if s is _SAVED else s for s in ctx.state]
         grad = _stride_one(grad_BNLD)
         k0, v0 = _repeat_heads(keys[0], r), _repeat_heads(values[0], r)
         dq, dk0, dv0 = causal_attention_backward(grad, q, k0, v0, out, lse, scale, state)
