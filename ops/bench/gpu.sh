@@ -41,9 +41,10 @@
 #   STAGES=profile,gputests  |  STAGES=eagle3-2048  |  STAGES=eagle3-4096  |  STAGES=dflash
 #   [STAGES=mixed]  |  [STAGES=capture]
 #
-# A stage's own arguments go last (PROFILE_ARGS, EAGLE3_ARGS, DFLASH_ARGS, MIXED_ARGS,
-# CAPTURE_ARGS; a longer run there needs E3_RUN / DF_RUN, the per-run timeouts its limit is
-# computed from, and more runs E3_RUNS / DF_RUNS, their number). E.g. the compiled capture
+# A stage's own arguments go last (PROFILE_ARGS, GPUTESTS_ARGS, EAGLE3_ARGS and after it
+# EAGLE3_2048_ARGS / EAGLE3_4096_ARGS, DFLASH_ARGS, MIXED_ARGS, CAPTURE_ARGS; a longer run
+# there needs E3_RUN / DF_RUN, the per-run timeouts its limit is computed from, and more runs
+# E3_RUNS / DF_RUNS, their number). E.g. the compiled capture
 # against the eager one, with one profiled step per run (trace_<seq>_<mode>.json.gz):
 #   GPU_TESTS=0 BENCH=perf STAGES=eagle3-2048 E3_RUNS=3 E3_RUN=130 \
 #     EAGLE3_ARGS="--modes colocated,colocated+compile,disaggregated+compile --profile-step 6" \
@@ -165,10 +166,10 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # the floor probe, then the stages of 
       profile) stage profile python3 -m specbus.ops.bench.step_profile --strategies eagle3,dspark,dflash \
         --seqs 2048,4096 --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles" ${PROFILE_ARGS:-} ;;
       gputests) stage gputests python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-        tests/test_gpu_perf.py tests/test_eagle3_gpu.py tests/test_ttt_flash.py ;;
+        tests/test_gpu_perf.py tests/test_eagle3_gpu.py tests/test_ttt_flash.py ${GPUTESTS_ARGS:-} ;;
       eagle3-2048 | eagle3-4096) stage "$1" python3 -m specbus.ops.bench.gpu_pipeline --seqs "${1#eagle3-}" \
         --steps 24 --warmup 8 --colocated-prefetch 1 --timeout "$E3_RUN" \
-        --out "$PERF/gpu_pipeline_${1#eagle3-}.json" ${EAGLE3_ARGS:-} ;;
+        --out "$PERF/gpu_pipeline_${1#eagle3-}.json" ${EAGLE3_ARGS:-} $(eval echo "\${EAGLE3_${1#eagle3-}_ARGS:-}") ;;
       # 40 steps after 16: mixed lengths compile a few size ranges in the first steps (kernels.py)
       dflash) stage dflash python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
         --steps 56 --warmup 16 --log-every 4 --colocated-prefetch 1 --timeout "$DF_RUN" \

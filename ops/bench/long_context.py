@@ -64,8 +64,8 @@ def long_strategy_tree(args, vocab: int) -> dict:
         return {"name": "dflash", "mask_token_id": vocab - 1, "block_size": 16,
                 "num_anchors": 512, "draft": {"num_layers": 1}}  # fmt: skip
     tree = strategy_tree(args)
-    for key in ("chunk_tokens", "checkpoint_tokens"):
-        if getattr(args, key):
+    for key in ("chunk_tokens", "checkpoint_tokens", "attention"):
+        if getattr(args, key, None):
             tree[key] = getattr(args, key)
     return tree
 
@@ -329,6 +329,7 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--chunk-tokens", type=int, default=None, help="strategy.chunk_tokens")
     ap.add_argument("--checkpoint-tokens", type=int, default=None)
+    ap.add_argument("--attention", default=None, help="EAGLE3's strategy.attention (default auto)")
     ap.add_argument("--check", type=int, default=4096,
                     help="compare the long-context paths with the plain one at this length first (0: no)")  # fmt: skip
     ap.add_argument("--micro-batch", type=int, default=1)
