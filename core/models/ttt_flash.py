@@ -16,7 +16,7 @@ The backward needs no second merge: with P = exp(scores - lse) over all keys and
 Delta = rowsum(dO * out) of the *merged* output, every key's gradient is P (dP - Delta), so
 flash attention's own backward, given the merged `out` and `lse`, returns the causal part's
 exact dq, dK0, dV0 (the identity ring attention relies on), and the diagonal keys' terms are
-the same formula on S columns (`ttt_merge_grads`).
+the same formula on S columns (`merge_step_grads`).
 
 Against the flex path (a block mask over [K0|K1|...|KS], whose diagonal tiles are partial and
 pay the mask for one useful key in 128) this runs the causal part in the dense flash kernel,
@@ -109,43 +109,36 @@ def _grouped(x_BNL_: torch.Tensor, g: int) -> torch.Tensor:
 
 
 @compiled
-def ttt_merge(q_BNLD, out0_BNLD, lse0_BNL, scale: float, *keys_values):
-    """(out, lse): the causal part merged with the diagonal keys `keys_values` = K1..KS,
-    V1..VS (each [B, G, L, D]); compiled on CUDA."""
-    steps = len(keys_values) // 2
-    keys, values = keys_values[:steps], keys_values[steps:]
-    g = keys[0].shape[1]
+def merge_step(q_BNLD, out_BNLD, lse_BNL, k_BGLD, v_BGLD, scale: float):
+    """(out, lse) with one more key per row, `k`/`v` at the row's own position: the softmax
+    so far (`out` fp32 or fp64, `lse`) and the new key's score merged by log-sum-exp. One
+    graph for every step (compiled on CUDA; a function of all the steps' keys at once was a
+    graph per step count, each compiled cold, and took minutes)."""
+    g = k_BGLD.shape[1]
     q = upcast(_grouped(q_BNLD, g))
-    lse0 = _grouped(lse0_BNL, g).to(q.dtype)
-    scores = torch.stack([(q * upcast(k)[:, :, None]).sum(-1) * scale for k in keys])
-    top = torch.maximum(lse0, scores.amax(0))
-    lse = top + torch.log(torch.exp(lse0 - top) + torch.exp(scores - top).sum(0))
-    out = torch.exp(lse0 - lse)[..., None] * upcast(_grouped(out0_BNLD, g))
-    for s, v in enumerate(values):
-        out = out + torch.exp(scores[s] - lse)[..., None] * upcast(v)[:, :, None]
-    return out.flatten(1, 2).to(q_BNLD.dtype), lse.flatten(1, 2).to(lse0_BNL.dtype)
+    lse = _grouped(lse_BNL, g)
+    score = (q * upcast(k_BGLD)[:, :, None]).sum(-1) * scale
+    merged = torch.logaddexp(lse, score)
+    out = (
+        torch.exp(lse - merged)[..., None] * _grouped(out_BNLD, g)
+        + torch.exp(score - merged)[..., None] * upcast(v_BGLD)[:, :, None]
+    )
+    return out.flatten(1, 2), merged.flatten(1, 2)
 
 
 @compiled
-def ttt_merge_grads(q_BNLD, grad_BNLD, out_BNLD, lse_BNL, scale: float, *keys_values):
-    """(dq from the diagonal keys, dK1..dKS, dV1..dVS); compiled on CUDA."""
-    steps = len(keys_values) // 2
-    keys, values = keys_values[:steps], keys_values[steps:]
-    g = keys[0].shape[1]
-    q = upcast(_grouped(q_BNLD, g))
-    grad = upcast(_grouped(grad_BNLD, g))
-    lse = upcast(_grouped(lse_BNL, g))
-    delta = (grad * upcast(_grouped(out_BNLD, g))).sum(-1)
-    dq = torch.zeros_like(q)
-    dks, dvs = [], []
-    for k, v in zip(keys, values, strict=True):
-        kf, vf = upcast(k)[:, :, None], upcast(v)[:, :, None]
-        p = torch.exp((q * kf).sum(-1) * scale - lse)
-        ds = p * ((grad * vf).sum(-1) - delta)
-        dq = dq + ds[..., None] * kf * scale
-        dks.append(((ds[..., None] * q).sum(2) * scale).to(k.dtype))
-        dvs.append((p[..., None] * grad).sum(2).to(v.dtype))
-    return (dq.flatten(1, 2).to(q_BNLD.dtype), *dks, *dvs)
+def merge_step_grads(q_BNLD, grad_BNLD, delta_BNL, lse_BNL, k_BGLD, v_BGLD, dq_BNLD, scale: float):
+    """(dq + this key's term, dK, dV) of one diagonal key: P (dP - Delta) on its column, with
+    P = exp(score - lse) of the merged softmax (compiled on CUDA)."""
+    g = k_BGLD.shape[1]
+    q, grad = upcast(_grouped(q_BNLD, g)), upcast(_grouped(grad_BNLD, g))
+    kf, vf = upcast(k_BGLD)[:, :, None], upcast(v_BGLD)[:, :, None]
+    p = torch.exp((q * kf).sum(-1) * scale - _grouped(lse_BNL, g))
+    ds = p * ((grad * vf).sum(-1) - _grouped(delta_BNL, g))
+    dq = _grouped(dq_BNLD, g) + ds[..., None] * kf * scale
+    dk = ((ds[..., None] * q).sum(2) * scale).to(k_BGLD.dtype)
+    dv = (p[..., None] * grad).sum(2).to(v_BGLD.dtype)
+    return dq.flatten(1, 2), dk, dv
 
 
 _SAVED = object()  # a slot of the kernel's state that went through save_for_backward
@@ -169,7 +162,10 @@ class TTTFlashAttention(torch.autograd.Function):
         k0, v0 = _repeat_heads(keys[0], r), _repeat_heads(values[0], r)
         out, lse, state = causal_attention(q_BNLD, k0, v0, scale)
         if steps > 1:
-            out, lse = ttt_merge(q_BNLD, out, lse, scale, *keys[1:], *values[1:])
+            acc = upcast(out)
+            for k, v in zip(keys[1:], values[1:], strict=True):
+                acc, lse = merge_step(q_BNLD, acc, lse, k, v, scale)
+            out = acc.to(q_BNLD.dtype)
         ctx.steps, ctx.scale, ctx.r = steps, scale, r
         # the kernel's state: tensors saved as such, the rest (lengths, None) kept as is
         tensors = [t for t in state if isinstance(t, torch.Tensor)]
@@ -191,10 +187,13 @@ class TTTFlashAttention(torch.autograd.Function):
         dk0, dv0 = _grouped(dk0, g).sum(2), _grouped(dv0, g).sum(2)
         dks, dvs = [dk0], [dv0]
         if steps > 1:
-            dq_diag, *diag = ttt_merge_grads(q, grad, out, lse, scale, *keys[1:], *values[1:])
-            dq = dq + dq_diag
-            dks += diag[: steps - 1]
-            dvs += diag[steps - 1 :]
+            delta = (upcast(grad) * upcast(out)).sum(-1)
+            acc = upcast(dq)
+            for k, v in zip(keys[1:], values[1:], strict=True):
+                acc, dk, dv = merge_step_grads(q, grad, delta, lse, k, v, acc, scale)
+                dks.append(dk)
+                dvs.append(dv)
+            dq = acc.to(q.dtype)
         return (dq, None, *dks, *dvs)
 
 
