@@ -81,6 +81,33 @@ def test_the_ttt_loss_through_flash_equals_the_eager_loss(batch_of, fused, chunk
         torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_the_compiled_merges_are_two_graphs_for_every_step_and_equal_eager():
+    """What CUDA runs, compiled by Inductor on the CPU: each merge is one graph for all seven
+    steps and for both lengths (the form that took a graph per step count compiled for
+    minutes on a fresh GPU machine), and equals its eager function."""
+    from specbus.core.models import ttt_flash as tf
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    step = torch.compile(tf.merge_step.fn, dynamic=True)
+    grads = torch.compile(tf.merge_step_grads.fn, dynamic=True)
+    before = counters["stats"]["unique_graphs"]
+    scale = 8**-0.5
+    for seq in (12, 20):
+        q, g, k, v = (torch.randn(1, h, seq, 8) for h in (4, 4, 2, 2))
+        out, lse = torch.randn(1, 4, seq, 8), torch.randn(1, 4, seq)
+        delta, dq = torch.randn(1, 4, seq), torch.randn(1, 4, seq, 8)
+        for _ in range(6):  # steps 1..6: the same function, one key more each time
+            merged = tf.merge_step.fn(q, out, lse, k, v, scale)
+            for a, b in zip(step(q, out, lse, k, v, scale), merged, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            want = tf.merge_step_grads.fn(q, g, delta, lse, k, v, dq, scale)
+            for a, b in zip(grads(q, g, delta, lse, k, v, dq, scale), want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            out, lse = merged
+    assert counters["stats"]["unique_graphs"] - before == 2
+
+
 def test_flash_is_eagle3s_attention_only():
     from tests.test_eagle3_loss import tiny_target
 
