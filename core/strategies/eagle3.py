@@ -433,7 +433,8 @@ class Eagle3Strategy:
 
     def resolve_attention(self, device: torch.device, seq_len: int) -> str:
         """ "auto": flex on CUDA from 2048 tokens (3x less memory at 4096, same speed on an H200;
-        slower below), eager otherwise. "sdpa" is the eager reference arithmetic."""
+        slower below), eager otherwise. "sdpa" is the eager reference arithmetic. "flash"
+        (CUDA, opt-in): causal flash attention plus the diagonal keys (`ttt_flash.py`)."""
         if self.cfg.attention == "auto":
             return "flex" if device.type == "cuda" and seq_len >= 2048 else "eager"
         if self.cfg.attention in ("flex", "flash") and device.type != "cuda":
