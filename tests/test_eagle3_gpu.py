@@ -60,7 +60,9 @@ def run(strategy, draft, batch):
 
 
 @pytest.mark.parametrize(
-    "seq, attention, reference", [(512, "flex", "sdpa"), (1024, "flash", "flex")]
+    "seq, attention, reference",
+    [(512, "flex", "sdpa"), (1024, "flash", "flex")],
+    ids=["flex-vs-sdpa", "ttt_flash-vs-flex"],  # `-k ttt_flash`: every flash test on CUDA
 )
 def test_an_attention_matches_its_reference_on_a_padded_batch(seq, attention, reference):
     want = run(*batch_and_draft(seq, reference))
