@@ -116,7 +116,9 @@ def test_flash_is_eagle3s_attention_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernel is CUDA's")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: torch's flash attention kernel"
+)
 @pytest.mark.parametrize("seq", [1000, 2048])
 def test_flash_matches_flex_on_cuda(seq):
     """bf16, Qwen3-8B's heads (32 query, 8 kv, dim 128), right padding, 7 steps: the flash

@@ -33,6 +33,11 @@ ENABLED = os.environ.get("SPECBUS_COMPILE", "1") != "0"
 RECOMPILE_LIMIT = 64
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (the reference's `.float()`; fp64 stays fp64 for exact tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def raise_recompile_limit() -> None:
     """Dynamo's per-function graph limit to at least `RECOMPILE_LIMIT` (module docstring)."""
     import torch._dynamo.config as dynamo

@@ -33,12 +33,7 @@ from __future__ import annotations
 import math
 
 import torch
-from specbus.core.models.kernels import compiled
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (fp64 stays fp64 for exact tests)."""
-    return x if x.dtype == torch.float64 else x.float()
+from specbus.core.models.kernels import compiled, upcast
 
 
 def supported(q_BNLD: torch.Tensor) -> bool:
@@ -53,14 +48,6 @@ def supported(q_BNLD: torch.Tensor) -> bool:
         and d <= 256
         and torch.backends.cuda.flash_sdp_enabled()
     )
-
-
-def _repeat_heads(x_BGLD: torch.Tensor, r: int) -> torch.Tensor:
-    """Key/value heads repeated to the query heads (head h reads kv head h // r)."""
-    if r == 1:
-        return x_BGLD
-    b, g, seq, d = x_BGLD.shape
-    return x_BGLD[:, :, None].expand(b, g, r, seq, d).reshape(b, g * r, seq, d)
 
 
 def _causal_scores(q_BNLD, k_BNLD, scale):
@@ -159,7 +146,7 @@ class TTTFlashAttention(torch.autograd.Function):
         keys, values = keys_values[:steps], keys_values[steps:]
         r = q_BNLD.shape[1] // keys[0].shape[1]
         scale = 1.0 / math.sqrt(q_BNLD.shape[-1])
-        k0, v0 = _repeat_heads(keys[0], r), _repeat_heads(values[0], r)
+        k0, v0 = keys[0].repeat_interleave(r, 1), values[0].repeat_interleave(r, 1)
         out, lse, state = causal_attention(q_BNLD, k0, v0, scale)
         if steps > 1:
             acc = upcast(out)
@@ -181,7 +168,7 @@ class TTTFlashAttention(torch.autograd.Function):
         saved = iter(rest[2 * steps :])
         state = [next(saved) if s is _SAVED else s for s in ctx.state]
         grad = _stride_one(grad_BNLD)
-        k0, v0 = _repeat_heads(keys[0], r), _repeat_heads(values[0], r)
+        k0, v0 = keys[0].repeat_interleave(r, 1), values[0].repeat_interleave(r, 1)
         dq, dk0, dv0 = causal_attention_backward(grad, q, k0, v0, out, lse, scale, state)
         g = keys[0].shape[1]
         dk0, dv0 = _grouped(dk0, g).sum(2), _grouped(dv0, g).sum(2)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from specbus.core.config import StrategyConfig
 from specbus.core.data.vocab import VocabMapping
 from specbus.core.errors import ConfigError
-from specbus.core.models.kernels import compiled
+from specbus.core.models.kernels import compiled, upcast
 from specbus.core.models.llama_eagle3 import shift_left
 from specbus.core.models.registry import build_draft
 from specbus.core.models.target import TargetHeads, TargetInfo
@@ -40,11 +40,6 @@ from specbus.core.strategies.base import (
 )
 from specbus.core.strategies.eagle3_long import TTTHead, long_teacher
 from torch import nn
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (the reference's `.float()`; fp64 stays fp64 for exact tests)."""
-    return x if x.dtype == torch.float64 else x.float()
 
 
 @dataclass(frozen=True)

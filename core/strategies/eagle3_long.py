@@ -29,12 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from specbus.core.models.kernels import compiled, rms_norm
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (fp64 stays fp64 for exact tests)."""
-    return x if x.dtype == torch.float64 else x.float()
+from specbus.core.models.kernels import compiled, rms_norm, upcast
 
 
 def shifted(x_BL: torch.Tensor, k: int, lo: int, hi: int, value=0) -> torch.Tensor:

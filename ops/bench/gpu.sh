@@ -158,6 +158,7 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # the floor probe, then the stages of 
     pack
     return $rc
   }
+  length_args() { local name="EAGLE3_$1_ARGS"; echo "${!name:-}"; }  # EAGLE3_2048_ARGS ...
   run_stage() {  # the stages' commands; the stage's own arguments last (`--steps` there wins)
     case $1 in
       floor) stage floor python3 "$floor" ;;
@@ -169,7 +170,7 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # the floor probe, then the stages of 
         tests/test_gpu_perf.py tests/test_eagle3_gpu.py tests/test_ttt_flash.py ${GPUTESTS_ARGS:-} ;;
       eagle3-2048 | eagle3-4096) stage "$1" python3 -m specbus.ops.bench.gpu_pipeline --seqs "${1#eagle3-}" \
         --steps 24 --warmup 8 --colocated-prefetch 1 --timeout "$E3_RUN" \
-        --out "$PERF/gpu_pipeline_${1#eagle3-}.json" ${EAGLE3_ARGS:-} $(eval echo "\${EAGLE3_${1#eagle3-}_ARGS:-}") ;;
+        --out "$PERF/gpu_pipeline_${1#eagle3-}.json" ${EAGLE3_ARGS:-} $(length_args "${1#eagle3-}") ;;
       # 40 steps after 16: mixed lengths compile a few size ranges in the first steps (kernels.py)
       dflash) stage dflash python3 -m specbus.ops.bench.gpu_dflash --runs dspark:512-4096,dflash:2048-2048 \
         --steps 56 --warmup 16 --log-every 4 --colocated-prefetch 1 --timeout "$DF_RUN" \

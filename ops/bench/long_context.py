@@ -65,7 +65,7 @@ def long_strategy_tree(args, vocab: int) -> dict:
                 "num_anchors": 512, "draft": {"num_layers": 1}}  # fmt: skip
     tree = strategy_tree(args)
     for key in ("chunk_tokens", "checkpoint_tokens", "attention"):
-        if getattr(args, key, None):
+        if getattr(args, key):
             tree[key] = getattr(args, key)
     return tree
 
