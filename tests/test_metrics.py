@@ -18,6 +18,32 @@ from tests.fixtures.pipeline import Cluster, pipeline_config, write_tokenised_da
 pytestmark = pytest.mark.slow  # real processes: ~40-60 s each on 2 loaded cores
 
 
+class Scraper:
+    """Polls one process's `/metrics` (`scrape`) the way Prometheus does: a scrape the
+    connection drops is a gap (None), not the end, while the process runs; once it has
+    exited, the test fails with its log's tail. Dropped scrapes are counted (`dropped`), so
+    that a server that drops them as a habit still fails the test.
+
+    Why: CI once saw `Server disconnected without sending a response` from the feeder's
+    endpoint, the feeder's log unseen; a dead process now says why it died."""
+
+    def __init__(self, cluster, name: str):
+        self.proc, self.log = cluster.procs[name], cluster.launcher.log_path(name)
+        self.name, self.dropped = name, 0
+
+    def __call__(self, url: str) -> dict[str, dict] | None:
+        try:
+            return scrape(url)
+        except httpx.TransportError as e:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode} while "
+                                     f"scraped ({e!r})\n{tail}") from e  # fmt: skip
+            self.dropped += 1
+            assert self.dropped <= 3, f"{self.name}'s /metrics dropped {self.dropped} scrapes"
+            return None
+
+
 def scrape(url: str, headers: dict | None = None) -> dict[str, dict]:
     """{family name: {"type", "samples": {sample name + labels: value}}} of one `/metrics`."""
     text = httpx.get(url, headers=headers, timeout=10.0).text
@@ -65,8 +91,10 @@ def test_the_feeder_producer_and_trainer_serve_their_scalars(tmp_path, tiny_targ
         cluster.start("feeder", "feed")
         feeder = wait_until(lambda: endpoints(cfg, "feeder"), 180, "the feeder's /metrics",
                             cluster.procs["feeder"])  # fmt: skip
-        fams = wait_until(lambda: (f := scrape(feeder[0])) and value(
-            f, "specbus_feeder_held_back_tasks") >= 8 and f, 180, "the feeder held back")  # fmt: skip
+        poll = Scraper(cluster, "feeder")
+        fams = wait_until(lambda: (f := poll(feeder[0])) and value(
+            f, "specbus_feeder_held_back_tasks") >= 8 and f, 180, "the feeder held back",
+            poll.proc, poll.log)  # fmt: skip
         assert value(fams, "specbus_feeder_planned_tasks") == n
         assert value(fams, "specbus_feeder_published_tasks_total") == 256
         assert fams["specbus_feeder_published_tasks"]["type"] == "counter"
@@ -76,8 +104,10 @@ def test_the_feeder_producer_and_trainer_serve_their_scalars(tmp_path, tiny_targ
         cluster.trainers(1)
         producer = wait_until(lambda: endpoints(cfg, "producer"), 180, "the producer's /metrics",
                               cluster.procs["producer-0"])  # fmt: skip
-        fams = wait_until(lambda: (f := scrape(producer[0])) and value(
-            f, "specbus_producer_samples_total") >= 6 and f, 120, "captures on /metrics")  # fmt: skip
+        poll = Scraper(cluster, "producer-0")
+        fams = wait_until(lambda: (f := poll(producer[0])) and value(
+            f, "specbus_producer_samples_total") >= 6 and f, 120, "captures on /metrics",
+            poll.proc, poll.log)  # fmt: skip
         assert value(fams, "specbus_producer_tasks_total") >= 6
         assert value(fams, "specbus_producer_capture_seconds_total") > 0
         assert value(fams, "specbus_producer_dead_letters_total") == 0
@@ -86,13 +116,17 @@ def test_the_feeder_producer_and_trainer_serve_their_scalars(tmp_path, tiny_targ
         trainer = wait_until(lambda: endpoints(cfg, "trainer"), 180, "the trainer's /metrics",
                              cluster.procs["trainer-0"])  # fmt: skip
 
+        poll = Scraper(cluster, "trainer-0")
+
         def trained(k: int):
-            fams = scrape(trainer[0])
+            fams = poll(trainer[0])
+            if fams is None:
+                return None
             steps = fams.get("specbus_trainer_steps", {}).get("samples", {})
             return steps.get(("specbus_trainer_steps_total", ()), 0) >= k and fams
 
         fams = wait_until(lambda: trained(3), 240, "3 steps on the trainer's /metrics",
-                          cluster.procs["trainer-0"])  # fmt: skip
+                          poll.proc, poll.log)  # fmt: skip
         # the TensorBoard scalars, by Prometheus names (`series_name`)
         for key in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "data_wait_frac",
                     "bus_s_per_step", "store_bytes", "lag_refs", "redeliveries", "dead_letters",
