@@ -159,6 +159,11 @@ class TargetConfig(Section):
     # hf engine: torch.compile each decoder layer for capture (fuses the norms, rotary and
     # activations between the matrix products; ~1 min to compile on the first lengths seen)
     compile: bool = False
+    # hf engine on CUDA: the prefill replayed as a CUDA graph per (batch, length rounded up to
+    # graph_bucket) up to graph_max_tokens a batch (producers/engines/prefill_graphs.py)
+    cuda_graphs: bool = False
+    graph_bucket: int = Field(256, ge=1)
+    graph_max_tokens: int = Field(16384, ge=1)
     cache_dir: Path | None = None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache
     # engine sglang_server (docs/sglang.md, "Driven capture"): the running server's base URL,
     # how long an unreachable server is retried, how long the intake may take to hear of a capture
@@ -173,12 +178,11 @@ class TargetConfig(Section):
 
     @model_validator(mode="after")
     def _compilable(self) -> TargetConfig:
-        if self.compile and (self.engine != "hf" or self.tp_size > 1):
-            raise ValueError(
-                f"target.compile is the hf engine's with tp_size 1 (got engine {self.engine!r}, "
-                f"tp_size {self.tp_size}): other engines compile their own way, sharded "
-                "layers run eager"
-            )
+        for flag in ("compile", "cuda_graphs"):
+            if getattr(self, flag) and (self.engine != "hf" or self.tp_size > 1):
+                raise ValueError(f"target.{flag} is the hf engine's with tp_size 1 (got engine "
+                                 f"{self.engine!r}, tp_size {self.tp_size}): other engines "
+                                 "compile and graph their own way, sharded layers run eager")  # fmt: skip
         return self
 
 

@@ -49,7 +49,7 @@ def test_step_profile_reports_each_strategy(tmp_path):
     assert "model FLOPs" in report["flops"]["convention"]
 
 
-def test_capture_bench_times_eager_and_compiled_on_the_same_weights(tmp_path):
+def test_capture_bench_times_every_arm_on_the_same_weights(tmp_path):
     out = tmp_path / "capture.json"
     _bench("capture", "--tiny", "--reps", "1", "--warmup", "1", "--new", "2", "--out", str(out))
     report = json.loads(out.read_text())
@@ -57,7 +57,10 @@ def test_capture_bench_times_eager_and_compiled_on_the_same_weights(tmp_path):
     for row in report["fixed"].values():
         assert row["eager_ms"] > 0 and row["compiled_ms"] > 0 and row["compiled_over_eager"] > 0
         assert 0 <= row["max_rel_diff"] < 0.05  # bf16 weights: at most a few roundings apart
+        for arm in ("graphs", "compiled+graphs"):  # the CPU: bucketed, maskless, no graph
+            assert row[f"{arm}_over_eager"] > 0 and 0 <= row[f"{arm}_max_rel_diff"] < 0.05
     assert len(report["new"]["lengths"]) == 2 and report["new"]["compiled_ms_mean"] > 0
+    assert report["new"]["compiled+graphs_ms_mean"] > 0
     first = report["fixed"]["64"]
     assert first["compiled_graphs"] >= 1 and first["eager_graphs"] == 0
 

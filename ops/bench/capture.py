@@ -1,22 +1,26 @@
-"""The `hf` engine's capture, eager against `target.compile`, in one process on one model.
+"""The `hf` engine's capture, eager against `target.compile` and `target.cuda_graphs` (and
+both), in one process on one model.
 
 The prefill is the larger half of a colocated sample at 2048 tokens on an H200 (67 of ~150 ms,
 docs/benchmarks.md "The profile stage on one H200") and HF's eager decoder layers run their
 norms, rotary embedding and activations as separate kernels between the matrix products.
 `target.compile` runs each layer `torch.compile`d during capture (producers/engines/hf.py,
-`CompiledLayers`). This bench measures what that buys, on the Qwen3-8B-shaped random target
-(`--tiny`: a 4-layer one, a CPU check of the code path), both arms over the same weights:
+`CompiledLayers`); `target.cuda_graphs` replays the prefill as one CUDA graph per length bucket
+(producers/engines/prefill_graphs.py). This bench measures what they buy, on the
+Qwen3-8B-shaped random target (`--tiny`: a 4-layer one, a CPU check of the code path), every
+arm (`--arms`: eager, compiled, graphs, compiled+graphs) over the same weights:
 
 - per fixed length (`--seqs`): the median capture ms of `--reps` after `--warmup` (the compiled
   arm's warm-up time is reported apart: its compile), tokens/s, the prefill's MFU
-  (ops/bench/flops.py), the graphs Dynamo compiled in it, and compiled over eager;
+  (ops/bench/flops.py), the graphs Dynamo compiled in it, and each arm over eager;
 - `--new N`: N lengths uniform in [`--lo`, `--hi`] never seen before, each captured once by
   each arm (new shapes: the compiled arm's dynamic graph against eager), mean ms;
-- per length, the largest difference of the compiled features from the eager ones, relative
+- per length, the largest difference of each arm's features from the eager ones, relative
   to the eager feature's largest magnitude (bf16 rounds to 2^-8 = 3.9e-3 relative: a fused
   kernel lands a few of those away).
 
     python -m specbus.ops.bench.capture --seqs 2048,4096 --out $OUT/capture.json
+    python -m specbus.ops.bench.capture --arms eager,compiled+graphs --new 0
     python -m specbus.ops.bench.capture --tiny           # CPU check
 """
 
@@ -38,6 +42,11 @@ from specbus.ops.bench.random_target import TINY, random_engine, write_target
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+# arm -> what it sets in target (over the eager config)
+ARMS = {"eager": {}, "compiled": {"compile": True}, "graphs": {"cuda_graphs": True},
+        "compiled+graphs": {"compile": True, "cuda_graphs": True}}  # fmt: skip
 
 
 def timed_capture(engine, ids: torch.Tensor, contract, device: torch.device):
@@ -71,6 +80,10 @@ def main() -> None:
     ap.add_argument("--lo", type=int, default=512)
     ap.add_argument("--hi", type=int, default=4096)
     ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
+    ap.add_argument("--arms", default="eager,compiled,graphs,compiled+graphs",
+                    help="comma-separated, eager first: eager | compiled | graphs | "
+                    "compiled+graphs (graphs: target.cuda_graphs; off CUDA the bucketed "
+                    "prefill without graphs)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from specbus.core.config import StrategyConfig, TargetConfig
@@ -91,8 +104,12 @@ def main() -> None:
     context = max(seqs + [args.hi])
     cfg = TargetConfig(model=str(target), device=str(device), capture_batch=1,
                        context_length=context)  # fmt: skip
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or arms[0] != "eager" or not set(arms) <= set(ARMS):
+        ap.error(f"--arms: eager first, then any of {list(ARMS)} (got {args.arms!r})")
     eager = random_engine(cfg)
-    compiled = HFEngine(cfg.model_copy(update={"compile": True}), model=eager.model)
+    engines = {"eager": eager, **{
+        arm: HFEngine(cfg.model_copy(update=ARMS[arm]), model=eager.model) for arm in arms[1:]}}  # fmt: skip
     contract = build_strategy(StrategyConfig(), eager.info).feature_contract()
     target_config = json.loads((target / "config.json").read_text())
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -116,7 +133,7 @@ def main() -> None:
         ids = torch.randint(3, vocab, (seq,), generator=g)
         flops = prefill_flops(target_config, seq)
         row: dict = {"prefill_flops": flops}
-        for arm, engine in (("eager", eager), ("compiled", compiled)):
+        for arm, engine in engines.items():
             graphs = counters["stats"]["unique_graphs"]
             t0 = time.perf_counter()
             for _ in range(args.warmup):
@@ -129,33 +146,37 @@ def main() -> None:
             row[f"{arm}_mfu"] = mfu(flops, 1000 / ms, peak)
             row[f"{arm}_features"] = features
             row[f"{arm}_graphs"] = counters["stats"]["unique_graphs"] - graphs  # Dynamo's
-        row["compiled_over_eager"] = row["eager_ms"] / row["compiled_ms"]
-        row["max_rel_diff"] = largest_difference(
-            row.pop("compiled_features"), row.pop("eager_features")
-        )
+        want = row.pop("eager_features")
+        said = [f"eager {row['eager_ms']:.1f} ms"]
+        for arm in arms[1:]:
+            row[f"{arm}_over_eager"] = row["eager_ms"] / row[f"{arm}_ms"]
+            row[f"{arm}_max_rel_diff"] = largest_difference(row.pop(f"{arm}_features"), want)
+            said.append(f"{arm} {row[f'{arm}_ms']:.1f} ms ({row[f'{arm}_over_eager']:.3f}x; "
+                        f"warm-up {row[f'{arm}_warmup_s']:.1f} s, largest difference "
+                        f"{row[f'{arm}_max_rel_diff']:.2e})")  # fmt: skip
+        if "compiled" in engines:  # the names earlier records used
+            row["compiled_over_eager"] = row["eager_ms"] / row["compiled_ms"]
+            row["max_rel_diff"] = row["compiled_max_rel_diff"]
         report["fixed"][str(seq)] = row
-        print(f"{seq:>6} tokens: eager {row['eager_ms']:.1f} ms, compiled {row['compiled_ms']:.1f} "
-              f"ms ({row['compiled_over_eager']:.3f}x; its warm-up {row['compiled_warmup_s']:.1f} "
-              f"s, {row['compiled_graphs']} graph(s)), largest difference "
-              f"{row['max_rel_diff']:.2e}", flush=True)  # fmt: skip
+        print(f"{seq:>6} tokens: " + "; ".join(said), flush=True)
         save()
     if args.new:
         unseen = Lengths(args.lo, args.hi)
         unseen.used.update(seqs)  # new to both arms: not a fixed length either
         lengths = unseen.new(args.new)
         new: dict = {"lengths": lengths}
-        for arm, engine in (("eager", eager), ("compiled", compiled)):
+        for arm, engine in engines.items():
             graphs = counters["stats"]["unique_graphs"]
             batches = [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
             times = [timed_capture(engine, ids, contract, device)[0] for ids in batches]
             new[f"{arm}_ms_mean"] = 1000 * statistics.mean(times)
             new[f"{arm}_graphs"] = counters["stats"]["unique_graphs"] - graphs
             new[f"{arm}_ms_per_1k_tokens"] = 1000 * sum(times) / sum(lengths) * 1000
-        new["compiled_over_eager"] = new["eager_ms_mean"] / new["compiled_ms_mean"]
+        for arm in arms[1:]:
+            new[f"{arm}_over_eager"] = new["eager_ms_mean"] / new[f"{arm}_ms_mean"]
         report["new"] = new
-        print(f"{args.new} new lengths in [{args.lo}, {args.hi}]: eager {new['eager_ms_mean']:.1f}"
-              f" ms, compiled {new['compiled_ms_mean']:.1f} ms a capture "
-              f"({new['compiled_over_eager']:.3f}x)", flush=True)  # fmt: skip
+        print(f"{args.new} new lengths in [{args.lo}, {args.hi}], mean ms a capture: " + ", ".join(
+            f"{arm} {new[f'{arm}_ms_mean']:.1f}" for arm in arms), flush=True)  # fmt: skip
     if cuda:
         report["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
     save()

@@ -45,9 +45,10 @@ SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC = 5.7, 0.112
 # (cuDNN first on sm90: a plan per new length; the hf engine's default is flash first) or
 # flash only, the allocator's expandable segments; or with the config changed: `@compile`,
 # `target.compile` on (the capture's decoder layers torch.compile'd); `@disagg`, the
-# disaggregated layout on the same GPU (a producer process and the trainer, the shm store).
+# disaggregated layout on the same GPU (a producer process and the trainer, the shm store);
+# `@graphs`, `target.cuda_graphs` on (the prefill replayed as CUDA graphs per length bucket).
 # Variants combine with `+`: `dflash:2048-2048@compile+disagg`.
-CONFIG_VARIANTS = ("compile", "disagg")
+CONFIG_VARIANTS = ("compile", "disagg", "graphs")
 VARIANTS = {
     "torchsdpa": {"SPECBUS_SDPA_BACKENDS": "default"},
     "flash": {"SPECBUS_SDPA_BACKENDS": "flash,efficient,math"},
@@ -89,7 +90,7 @@ def config_for(run, work: Path, target: Path, data: Path, strategy: str, hi: int
         "store": {"uri": shm_uri(run, work, 8 << 30) if "disagg" in variants else "mem://",
                   "budget_bytes": 8 << 30},
         "target": {"model": str(target), "capture_batch": 1, "context_length": max(hi, 4096),
-                   "compile": "compile" in variants},
+                   "compile": "compile" in variants, "cuda_graphs": "graphs" in variants},
         "strategy": strat,
         "data": {"source": str(data), "max_length": hi, "holdout": 0},
         "training": {"micro_batch": 1, "log_every": args.log_every, "checkpoint_every": 100_000,

@@ -57,8 +57,9 @@ from specbus.ops.bench.random_target import (  # noqa: F401  (gpu_dflash, gpu_mu
 from specbus.ops.launch import Launcher
 from specbus.ops.services.nats import NatsServer
 
-# `--modes colocated+compile+flash`: target.compile on; EAGLE3's flash TTT attention
-MODE_VARIANTS = ("compile", "flash")
+# `--modes colocated+compile+flash+graphs`: target.compile on; EAGLE3's flash TTT attention;
+# target.cuda_graphs on (the prefill replayed as CUDA graphs)
+MODE_VARIANTS = ("compile", "flash", "graphs")
 
 
 def strategy_tree(args) -> dict:
@@ -77,7 +78,7 @@ def config_for(
     strategy: dict | None = None,
 ):
     """A run of `mode` (`colocated` | `disaggregated`, then `+compile` for `target.compile`,
-    `+flash` for `strategy.attention: flash`) at
+    `+flash` for `strategy.attention: flash`, `+graphs` for `target.cuda_graphs`) at
     `seq` tokens; `strategy` (a strategy section) defaults to `strategy_tree(args)`."""
     mode, *variants = mode.split("+")
     for variant in variants:
@@ -97,7 +98,8 @@ def config_for(
             "budget_bytes": budget,
         },
         "target": {"model": str(target), "capture_batch": args.micro_batch,
-                   "context_length": max(seq, 4096), "compile": "compile" in variants},
+                   "context_length": max(seq, 4096), "compile": "compile" in variants,
+                   "cuda_graphs": "graphs" in variants},
         "strategy": strategy,
         "data": {"source": str(data), "max_length": seq, "holdout": 0},
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
@@ -347,7 +349,8 @@ def main() -> None:
     ap.add_argument(
         "--modes", default="colocated,disaggregated",
         help="comma-separated; after a mode `+compile`: target.compile on, `+flash`: "
-        "strategy.attention flash (EAGLE3's TTT attention, core/models/ttt_flash.py)",
+        "strategy.attention flash (EAGLE3's TTT attention, core/models/ttt_flash.py), "
+        "`+graphs`: target.cuda_graphs (producers/engines/prefill_graphs.py)",
     )  # fmt: skip
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per mode run")
     ap.add_argument("--warmup", type=int, default=8, help="steps excluded from the figures")

@@ -26,11 +26,16 @@ seed's uniform 512-4096 setup are nearly all new lengths. `SPECBUS_SDPA_BACKENDS
 `target.compile`: capture runs each decoder layer `torch.compile`d (`CompiledLayers`); the
 features equal the eager ones up to the fused kernels' rounding. Measure it before relying on
 it: `python -m specbus.ops.bench.capture` times both in one process.
+
+`target.cuda_graphs`: the prefill replays a CUDA graph per (batch, length rounded up to
+`target.graph_bucket`), run without a mask (right padding under causal attention changes no
+real position); see `producers/engines/prefill_graphs.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 
@@ -49,6 +54,7 @@ from specbus.core.models.target import (
 )
 from specbus.core.strategies.base import FeatureContract
 
+log = logging.getLogger("specbus.capture")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SDPA_ENV = "SPECBUS_SDPA_BACKENDS"
 _SDPA_NAMES = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -197,6 +203,17 @@ class HFEngine:
         self.context_length = cfg.context_length or self.info.max_position_embeddings
         pad = self.info.pad_token_id
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.info.vocab_size else 0
+        self._graphs = None
+        if cfg.cuda_graphs:
+            from specbus.producers.engines.prefill_graphs import PrefillGraphs
+
+            self._graphs = PrefillGraphs(self._forward, self.device, pad_id=self.pad_id,
+                                         bucket=cfg.graph_bucket,
+                                         max_tokens=cfg.graph_max_tokens,
+                                         max_length=self.context_length)  # fmt: skip
+            if not self._graphs.use_graphs:
+                log.warning("target.cuda_graphs: %s is not a CUDA device; the prefill runs "
+                            "bucketed without graphs", self.device)  # fmt: skip
         self.last_capture_s = 0.0
 
     @property
@@ -255,19 +272,12 @@ class HFEngine:
         for i, ids in enumerate(chunk):
             ids_BL[i, : lengths[i]] = ids
             attn_BL[i, : lengths[i]] = 1
-        with (
-            AuxCapture(self.model, contract.aux_layers) as aux,
-            sdpa_backends(device=self.device),
-            self._compiled,
-        ):
-            base = getattr(self.model, "model", self.model)
-            outputs = base(
-                input_ids=ids_BL.to(self.device),
-                attention_mask=attn_BL.to(self.device),
-                use_cache=False,
+        if self._graphs is not None:  # right padding, no mask: see prefill_graphs
+            aux_BLA, final_BLH = self._graphs(ids_BL, contract.aux_layers)
+        else:
+            aux_BLA, final_BLH = self._forward(
+                ids_BL.to(self.device), contract.aux_layers, attn_BL.to(self.device)
             )
-            aux_BLA = aux.concat()
-        final_BLH = outputs.last_hidden_state
         expected_aux = len(contract.aux_layers) * self.info.hidden_size
         if aux_BLA.shape != (len(chunk), seq, expected_aux) or final_BLH.shape != (
             len(chunk),
@@ -294,8 +304,21 @@ class HFEngine:
             samples.append(sample)
         return samples
 
+    def _forward(
+        self, ids_BL: torch.Tensor, aux_layers, attn_BL: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux `[B, L, A]`, final `[B, L, H]`) of one prefill of device ids (no mask: causal)."""
+        with (
+            AuxCapture(self.model, aux_layers) as aux,
+            sdpa_backends(device=self.device),
+            self._compiled,
+        ):
+            base = getattr(self.model, "model", self.model)
+            outputs = base(input_ids=ids_BL, attention_mask=attn_BL, use_cache=False)
+            return aux.concat(), outputs.last_hidden_state
+
     def close(self) -> None:
         """Drop the model (and its GPU memory); idempotent."""
-        self.model = None
+        self.model = self._graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
