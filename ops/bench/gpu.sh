@@ -41,6 +41,7 @@
 #   STAGES=profile  |  STAGES=gputests  |  STAGES=eagle3-2048  |  STAGES=eagle3-4096
 #   STAGES=dflash  |  [STAGES=mixed]  |  [STAGES=capture]
 #
+# GPUTESTS_K: one pytest -k expression (spaces kept), e.g. GPUTESTS_K="ttt_flash or graph".
 # A stage's own arguments go last (PROFILE_ARGS, GPUTESTS_ARGS, EAGLE3_ARGS and after it
 # EAGLE3_2048_ARGS / EAGLE3_4096_ARGS, DFLASH_ARGS, MIXED_ARGS, CAPTURE_ARGS; a longer run
 # there needs E3_RUN / DF_RUN, the per-run timeouts its limit is computed from, and more runs
@@ -167,7 +168,8 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # the floor probe, then the stages of 
       profile) stage profile python3 -m specbus.ops.bench.step_profile --strategies eagle3,dspark,dflash \
         --seqs 2048,4096 --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles" ${PROFILE_ARGS:-} ;;
       gputests) stage gputests python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
-        tests/test_gpu_perf.py tests/test_eagle3_gpu.py tests/test_ttt_flash.py tests/test_prefill_graphs.py ${GPUTESTS_ARGS:-} ;;
+        tests/test_gpu_perf.py tests/test_eagle3_gpu.py tests/test_ttt_flash.py tests/test_prefill_graphs.py \
+        ${GPUTESTS_K:+-k "$GPUTESTS_K"} ${GPUTESTS_ARGS:-} ;;
       eagle3-2048 | eagle3-4096) stage "$1" python3 -m specbus.ops.bench.gpu_pipeline --seqs "${1#eagle3-}" \
         --steps 24 --warmup 8 --colocated-prefetch 1 --timeout "$E3_RUN" \
         --out "$PERF/gpu_pipeline_${1#eagle3-}.json" ${EAGLE3_ARGS:-} $(length_args "${1#eagle3-}") ;;
