@@ -40,6 +40,8 @@ class Scraper:
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode} while "
                                      f"scraped ({e!r})\n{tail}") from e  # fmt: skip
             self.dropped += 1
+            tail = self.log.read_text(errors="replace")[-1500:]
+            print(f"{self.name}'s /metrics dropped a scrape ({e!r}); its log ends:\n{tail}")
             assert self.dropped <= 3, f"{self.name}'s /metrics dropped {self.dropped} scrapes"
             return None
 
