@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from specbus.core.models import kernels
 from specbus.core.models.dflash import DFlashConfig, DFlashDraft
+from specbus.core.strategies import eagle3
 from specbus.core.strategies.dflash import dflash_loss, dspark_loss, sample_anchors
 
 DEVICE = os.environ.get("SPECBUS_GPU_TEST_DEVICE", "cuda")
@@ -161,5 +162,6 @@ def test_compiled_kernels_match_eager():
     torch.testing.assert_close(comp[0], eager[0], rtol=1e-2, atol=1e-2)
     assert cosine(comp[2], eager[2]) > 0.999
     if DEVICE == "cuda":
-        failed = [f.__name__ for f in (kernels.rms_norm, kernels.rope, kernels.swiglu) if f.failed]
+        fns = (kernels.rms_norm, kernels.rope, kernels.swiglu, eagle3.step_accuracy)
+        failed = [f.__name__ for f in fns if f.failed]
         assert not failed, f"compile fell back to eager: {failed}"

@@ -161,6 +161,16 @@ class _FusedStepLoss(torch.autograd.Function):
         return (grad * g_loss).to(ctx.dtype), None, None, None
 
 
+@compiled
+def step_accuracy(logits_BLVd, d2t_Vd, target_ids_BL, loss_mask_BL1):
+    """(correct, denom) of one TTT step: draft argmaxes mapped to target ids that equal the
+    target's argmax, over the loss mask, and the mask's count (clamped to 1e-6). One compiled
+    function on CUDA: an argmax over the draft vocabulary and a masked count, not ~9 launches."""
+    pred = logits_BLVd.argmax(-1)
+    correct = ((pred + d2t_Vd[pred] == target_ids_BL) * loss_mask_BL1.squeeze(-1)).sum()
+    return correct, loss_mask_BL1.sum().clamp_min(1e-6)
+
+
 def simulated_accept_length(accs: list[float] | torch.Tensor) -> float:
     """tau = sum_k prod_{j<=k} acc_j."""
     total, running = 0.0, 1.0
@@ -238,9 +248,13 @@ def eagle3_ttt_loss(
         input_ids, hidden_states_BL3H, attention_mask_BL, ttt_length=ttt_length,
         attention=attention, checkpoint=checkpoint,
     )  # fmt: skip
-    position_mask = teacher.position_mask_BL1
+    # step k reads the masks shifted left k times (zeros entering at the end): views of them
+    # padded with K zeros once, not 2 x K shifts
+    position_masks = F.pad(teacher.position_mask_BL1, (0, 0, 0, ttt_length))
+    loss_masks = F.pad(loss_mask, (0, 0, 0, ttt_length))
     losses, metrics = [], {}
     for k, logits in enumerate(step_logits):
+        position_mask = position_masks[:, k : k + seq]
         if fused:
             ploss, rate = _FusedStepLoss.apply(
                 logits, teacher.target_p_BLVd[:, k : k + seq], position_mask,
@@ -249,12 +263,9 @@ def eagle3_ttt_loss(
         else:
             ploss = step_loss(logits, teacher.target_p_BLVd[:, k : k + seq], position_mask)
         with torch.no_grad():
-            pred = logits.argmax(-1)
-            pred_target = pred + draft.d2t[pred]
-            correct = (
-                (pred_target == teacher.target_ids_BL[:, k : k + seq]) * loss_mask.squeeze(-1)
-            ).sum()
-            denom = loss_mask.sum().clamp_min(1e-6)
+            correct, denom = step_accuracy(
+                logits, draft.d2t, teacher.target_ids_BL[:, k : k + seq], loss_masks[:, k : k + seq]
+            )
             metrics[f"ploss_{k}"] = ploss.detach()
             metrics[f"acc_{k}"] = correct / denom
             metrics[f"correct_{k}"] = correct
@@ -267,8 +278,6 @@ def eagle3_ttt_loss(
                 )
             )
         losses.append(ploss)
-        position_mask = shift_left(position_mask)
-        loss_mask = shift_left(loss_mask)
     loss = sum(step_weight**k * p for k, p in enumerate(losses))
     return loss, _totals(metrics, loss, batch, seq, ttt_length)
 
