@@ -431,9 +431,13 @@ class LlamaEagle3Draft(nn.Module):
         if attention == "flex":  # every step's block mask, once per forward
             cache.block_masks = ttt_block_masks(attention_mask_BL, ttt_length)
         outputs = []
-        ids = input_ids_BL
+        # step k embeds the ids shifted left k times (id 0 entering at the end): views of one
+        # embedding of the ids padded with K - 1 zeros (the embedding is frozen), not K lookups
+        # and K - 1 shifts
+        seq = input_ids_BL.shape[1]
+        embs = self.embed(F.pad(input_ids_BL, (0, ttt_length - 1)))
         for k in range(ttt_length):
-            emb = self.embed(ids)
+            emb = embs[:, k : k + seq]
             if checkpoint and torch.is_grad_enabled():
                 hidden, key, value = torch.utils.checkpoint.checkpoint(
                     self._step, emb, hidden, position_ids, cache, k, use_reentrant=False
@@ -443,8 +447,6 @@ class LlamaEagle3Draft(nn.Module):
             else:
                 hidden = self.backbone(emb, hidden, position_ids, cache)
             outputs.append(hidden if head is not None else self.compute_logits(hidden))
-            if k < ttt_length - 1:
-                ids = shift_left(ids)
         if head is not None:
             return head(outputs, self.norm.weight, self.norm.variance_epsilon, self.lm_head.weight)
         return outputs
