@@ -78,6 +78,27 @@ def test_padding_stops_at_the_context_length():
     assert aux[0, :, 0].tolist() == list(range(1, 301))  # the real positions, in order
 
 
+def test_a_capture_that_fails_leaves_the_prefill_eager_with_one_warning(caplog):
+    """What a GPU capture failure does (an op that cannot be captured), shown on the CPU where
+    capturing fails for want of CUDA: the batch is still answered, correctly, and no later
+    batch tries again."""
+    calls = []
+
+    def forward(ids_BL, layers):
+        calls.append(tuple(ids_BL.shape))
+        return ids_BL[..., None].float() * 2, ids_BL[..., None].float()
+
+    graphs = PrefillGraphs(forward, torch.device("cpu"), pad_id=0, bucket=8)
+    graphs.use_graphs = True  # as on CUDA
+    with caplog.at_level("WARNING", logger="specbus.capture"):
+        aux, final = graphs(torch.arange(1, 6).reshape(1, 5), (0,))
+        again, _ = graphs(torch.arange(1, 8).reshape(1, 7), (0,))
+    assert graphs.failed and graphs.captures == graphs.replays == 0 and graphs.eager == 2
+    assert aux[0, :, 0].tolist() == [2, 4, 6, 8, 10] and final.shape == (1, 5, 1)
+    assert again.shape == (1, 7, 1) and calls == [(1, 8), (1, 8)]  # no second attempt
+    assert sum("capturing the prefill" in r.message for r in caplog.records) == 1
+
+
 def test_cuda_graphs_are_refused_where_they_cannot_apply():
     for bad in ({"tp_size": 2}, {"engine": "sglang"}):
         with pytest.raises(ValidationError, match="target.cuda_graphs"):

@@ -114,9 +114,9 @@ class PrefillGraphs:
     def _capture(self, key, padded: torch.Tensor) -> _Graph | None:
         B, L, layers = key
         ids_BL = padded.to(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
         try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up off the graph: compiles, cuBLAS workspace
                 self.forward(ids_BL, layers)
             torch.cuda.current_stream(self.device).wait_stream(side)
@@ -127,7 +127,7 @@ class PrefillGraphs:
             with torch.cuda.graph(graph, pool=self._pool, stream=side,
                                   capture_error_mode="thread_local"):  # fmt: skip
                 aux_BLA, final_BLH = self.forward(ids_BL, layers)
-        except RuntimeError as e:  # an op that cannot be captured: eager from now on
+        except Exception as e:  # an op that cannot be captured (or no CUDA): eager from now on
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("target.cuda_graphs: capturing the prefill of %d x %d tokens failed "
                         "(%s); the prefill runs without graphs from now on", B, L, self.failed)  # fmt: skip
