@@ -59,6 +59,7 @@ def test_capture_bench_times_every_arm_on_the_same_weights(tmp_path):
         assert 0 <= row["max_rel_diff"] < 0.05  # bf16 weights: at most a few roundings apart
         for arm in ("graphs", "compiled+graphs"):  # the CPU: bucketed, maskless, no graph
             assert row[f"{arm}_over_eager"] > 0 and 0 <= row[f"{arm}_max_rel_diff"] < 0.05
+        assert all(row[f"{arm}_host_ms"] > 0 for arm in ("eager", "compiled", "graphs"))
     assert len(report["new"]["lengths"]) == 2 and report["new"]["compiled_ms_mean"] > 0
     assert report["new"]["compiled+graphs_ms_mean"] > 0
     first = report["fixed"]["64"]

@@ -11,7 +11,9 @@ Qwen3-8B-shaped random target (`--tiny`: a 4-layer one, a CPU check of the code 
 arm (`--arms`: eager, compiled, graphs, compiled+graphs) over the same weights:
 
 - per fixed length (`--seqs`): the median capture ms of `--reps` after `--warmup` (the compiled
-  arm's warm-up time is reported apart: its compile), tokens/s, the prefill's MFU
+  arm's warm-up time is reported apart: its compile), the median host ms (the capturing
+  thread's CPU time in the call: what a colocated capture thread takes from the GIL and the
+  CPU beside the training step; graphs should shrink it most), tokens/s, the prefill's MFU
   (ops/bench/flops.py), the graphs Dynamo compiled in it, and each arm over eager;
 - `--new N`: N lengths uniform in [`--lo`, `--hi`] never seen before, each captured once by
   each arm (new shapes: the compiled arm's dynamic graph against eager), mean ms;
@@ -49,11 +51,17 @@ ARMS = {"eager": {}, "compiled": {"compile": True}, "graphs": {"cuda_graphs": Tr
         "compiled+graphs": {"compile": True, "cuda_graphs": True}}  # fmt: skip
 
 
-def timed_capture(engine, ids: torch.Tensor, contract, device: torch.device):
-    """(seconds, features) of one synchronised capture of `ids`, features left on `device`."""
+def timed_capture(
+    engine, ids: torch.Tensor, contract, device: torch.device, host: list | None = None
+):
+    """(seconds, features) of one synchronised capture of `ids`, features left on `device`;
+    `host` gets the calling thread's CPU seconds in the capture call (on a GPU: the launching
+    and Python work a colocated capture thread contends with the training step for)."""
     _sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     features = engine.capture([ids], None, contract, device=device)[0]
+    if host is not None:
+        host.append(time.thread_time() - c0)
     _sync(device)
     return time.perf_counter() - t0, features
 
@@ -139,19 +147,24 @@ def main() -> None:
             for _ in range(args.warmup):
                 _, features = timed_capture(engine, ids, contract, device)
             row[f"{arm}_warmup_s"] = time.perf_counter() - t0
-            times = [timed_capture(engine, ids, contract, device)[0] for _ in range(args.reps)]
+            host: list[float] = []
+            times = [
+                timed_capture(engine, ids, contract, device, host)[0] for _ in range(args.reps)
+            ]
             ms = 1000 * statistics.median(times)
             row[f"{arm}_ms"] = ms
+            row[f"{arm}_host_ms"] = 1000 * statistics.median(host)
             row[f"{arm}_tokens_per_s"] = seq / ms * 1000
             row[f"{arm}_mfu"] = mfu(flops, 1000 / ms, peak)
             row[f"{arm}_features"] = features
             row[f"{arm}_graphs"] = counters["stats"]["unique_graphs"] - graphs  # Dynamo's
         want = row.pop("eager_features")
-        said = [f"eager {row['eager_ms']:.1f} ms"]
+        said = [f"eager {row['eager_ms']:.1f} ms, host {row['eager_host_ms']:.1f}"]
         for arm in arms[1:]:
             row[f"{arm}_over_eager"] = row["eager_ms"] / row[f"{arm}_ms"]
             row[f"{arm}_max_rel_diff"] = largest_difference(row.pop(f"{arm}_features"), want)
-            said.append(f"{arm} {row[f'{arm}_ms']:.1f} ms ({row[f'{arm}_over_eager']:.3f}x; "
+            said.append(f"{arm} {row[f'{arm}_ms']:.1f} ms, host {row[f'{arm}_host_ms']:.1f} "
+                        f"({row[f'{arm}_over_eager']:.3f}x; "
                         f"warm-up {row[f'{arm}_warmup_s']:.1f} s, largest difference "
                         f"{row[f'{arm}_max_rel_diff']:.2e})")  # fmt: skip
         if "compiled" in engines:  # the names earlier records used
