@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_step_profile_reports_each_strategy(tmp_path):
     assert "model FLOPs" in report["flops"]["convention"]
 
 
-def test_capture_bench_times_every_arm_on_the_same_weights(tmp_path):
+def test_capture_bench_times_every_arm_on_the_same_weights(tmp_path, capsys):
     out = tmp_path / "capture.json"
     _bench("capture", "--tiny", "--reps", "1", "--warmup", "1", "--new", "2", "--out", str(out))
     report = json.loads(out.read_text())
@@ -62,6 +63,16 @@ def test_capture_bench_times_every_arm_on_the_same_weights(tmp_path):
         assert all(row[f"{arm}_host_ms"] > 0 for arm in ("eager", "compiled", "graphs"))
     assert len(report["new"]["lengths"]) == 2 and report["new"]["compiled_ms_mean"] > 0
     assert report["new"]["compiled+graphs_ms_mean"] > 0
+    # the perf summary of a capture-only call (gpu.sh STAGES=capture): a line per length and arm
+    from specbus.ops.bench import perf_summary
+
+    assert perf_summary.main([str(tmp_path), "--out", str(tmp_path / "summary.json")]) == 0
+    text = capsys.readouterr().out
+    for seq in ("64", "128"):
+        for arm in ("eager", "compiled", "graphs", "compiled+graphs"):
+            line = re.search(rf"^c1\s+{re.escape(f'{seq}/{arm}')}\s+[\d.]+ ms, "
+                             rf"host [\d.]+ ms, [\d.]+x eager", text, re.M)  # fmt: skip
+            assert line, (seq, arm, text)
     first = report["fixed"]["64"]
     assert first["compiled_graphs"] >= 1 and first["eager_graphs"] == 0
 

@@ -174,6 +174,7 @@ def read_call(label: str, out: Path, peak: float | None) -> dict:
                 | {k: r.get(k) for k in ("step_ms", "kernel_ms", "busy_frac", "launches",
                                          "syncs", "casts", "compute_ops", "peak_alloc_gib")}
             )  # fmt: skip
+    call["capture"] = capture_rows(label, _json(out / "capture.json"))
     stages = out / "stages.txt"
     call["stages"] = stages.read_text().strip().splitlines() if stages.is_file() else []
     tests = out / "gputests.log"
@@ -181,6 +182,18 @@ def read_call(label: str, out: Path, peak: float | None) -> dict:
         last = [line for line in tests.read_text().splitlines() if line.strip()][-1:]
         call["gputests"] = last[0] if last else "(empty)"
     return call
+
+
+def capture_rows(label: str, report: dict) -> list[dict]:
+    """capture.py's fixed-length rows, one per (length, arm): ms, host ms, x eager, MFU."""
+    out = []
+    for seq, row in (report.get("fixed") or {}).items():
+        arms = [k[: -len("_ms")] for k in row if k.endswith("_ms") and not k.endswith("host_ms")]
+        for arm in arms:
+            out.append({"call": label, "key": f"{seq}/{arm}", "ms": row[f"{arm}_ms"],
+                        "host_ms": row.get(f"{arm}_host_ms"), "mfu": row.get(f"{arm}_mfu"),
+                        "x_eager": row["eager_ms"] / row[f"{arm}_ms"] if "eager_ms" in row else None})  # fmt: skip
+    return out
 
 
 def goal_results(rows: list[dict]) -> list[dict]:
@@ -249,6 +262,13 @@ def print_summary(calls: list[dict], goals: list[dict]) -> None:
                   f"{fmt_mfu(p['mfu'])}, kernels {_f(p['kernel_ms'], '.1f')} ms, busy "
                   f"{_f(p['busy_frac'], '.0%')}, launches {p['launches']}, syncs {p['syncs']}, "
                   f"peak {_f(p['peak_alloc_gib'], '.1f')} GiB")  # fmt: skip
+    capture = [r for c in calls for r in c.get("capture", [])]
+    if capture:
+        print("\n== the prefill alone (capture.py), per arm")
+        for r in capture:
+            print(f"{r['call']:<5} {r['key']:<22} {_f(r['ms'], '.1f')} ms, host "
+                  f"{_f(r['host_ms'], '.1f')} ms, {_f(r['x_eager'], '.3f')}x eager, MFU "
+                  f"{fmt_mfu(r['mfu'])}")  # fmt: skip
     print("\n== goals (issue 26): the best row over all calls")
     for g in goals:
         if g["best"] is None:
