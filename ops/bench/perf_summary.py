@@ -1,12 +1,13 @@
 """The table of the perf bench (`BENCH=perf bash ops/bench/gpu.sh`), merged over its device
 calls: each call runs the floor probe and one stage or a few, and this reads what every call
 wrote (its `$PERF` directory, or the `perf.tgz` the call returned): floor.log,
-gpu_pipeline*.json, gpu_dflash*.json, step_profile.json, stages.txt, gputests.log.
+gpu_pipeline*.json, gpu_dflash*.json, step_profile.json, capture.json, stages.txt, gputests.log.
 
 It prints one table of every pipeline row of every call: samples/s, MFU (ops/bench/flops.py),
 the row's goal (issue 26) and **the floor probe of the row's own call** (machines differ by a
 few per cent from call to call: a row is read against the yardstick measured beside it); the
-FLOPs per sample once; the one-step profiles; each goal's best row; and writes summary.json.
+FLOPs per sample once; the one-step profiles; the prefill per capture arm (capture.py); each
+goal's best row; and writes summary.json.
 
     python -m specbus.ops.bench.perf_summary $PERF          # one call (gpu.sh runs this)
     python -m specbus.ops.bench.perf_summary c1/perf.tgz c2/perf.tgz c3/ --out runs/perf/summary.json
