@@ -10,10 +10,10 @@ microseconds a prefill, and its kernels run on its stream beside the step's.
 Contract:
 - A batch `[B, n]` (right-padded by the caller, `n` its longest sequence) is padded again to
   `L = bucket_length(n)` (the next multiple of `bucket` tokens, not past the target's context
-  length) and run *without* an attention
-  mask. Causal attention: a real position never attends to a later one, so right padding
-  leaves every real position's features unchanged (the caller slices `[:, :n]` and each
-  sample to its own length); the pad positions' features are computed and dropped.
+  length) and run *without* an attention mask. Causal attention: a real position never
+  attends to a later one, so right padding leaves every real position's features unchanged
+  (the caller slices `[:, :n]` and each sample to its own length); the pad positions'
+  features are computed and dropped.
 - One graph per `(B, L, aux layers)`, captured the first time that key is seen (a warm-up
   forward first: it compiles `target.compile`'s layers and sizes cuBLAS' workspace), replayed
   after. Every graph draws on one memory pool: replays run one at a time (capture is one
