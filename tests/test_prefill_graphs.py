@@ -107,9 +107,13 @@ def test_cuda_graphs_are_refused_where_they_cannot_apply():
         TargetConfig(cuda_graphs=True, graph_bucket=0)
 
 
+# CUDA graphs exist on CUDA only (gpu.sh's gputests stage runs these on the lent H200)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph capture")
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager_layers", "compiled_layers"])
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_graph_replays_equal_the_eager_capture_one_graph_per_bucket(tiny_target, compiled):
     plain, graphed, contract = engines(tiny_target, "cuda", graph_bucket=64, compile=compiled)
     graphs = graphed._graphs
@@ -128,7 +132,7 @@ def test_graph_replays_equal_the_eager_capture_one_graph_per_bucket(tiny_target,
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_a_capture_thread_on_its_own_stream_graphs_beside_a_busy_thread(tiny_target):
     """As a colocated rank runs: the capture in a thread on a stream of its own, the step's
     kernels launched meanwhile by the main thread (capture_error_mode thread_local)."""

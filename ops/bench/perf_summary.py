@@ -189,8 +189,7 @@ def capture_rows(label: str, report: dict) -> list[dict]:
     """capture.py's fixed-length rows, one per (length, arm): ms, host ms, x eager, MFU."""
     out = []
     for seq, row in (report.get("fixed") or {}).items():
-        arms = [k[: -len("_ms")] for k in row if k.endswith("_ms") and not k.endswith("host_ms")]
-        for arm in arms:
+        for arm in report.get("arms") or ("eager", "compiled"):  # the arms before `--arms`
             out.append({"call": label, "key": f"{seq}/{arm}", "ms": row[f"{arm}_ms"],
                         "host_ms": row.get(f"{arm}_host_ms"), "mfu": row.get(f"{arm}_mfu"),
                         "x_eager": row["eager_ms"] / row[f"{arm}_ms"] if "eager_ms" in row else None})  # fmt: skip

@@ -268,13 +268,12 @@ class HFEngine:
                 )
         seq = max(lengths)
         ids_BL = torch.full((len(chunk), seq), self.pad_id, dtype=torch.long)
-        attn_BL = torch.zeros((len(chunk), seq), dtype=torch.long)
         for i, ids in enumerate(chunk):
             ids_BL[i, : lengths[i]] = ids
-            attn_BL[i, : lengths[i]] = 1
         if self._graphs is not None:  # right padding, no mask: see prefill_graphs
             aux_BLA, final_BLH = self._graphs(ids_BL, contract.aux_layers)
         else:
+            attn_BL = (torch.arange(seq) < torch.tensor(lengths)[:, None]).long()
             aux_BLA, final_BLH = self._forward(
                 ids_BL.to(self.device), contract.aux_layers, attn_BL.to(self.device)
             )

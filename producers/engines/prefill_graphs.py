@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger("specbus.capture")
 
@@ -88,8 +89,7 @@ class PrefillGraphs:
         L = self.bucket_length(n)
         layers = tuple(aux_layers)
         key = (B, L, layers)
-        padded = torch.full((B, L), self.pad_id, dtype=torch.long)
-        padded[:, :n] = ids_BL
+        padded = F.pad(ids_BL, (0, L - n), value=self.pad_id)
         graph = self.graphs.get(key)
         if graph is None and self._may_capture(B * L):
             graph = self._capture(key, padded)
