@@ -20,7 +20,7 @@ from specbus.core.models.target import load_target_info
 from specbus.core.strategies.base import build_strategy
 from specbus.ops.bench.capture import largest_difference
 from specbus.producers.engines import hf
-from specbus.producers.engines.prefill_graphs import PrefillGraphs
+from specbus.producers.engines.prefill_graphs import PrefillGraphs, full_attention_layers
 
 
 def engines(target, device: str, **graphs):
@@ -168,3 +168,51 @@ def test_a_capture_thread_on_its_own_stream_graphs_beside_a_busy_thread(tiny_tar
     for w, c in zip(want, got, strict=True):
         assert_same_features(w, c, relative=2e-2)
     assert graphed._graphs.captures == 2 and graphed._graphs.replays == len(seqs)
+
+
+def test_maskless_layers_drop_the_mask_of_full_attention_layers_only(tiny_target):
+    """The hook under the graphs' prefill: a layer of full attention gets no mask whatever the
+    model built (here a 4D mask that attends everywhere, which the model passes as-is), so it
+    runs causally; a config's windowed layers keep theirs."""
+    from transformers import AutoConfig
+
+    plain, graphed, _ = engines(tiny_target, "cpu")
+    base = plain.model.model
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    everywhere = torch.ones(2, 1, 24, 24, dtype=torch.bool)
+    causal = base(input_ids=ids).last_hidden_state
+    with torch.no_grad():
+        unmasked = base(input_ids=ids, attention_mask=everywhere).last_hidden_state
+        with graphed._maskless:
+            dropped = base(input_ids=ids, attention_mask=everywhere).last_hidden_state
+    torch.testing.assert_close(dropped, causal, rtol=1e-5, atol=1e-5)
+    assert (unmasked - causal).abs().max() > 1e-3  # the mask would have mattered
+    assert not graphed._maskless._handles  # removed on exit
+
+    n = len(hf.decoder_layers(plain.model))
+    assert full_attention_layers(plain.model.config, n) == [True] * n
+    mixed = AutoConfig.for_model("qwen3", num_hidden_layers=4, use_sliding_window=True,
+                                 sliding_window=64, max_window_layers=2)  # fmt: skip
+    assert full_attention_layers(mixed, 4) == [t == "full_attention" for t in mixed.layer_types]
+    assert not all(full_attention_layers(mixed, 4))
+    windowed = AutoConfig.for_model("mistral", num_hidden_layers=3, sliding_window=64)
+    assert full_attention_layers(windowed, 3) == [False] * 3
+
+
+def test_a_compiled_prefill_sees_the_same_arguments_in_a_capture_as_in_its_warm_up(
+    tiny_target, monkeypatch
+):
+    """What invalidated the compiled capture on an H200 (transformers 5.17): a capturing
+    stream counts as tracing there, the model builds the causal mask it skipped in the
+    warm-up, and the compiled layers recompiled inside the capture. Here the capture's
+    condition is emulated on the CPU and any recompile fails."""
+    _, graphed, contract = engines(tiny_target, "cpu", compile=True)
+    ids = torch.randint(3, 128, (1, 32), generator=torch.Generator().manual_seed(3))
+    layers = tuple(contract.aux_layers)
+    with torch.no_grad():
+        want = graphed._forward(ids, layers)  # the warm-up: compiles
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got = graphed._forward(ids, layers)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

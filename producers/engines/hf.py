@@ -204,8 +204,11 @@ class HFEngine:
         pad = self.info.pad_token_id
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.info.vocab_size else 0
         self._graphs = None
+        self._maskless: contextlib.AbstractContextManager = contextlib.nullcontext()
         if cfg.cuda_graphs:
-            from specbus.producers.engines.prefill_graphs import PrefillGraphs
+            from specbus.producers.engines.prefill_graphs import MasklessLayers, PrefillGraphs
+
+            self._maskless = MasklessLayers(self.model, list(decoder_layers(self.model)))
 
             self._graphs = PrefillGraphs(self._forward, self.device, pad_id=self.pad_id,
                                          bucket=cfg.graph_bucket,
@@ -306,10 +309,12 @@ class HFEngine:
     def _forward(
         self, ids_BL: torch.Tensor, aux_layers, attn_BL: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux `[B, L, A]`, final `[B, L, H]`) of one prefill of device ids (no mask: causal)."""
+        """(aux `[B, L, A]`, final `[B, L, H]`) of one prefill of device ids (no mask: causal,
+        and then the layers of full attention get none, `MasklessLayers`)."""
         with (
             AuxCapture(self.model, aux_layers) as aux,
             sdpa_backends(device=self.device),
+            self._maskless if attn_BL is None else contextlib.nullcontext(),
             self._compiled,
         ):
             base = getattr(self.model, "model", self.model)

@@ -24,6 +24,19 @@ Contract:
   batch over `max_tokens` tokens (long context: launches are a rounding error there, and a
   graph would pin its activations), a device that is not CUDA (the CPU tests of this path),
   and every batch after a capture that failed (logged once with the cause; nothing lost).
+- The layers of full causal attention get no mask (`MasklessLayers`): transformers up to
+  at least 5.17 counts a capturing stream as tracing and then builds the `[B, 1, L, L]` causal
+  mask it skips otherwise, so the layers would see a mask in the capture and none in the
+  warm-up (a masked attention kernel in the graph; with `target.compile`, a recompile inside
+  the capture, which invalidated it on an H200 on 2026-12-03).
+- A capture never compiles: it runs under `torch.compiler.set_stance("eager_on_recompile")`
+  (process-wide while it lasts: a recompile elsewhere in that window runs eagerly once).
+  Compiling inside a capture invalidates it, and a capture that fails inside
+  `cudaStreamEndCapture` leaves torch's CUDA generator marked as capturing (any later CUDA
+  random draw in the process raises "Offset increment outside graph capture"); the fallback
+  above covers failures raised before that point.
+- During a capture the device's default CUDA generator is registered with the graph: another
+  thread drawing from it then fails. specbus' training steps draw from CPU generators only.
 - Not thread-safe: one capturing thread at a time, as `HFEngine.capture` is.
 """
 
@@ -124,8 +137,12 @@ class PrefillGraphs:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: the training thread goes on launching (and allocating) meanwhile
-            with torch.cuda.graph(graph, pool=self._pool, stream=side,
-                                  capture_error_mode="thread_local"):  # fmt: skip
+            with (
+                torch.compiler.set_stance("eager_on_recompile"),
+                torch.cuda.graph(
+                    graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
+                ),
+            ):
                 aux_BLA, final_BLH = self.forward(ids_BL, layers)
         except Exception as e:  # an op that cannot be captured (or no CUDA): eager from now on
             self.failed = f"{type(e).__name__}: {e}"
@@ -137,3 +154,48 @@ class PrefillGraphs:
                  B, L, len(self.graphs) + 1)  # fmt: skip
         self.graphs[key] = _Graph(graph, ids_BL, aux_BLA, final_BLH)
         return self.graphs[key]
+
+
+def full_attention_layers(config, n_layers: int) -> list[bool]:
+    """Per decoder layer: does it attend fully causally (no window)? From `layer_types` where
+    the config has them, else no layer when a `sliding_window` is in use (Mistral-style)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [t == "full_attention" for t in types[:n_layers]]
+    windowed = getattr(config, "sliding_window", None) is not None and getattr(
+        config, "use_sliding_window", True
+    )
+    return [not windowed] * n_layers
+
+
+class MasklessLayers:
+    """Context manager: the decoder layers of full causal attention are called with
+    `attention_mask=None` (SDPA's `is_causal`), whatever mask the model built for them.
+
+    Only for a batch that has no padding mask (right padding, `PrefillGraphs`' contract):
+    there the model's mask for such a layer is the plain causal one, and dropping it changes
+    nothing but the kernel. Windowed layers keep theirs. A forward pre-hook, so it runs
+    outside `target.compile`'s compiled forwards, which then see the same arguments in a
+    warm-up and in a capture."""
+
+    def __init__(self, model, layers: list[torch.nn.Module]):
+        full = full_attention_layers(model.config, len(layers))
+        self.layers = [layer for layer, causal in zip(layers, full, strict=True) if causal]
+        self._handles: list = []
+
+    @staticmethod
+    def _drop_mask(_module, args, kwargs):
+        if kwargs.get("attention_mask") is None:
+            return None
+        return args, {**kwargs, "attention_mask": None}
+
+    def __enter__(self) -> MasklessLayers:
+        self._handles = [layer.register_forward_pre_hook(self._drop_mask, with_kwargs=True)
+                         for layer in self.layers]  # fmt: skip
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
