@@ -129,15 +129,18 @@ def test_long_context_bench_runs_dflash_in_both_modes_and_times_other_sdpa_order
 
 @pytest.mark.slow
 def test_pipeline_bench_runs_a_compiled_capture_and_profiles_a_step(tmp_path):
-    """gpu_pipeline's `+compile` mode (target.compile in the trainer's own capture) and
-    `--profile-step` (the step's timeline in the row, its trace kept beside the report)."""
+    """gpu_pipeline's `+compile` mode (target.compile in the trainer's own capture),
+    `+graphs` (on the CPU the bucketed maskless prefill, with its warning kept in the row),
+    and `--profile-step` (the step's timeline in the row, its trace kept beside the report)."""
     out = tmp_path / "gpu_pipeline_128.json"
-    _bench("gpu_pipeline", "--tiny", "--seqs", "128", "--modes", "colocated+compile",
+    mode = "colocated+compile+graphs"
+    _bench("gpu_pipeline", "--tiny", "--seqs", "128", "--modes", mode,
            "--steps", "5", "--warmup", "2", "--log-every", "1", "--colocated-prefetch", "1",
            "--profile-step", "3", "--timeout", "200", "--out", str(out), timeout=300)  # fmt: skip
-    row = json.loads(out.read_text())["results"]["128"]["colocated+compile"]
+    row = json.loads(out.read_text())["results"]["128"][mode]
     assert "error" not in row, row.get("error")
     assert row["samples_per_s"] > 0 and row["steady_steps"] == 3 and row["capture_frac"] > 0
     assert row["timeline"]["wall_ms"] > 0  # no device events on a CPU: busy 0
-    assert row["profile_trace"] == "trace_128_colocated+compile.json.gz"
+    assert row["profile_trace"] == f"trace_128_{mode}.json.gz"
     assert (tmp_path / row["profile_trace"]).stat().st_size > 0
+    assert any("target.cuda_graphs" in line for line in row["warnings"]["train"]), row["warnings"]

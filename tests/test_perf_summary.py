@@ -114,6 +114,10 @@ def test_two_calls_merge_each_row_against_its_own_floor(tmp_path, capsys, monkey
     c2.mkdir()
     (c2 / "floor.log").write_text(floor_log({2048: (0.070, 0.098), 4096: (0.140, 0.224)}))
     write_eagle3(c2, 4096, coloc=4.2, disagg=4.6)
+    report = json.loads((c2 / "gpu_pipeline_4096.json").read_text())  # a run's warning
+    failed = "WARNING specbus.capture: target.cuda_graphs: capturing the prefill failed"
+    report["results"]["4096"]["colocated"]["warnings"] = {"train": [failed]}
+    (c2 / "gpu_pipeline_4096.json").write_text(json.dumps(report))
     write_dflash(c2, {"dspark:512-4096": 6.9, "dflash:2048-2048": 9.4})
     tgz = tmp_path / "returned" / "perf.tgz"
     tgz.parent.mkdir()
@@ -166,6 +170,8 @@ def test_two_calls_merge_each_row_against_its_own_floor(tmp_path, capsys, monkey
     assert "EAGLE3 2048, colocated >= 8.0: 8.10 (2048/colocated, call c1) met" in text
     assert not re.search(r">= (7\.0|3\.2|6\.5)\b", text)  # issues 15/16's goals are gone
     assert "c1: stage eagle3-2048 exit 0 in 201s of 360s" in text
+    assert f"c2: 4096/colocated train: {failed}" in text  # what a row's figures cannot show
+    assert rows["c2", "4096/colocated"]["warnings"] == {"train": [failed]}
 
 
 def test_an_mfu_against_another_peak_and_a_call_without_a_floor(tmp_path, capsys):

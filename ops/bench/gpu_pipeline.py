@@ -149,14 +149,21 @@ def run_mode(cfg, work: Path, warmup: int, timeout_s: float) -> dict:
             f"{mode}: producer exited {time.perf_counter() - t_end:.1f}s after the trainer",
             flush=True,
         )
+        # what a row cannot show, e.g. a prefill graph whose capture failed (kept in the row)
+        warnings = {r: [line for line in procs.log(r).splitlines() if "WARNING" in line][:8]
+                    for r in roles}  # fmt: skip
     finally:
         procs.stop()
         server.stop()
+    for role, lines in warnings.items():
+        for line in lines:
+            print(f"{mode} {role}: {line[:400]}", flush=True)
     ckpt = cfg.resolved_run_dir / "checkpoints"
     state = torch.load(
         ckpt / (ckpt / "latest").read_text().strip() / "state.pt", weights_only=False
     )
     row = summarize(cfg, state["history"], mode, warmup, work)
+    row["warnings"] = {role: lines for role, lines in warnings.items() if lines}
     step = cfg.training.profile_step
     report = cfg.resolved_run_dir / "profile" / f"step{step}-rank0.json"
     if step is not None and report.is_file():

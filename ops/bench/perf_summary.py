@@ -156,6 +156,8 @@ def read_call(label: str, out: Path, peak: float | None) -> dict:
                     x_floor=sps / fl if fl else None,
                     x_goal=sps / goal.samples_per_s if goal else None,
                 )  # fmt: skip
+            if r.get("warnings"):  # the run's processes' warnings (gpu_pipeline)
+                entry["warnings"] = r["warnings"]
             call["rows"].append(entry)
     prof = _json(out / "step_profile.json")
     call["device"] = call["device"] or prof.get("device")
@@ -282,6 +284,10 @@ def print_summary(calls: list[dict], goals: list[dict]) -> None:
             print(f"{c['label']}: {line}")
         if "gputests" in c:
             print(f"{c['label']}: gpu tests: {c['gputests']}")
+        for r in c["rows"]:
+            for role, lines in (r.get("warnings") or {}).items():
+                for line in lines:
+                    print(f"{c['label']}: {r['key']} {role}: {line[:300]}")
 
 
 def main(argv: list[str]) -> int:
