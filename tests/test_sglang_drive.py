@@ -309,6 +309,12 @@ def test_a_shed_capture_waits_leased_and_spends_no_delivery(served, nats_server)
     # intake's would, so it leases the tasks and meets the shed.
     ballast = store.put("ballast", {"x": torch.zeros(int(0.95 * cfg.store.budget_bytes),
                                                      dtype=torch.uint8)})  # fmt: skip
+    # the intake reads the store's usage every 0.1 s: wait until it has seen the ballast, or
+    # a capture that beat that poll is accepted and nothing is shed (CI, 2026-12-03)
+    deadline = time.monotonic() + 30
+    while thread.intake.shed.resident_bytes < ballast["x"].nbytes:
+        assert time.monotonic() < deadline, "the intake never read the ballast's residency"
+        time.sleep(0.02)
     view = open_store(store.uri, budget_bytes=1 << 40)
     t0: list[float] = []
 
