@@ -51,19 +51,16 @@ ARMS = {"eager": {}, "compiled": {"compile": True}, "graphs": {"cuda_graphs": Tr
         "compiled+graphs": {"compile": True, "cuda_graphs": True}}  # fmt: skip
 
 
-def timed_capture(
-    engine, ids: torch.Tensor, contract, device: torch.device, host: list | None = None
-):
-    """(seconds, features) of one synchronised capture of `ids`, features left on `device`;
-    `host` gets the calling thread's CPU seconds in the capture call (on a GPU: the launching
-    and Python work a colocated capture thread contends with the training step for)."""
+def timed_capture(engine, ids: torch.Tensor, contract, device: torch.device):
+    """(seconds, host seconds, features) of one synchronised capture of `ids`, features left
+    on `device`; host seconds: the calling thread's CPU time in the capture call (on a GPU:
+    the launching and Python work a colocated capture thread contends with the step for)."""
     _sync(device)
     t0, c0 = time.perf_counter(), time.thread_time()
     features = engine.capture([ids], None, contract, device=device)[0]
-    if host is not None:
-        host.append(time.thread_time() - c0)
+    host = time.thread_time() - c0
     _sync(device)
-    return time.perf_counter() - t0, features
+    return time.perf_counter() - t0, host, features
 
 
 def largest_difference(got: dict, want: dict) -> float:
@@ -146,12 +143,11 @@ def main() -> None:
             graphs = counters["stats"]["unique_graphs"]
             t0 = time.perf_counter()
             for _ in range(args.warmup):
-                _, features = timed_capture(engine, ids, contract, device)
+                _, _, features = timed_capture(engine, ids, contract, device)
             row[f"{arm}_warmup_s"] = time.perf_counter() - t0
-            host: list[float] = []
-            times = [
-                timed_capture(engine, ids, contract, device, host)[0] for _ in range(args.reps)
-            ]
+            # (seconds, host seconds) per rep; each rep's features dropped at once
+            times, host = zip(*(timed_capture(engine, ids, contract, device)[:2]
+                                for _ in range(args.reps)), strict=True)  # fmt: skip
             ms = 1000 * statistics.median(times)
             row[f"{arm}_ms"] = ms
             row[f"{arm}_host_ms"] = 1000 * statistics.median(host)

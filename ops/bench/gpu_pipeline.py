@@ -150,12 +150,12 @@ def run_mode(cfg, work: Path, warmup: int, timeout_s: float) -> dict:
             flush=True,
         )
         # what a row cannot show, e.g. a prefill graph whose capture failed (kept in the row)
-        warnings = {r: [line for line in procs.log(r).splitlines() if "WARNING" in line][:8]
-                    for r in roles}  # fmt: skip
+        warned = {r: [line for line in procs.log(r).splitlines() if "WARNING" in line][:8]
+                  for r in roles}  # fmt: skip
     finally:
         procs.stop()
         server.stop()
-    for role, lines in warnings.items():
+    for role, lines in warned.items():
         for line in lines:
             print(f"{mode} {role}: {line[:400]}", flush=True)
     ckpt = cfg.resolved_run_dir / "checkpoints"
@@ -163,7 +163,7 @@ def run_mode(cfg, work: Path, warmup: int, timeout_s: float) -> dict:
         ckpt / (ckpt / "latest").read_text().strip() / "state.pt", weights_only=False
     )
     row = summarize(cfg, state["history"], mode, warmup, work)
-    row["warnings"] = {role: lines for role, lines in warnings.items() if lines}
+    row["warnings"] = {role: lines for role, lines in warned.items() if lines}
     step = cfg.training.profile_step
     report = cfg.resolved_run_dir / "profile" / f"step{step}-rank0.json"
     if step is not None and report.is_file():

@@ -208,7 +208,7 @@ class HFEngine:
         if cfg.cuda_graphs:
             from specbus.producers.engines.prefill_graphs import MasklessLayers, PrefillGraphs
 
-            self._maskless = MasklessLayers(self.model, list(decoder_layers(self.model)))
+            self._maskless = MasklessLayers(self.model)
 
             self._graphs = PrefillGraphs(self._forward, self.device, pad_id=self.pad_id,
                                          bucket=cfg.graph_bucket,

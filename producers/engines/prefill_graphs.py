@@ -179,7 +179,10 @@ class MasklessLayers:
     outside `target.compile`'s compiled forwards, which then see the same arguments in a
     warm-up and in a capture."""
 
-    def __init__(self, model, layers: list[torch.nn.Module]):
+    def __init__(self, model):
+        from specbus.core.models.target import decoder_layers
+
+        layers = list(decoder_layers(model))
         full = full_attention_layers(model.config, len(layers))
         self.layers = [layer for layer, causal in zip(layers, full, strict=True) if causal]
         self._handles: list = []
