@@ -221,3 +221,41 @@ def test_flex_ttt_forward_matches_the_eager_path_on_cpu():
             torch.testing.assert_close(
                 _ttt_flex(q, flex), _ttt_eager(q, eager), rtol=1e-5, atol=1e-5
             )
+
+
+def test_norms_read_by_matmuls_give_autocasts_dtype_with_the_same_values():
+    """Under autocast the draft's norms that only matmuls read return autocast's dtype
+    (`RMSNorm(matmul_input=True)`): the logits are bit for bit those of fp32 norms cast by
+    autocast before each matmul, and the gradients differ by bf16 rounding only (the three
+    q/k/v gradients of the norms' output now add in bf16)."""
+    from specbus.core.models.llama_eagle3 import RMSNorm
+
+    torch.manual_seed(0)
+    draft = build_draft("llama_eagle3", DraftConfig(draft_vocab_size=32), tiny_target(), [1, 2, 2])
+    norms = [m for m in draft.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 4 and all(m.matmul_input for m in norms)
+    ids = torch.randint(0, 32, (2, 24))
+    aux = torch.randn(2, 24, 48)
+    mask = torch.ones(2, 24, dtype=torch.long)
+
+    def run(matmul_input: bool):
+        for m in norms:
+            m.matmul_input = matmul_input
+        draft.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = draft.midlayer.input_layernorm(torch.randn(3, 16))
+            logits = draft(ids, aux, mask, ttt_length=3)
+        sum(lg.float().pow(2).mean() for lg in logits).backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        return x.dtype, [lg.detach() for lg in logits], grads
+
+    dtype, fused, fused_grads = run(True)
+    plain_dtype, plain, plain_grads = run(False)
+    assert (dtype, plain_dtype) == (torch.bfloat16, torch.float32)
+    for a, b in zip(fused, plain, strict=True):
+        assert torch.equal(a, b)
+    assert fused_grads.keys() == plain_grads.keys() and len(fused_grads) == 13
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(
+            fused_grads[name], g, rtol=2e-2, atol=2e-2 * g.abs().max().item()
+        )

@@ -81,31 +81,72 @@ def test_the_ttt_loss_through_flash_equals_the_eager_loss(batch_of, fused, chunk
         torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_the_compiled_merges_are_two_graphs_for_every_step_and_equal_eager():
-    """What CUDA runs, compiled by Inductor on the CPU: each merge is one graph for all seven
-    steps and for both lengths (the form that took a graph per step count compiled for
-    minutes on a fresh GPU machine), and equals its eager function."""
+def test_the_compiled_merges_are_few_graphs_for_every_step_and_equal_eager():
+    """What CUDA runs, compiled by Inductor on the CPU: each merge takes all of a step's
+    diagonal keys at once (stacked; S a dynamic size), is one graph for one key and one for
+    2-6 keys at both lengths (the form that took a graph per step count compiled for minutes
+    on a fresh GPU machine), and equals its eager function."""
     from specbus.core.models import ttt_flash as tf
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    step = torch.compile(tf.merge_step.fn, dynamic=True)
-    grads = torch.compile(tf.merge_step_grads.fn, dynamic=True)
+    step = torch.compile(tf.merge_steps.fn, dynamic=True)
+    grads = torch.compile(tf.merge_steps_grads.fn, dynamic=True)
     before = counters["stats"]["unique_graphs"]
     scale = 8**-0.5
     for seq in (12, 20):
-        q, g, k, v = (torch.randn(1, h, seq, 8) for h in (4, 4, 2, 2))
+        q, g = torch.randn(1, 4, seq, 8), torch.randn(1, 4, seq, 8)
         out, lse = torch.randn(1, 4, seq, 8), torch.randn(1, 4, seq)
         delta, dq = torch.randn(1, 4, seq), torch.randn(1, 4, seq, 8)
-        for _ in range(6):  # steps 1..6: the same function, one key more each time
-            merged = tf.merge_step.fn(q, out, lse, k, v, scale)
+        for s in range(1, 7):  # steps 1..6: one diagonal key more each time
+            k, v = torch.randn(s, 1, 2, seq, 8), torch.randn(s, 1, 2, seq, 8)
+            merged = tf.merge_steps.fn(q, out, lse, k, v, scale)
             for a, b in zip(step(q, out, lse, k, v, scale), merged, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-            want = tf.merge_step_grads.fn(q, g, delta, lse, k, v, dq, scale)
-            for a, b in zip(grads(q, g, delta, lse, k, v, dq, scale), want, strict=True):
+            want = tf.merge_steps_grads.fn(q, g, delta, merged[1], k, v, dq, scale)
+            for a, b in zip(grads(q, g, delta, merged[1], k, v, dq, scale), want, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-            out, lse = merged
-    assert counters["stats"]["unique_graphs"] - before == 2
+    assert counters["stats"]["unique_graphs"] - before == 4
+
+
+def test_merging_the_keys_at_once_equals_merging_them_one_at_a_time():
+    """One log-sum-exp over the causal part and S diagonal scores is the chain of S pairwise
+    merges (the softmax over a union of key sets), values and each key's gradient terms."""
+    from specbus.core.models import ttt_flash as tf
+
+    torch.manual_seed(0)
+    scale, seq, s = 8**-0.5, 10, 4
+    q, g = (
+        torch.randn(2, 4, seq, 8, dtype=torch.float64),
+        torch.randn(2, 4, seq, 8, dtype=torch.float64),
+    )
+    k, v = (
+        torch.randn(s, 2, 2, seq, 8, dtype=torch.float64),
+        torch.randn(s, 2, 2, seq, 8, dtype=torch.float64),
+    )
+    out0, lse0 = (
+        torch.randn(2, 4, seq, 8, dtype=torch.float64),
+        torch.randn(2, 4, seq, dtype=torch.float64),
+    )
+    out, lse = tf.merge_steps.fn(q, out0, lse0, k, v, scale)
+    acc, chain = out0, lse0
+    for i in range(s):
+        acc, chain = tf.merge_steps.fn(q, acc, chain, k[i : i + 1], v[i : i + 1], scale)
+    torch.testing.assert_close(out, acc)
+    torch.testing.assert_close(lse, chain)
+    delta, dq0 = (
+        torch.randn(2, 4, seq, dtype=torch.float64),
+        torch.zeros(2, 4, seq, 8, dtype=torch.float64),
+    )
+    dq, dk, dv = tf.merge_steps_grads.fn(q, g, delta, lse, k, v, dq0, scale)
+    acc = dq0
+    for i in range(s):
+        acc, dki, dvi = tf.merge_steps_grads.fn(
+            q, g, delta, lse, k[i : i + 1], v[i : i + 1], acc, scale
+        )
+        torch.testing.assert_close(dk[i], dki[0])
+        torch.testing.assert_close(dv[i], dvi[0])
+    torch.testing.assert_close(dq, acc)
 
 
 def test_flash_is_eagle3s_attention_only():

@@ -90,6 +90,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+@compiled
+def rms_norm_to(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype):
+    """`rms_norm(x, weight, eps).to(out_dtype)` in one kernel: the norm of an input that only
+    matmuls read, under autocast, handed over already in autocast's dtype (the cast autocast
+    would make before each matmul, made once; the same values)."""
+    return rms_norm.fn(x, weight, eps).to(out_dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

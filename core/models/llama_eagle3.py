@@ -41,7 +41,7 @@ from specbus.core.models.eagle3_attention import (  # noqa: F401  (part of this 
     ttt_block_masks,
     ttt_mask_mod,
 )
-from specbus.core.models.kernels import rms_norm, rope, swiglu
+from specbus.core.models.kernels import rms_norm, rms_norm_to, rope, swiglu
 from torch import nn
 
 
@@ -138,16 +138,30 @@ class Eagle3Config:
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm, computed in fp32 (fp64 kept)."""
+    """Llama's RMSNorm, computed in fp32 (fp64 kept).
 
-    def __init__(self, size: int, eps: float):
+    `matmul_input`: the output is read only by matmuls (`nn.Linear`), so under autocast it is
+    returned in autocast's dtype, the cast fused into the norm's kernel. Autocast would make
+    that same cast before every matmul that reads it (three times for q/k/v, twice for the
+    MLP; activations are not in its cast cache), and the fp32 output's gradient would come
+    back through as many casts and fp32 adds: the same values, ~100 fewer kernels a TTT
+    step on CUDA. Off for a norm whose output feeds anything else (a rotary embedding)."""
+
+    def __init__(self, size: int, eps: float, *, matmul_input: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
+        self.matmul_input = matmul_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` normalised by its RMS over the last dimension, scaled, in `x`'s dtype (fp32
-        compute, fp64 kept for tests; one fused kernel on CUDA, `core.models.kernels`)."""
+        compute, fp64 kept for tests; one fused kernel on CUDA, `core.models.kernels`); in
+        autocast's dtype under autocast when `matmul_input` (class docstring)."""
+        device = x.device.type
+        if self.matmul_input and torch.is_autocast_enabled(device):
+            return rms_norm_to(
+                x, self.weight, self.variance_epsilon, torch.get_autocast_dtype(device)
+            )
         return rms_norm(x, self.weight, self.variance_epsilon)
 
 
@@ -293,9 +307,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # each feeds only matmuls (q/k/v, the MLP): under autocast, handed over in its dtype
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, matmul_input=True)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, matmul_input=True)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, matmul_input=True
+        )
 
     def forward(self, emb_BLH, hidden_BLH, position_ids_BL, cache) -> torch.Tensor:
         """The layer's hidden state `[B, L, H]` for one TTT step (or one decode step)."""
@@ -338,7 +355,7 @@ class LlamaEagle3Draft(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, matmul_input=True)  # lm_head's
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -435,7 +452,8 @@ class LlamaEagle3Draft(nn.Module):
         # embedding of the ids padded with K - 1 zeros (the embedding is frozen), not K lookups
         # and K - 1 shifts
         seq = input_ids_BL.shape[1]
-        embs = self.embed(F.pad(input_ids_BL, (0, ttt_length - 1)))
+        # (cast once to the hidden state's dtype, not in every step's `backbone`)
+        embs = self.embed(F.pad(input_ids_BL, (0, ttt_length - 1))).to(hidden.dtype)
         for k in range(ttt_length):
             emb = embs[:, k : k + seq]
             if checkpoint and torch.is_grad_enabled():

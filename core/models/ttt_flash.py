@@ -96,35 +96,39 @@ def _grouped(x_BNL_: torch.Tensor, g: int) -> torch.Tensor:
 
 
 @compiled
-def merge_step(q_BNLD, out_BNLD, lse_BNL, k_BGLD, v_BGLD, scale: float):
-    """(out, lse) with one more key per row, `k`/`v` at the row's own position: the softmax
-    so far (`out` fp32 or fp64, `lse`) and the new key's score merged by log-sum-exp. One
-    graph for every step (compiled on CUDA; a function of all the steps' keys at once was a
-    graph per step count, each compiled cold, and took minutes)."""
-    g = k_BGLD.shape[1]
-    q = upcast(_grouped(q_BNLD, g))
-    lse = _grouped(lse_BNL, g)
-    score = (q * upcast(k_BGLD)[:, :, None]).sum(-1) * scale
-    merged = torch.logaddexp(lse, score)
-    out = (
-        torch.exp(lse - merged)[..., None] * _grouped(out_BNLD, g)
-        + torch.exp(score - merged)[..., None] * upcast(v_BGLD)[:, :, None]
-    )
+def merge_steps(q_BNLD, out_BNLD, lse_BNL, k_SBGLD, v_SBGLD, scale: float):
+    """(out fp32 (fp64 kept), lse) with S more keys per row, each step's key and value at the
+    row's own position (`k`/`v` stacked over the steps): the causal part's softmax (`out`,
+    `lse`) and the S diagonal scores merged by one log-sum-exp. One pass over q and out for
+    all S keys (compiled on CUDA, S a dynamic size: one graph for S = 1 and one for the rest;
+    a key at a time read and wrote the fp32 output S times, and a tuple of keys was a graph
+    per step count, each compiled cold)."""
+    g = k_SBGLD.shape[2]
+    q = upcast(_grouped(q_BNLD, g))  # [B, G, R, L, D]
+    lse = _grouped(lse_BNL, g)  # [B, G, R, L]
+    kf, vf = upcast(k_SBGLD)[:, :, :, None], upcast(v_SBGLD)[:, :, :, None]  # [S, B, G, 1, L, D]
+    scores = (q * kf).sum(-1) * scale  # [S, B, G, R, L]
+    merged = torch.logsumexp(torch.cat((lse[None], scores)), 0)
+    out = torch.exp(lse - merged)[..., None] * upcast(_grouped(out_BNLD, g)) + (
+        torch.exp(scores - merged)[..., None] * vf
+    ).sum(0)
     return out.flatten(1, 2), merged.flatten(1, 2)
 
 
 @compiled
-def merge_step_grads(q_BNLD, grad_BNLD, delta_BNL, lse_BNL, k_BGLD, v_BGLD, dq_BNLD, scale: float):
-    """(dq + this key's term, dK, dV) of one diagonal key: P (dP - Delta) on its column, with
-    P = exp(score - lse) of the merged softmax (compiled on CUDA)."""
-    g = k_BGLD.shape[1]
+def merge_steps_grads(
+    q_BNLD, grad_BNLD, delta_BNL, lse_BNL, k_SBGLD, v_SBGLD, dq_BNLD, scale: float
+):
+    """(dq + the S diagonal keys' terms, dK [S, B, G, L, D], dV): P (dP - Delta) on each
+    key's column, with P = exp(score - lse) of the merged softmax (compiled on CUDA)."""
+    g = k_SBGLD.shape[2]
     q, grad = upcast(_grouped(q_BNLD, g)), upcast(_grouped(grad_BNLD, g))
-    kf, vf = upcast(k_BGLD)[:, :, None], upcast(v_BGLD)[:, :, None]
-    p = torch.exp((q * kf).sum(-1) * scale - _grouped(lse_BNL, g))
+    kf, vf = upcast(k_SBGLD)[:, :, :, None], upcast(v_SBGLD)[:, :, :, None]
+    p = torch.exp((q * kf).sum(-1) * scale - _grouped(lse_BNL, g))  # [S, B, G, R, L]
     ds = p * ((grad * vf).sum(-1) - _grouped(delta_BNL, g))
-    dq = _grouped(dq_BNLD, g) + ds[..., None] * kf * scale
-    dk = ((ds[..., None] * q).sum(2) * scale).to(k_BGLD.dtype)
-    dv = (p[..., None] * grad).sum(2).to(v_BGLD.dtype)
+    dq = _grouped(dq_BNLD, g) + (ds[..., None] * kf).sum(0) * scale
+    dk = ((ds[..., None] * q).sum(3) * scale).to(k_SBGLD.dtype)
+    dv = (p[..., None] * grad).sum(3).to(v_SBGLD.dtype)
     return dq.flatten(1, 2), dk, dv
 
 
@@ -149,10 +153,10 @@ class TTTFlashAttention(torch.autograd.Function):
         k0, v0 = keys[0].repeat_interleave(r, 1), values[0].repeat_interleave(r, 1)
         out, lse, state = causal_attention(q_BNLD, k0, v0, scale)
         if steps > 1:
-            acc = upcast(out)
-            for k, v in zip(keys[1:], values[1:], strict=True):
-                acc, lse = merge_step(q_BNLD, acc, lse, k, v, scale)
-            out = acc.to(q_BNLD.dtype)
+            merged, lse = merge_steps(
+                q_BNLD, out, lse, torch.stack(keys[1:]), torch.stack(values[1:]), scale
+            )
+            out = merged.to(q_BNLD.dtype)
         ctx.steps, ctx.scale, ctx.r = steps, scale, r
         # the kernel's state: tensors saved as such, the rest (lengths, None) kept as is
         tensors = [t for t in state if isinstance(t, torch.Tensor)]
@@ -175,11 +179,12 @@ class TTTFlashAttention(torch.autograd.Function):
         dks, dvs = [dk0], [dv0]
         if steps > 1:
             delta = (upcast(grad) * upcast(out)).sum(-1)
-            acc = upcast(dq)
-            for k, v in zip(keys[1:], values[1:], strict=True):
-                acc, dk, dv = merge_step_grads(q, grad, delta, lse, k, v, acc, scale)
-                dks.append(dk)
-                dvs.append(dv)
+            acc, dk, dv = merge_steps_grads(
+                q, grad, delta, lse, torch.stack(keys[1:]), torch.stack(values[1:]), upcast(dq),
+                scale,
+            )  # fmt: skip
+            dks.extend(dk.unbind(0))
+            dvs.extend(dv.unbind(0))
             dq = acc.to(q.dtype)
         return (dq, None, *dks, *dvs)
 
