@@ -297,3 +297,46 @@ def test_fused_step_loss_equals_the_reference_arithmetic():
         )  # fmt: skip
     for name in g_r:
         torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_the_logit_teacher_and_the_fused_terms_compile_and_equal_eager():
+    """What CUDA runs, compiled by Inductor on the CPU (a compile failure on the GPU would
+    fall back to eager with a warning, unseen by a bench): the fused path's teacher (the bf16
+    target logits at the draft columns, the two log-sum-exps, K padding rows) and each step's
+    terms read from it equal their eager functions; the padding rows give target_p 1/Vd and
+    target_p_on_draft 0 as `compute_teacher` pads them."""
+    import math
+
+    from specbus.core.strategies import eagle3
+
+    torch.manual_seed(0)
+    batch, seq, vocab, steps = 2, 37, 50, 3
+    draft_ids = torch.sort(torch.randperm(vocab)[:20]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[draft_ids] = True
+    target_logits = torch.randn(batch, seq, vocab).to(torch.bfloat16)
+    loss_mask = (torch.rand(batch, seq, 1) > 0.3).int()
+    teacher = torch.compile(eagle3.logit_teacher_tensors.fn, dynamic=True)
+    got = teacher(target_logits, t2d, loss_mask, steps, draft_ids)
+    want = eagle3.logit_teacher_tensors.fn(target_logits, t2d, loss_mask, steps, draft_ids)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    logits, lse_draft, lse_full = (t[:, seq:].float() for t in want[:3])
+    torch.testing.assert_close(torch.exp(logits - lse_draft), torch.full_like(logits, 1 / 20))
+    assert torch.equal(torch.exp(logits - lse_full), torch.zeros_like(logits))
+    assert math.isclose(lse_draft[0, 0, 0].item(), math.log(20), rel_tol=1e-6)
+    full = eagle3.compute_teacher(target_logits, t2d, loss_mask, steps)  # the reference's form
+    rows = slice(0, seq + steps)
+    torch.testing.assert_close(
+        torch.exp(want[0][:, rows].float() - want[1][:, rows]), full.target_p_BLVd
+    )
+    torch.testing.assert_close(
+        torch.exp(want[0][:, rows].float() - want[2][:, rows]), full.target_p_on_draft_BLVd
+    )
+    terms = torch.compile(eagle3.ttt_step_terms.fn, dynamic=True)
+    draft_logits = torch.randn(batch, seq, 20).to(torch.bfloat16)
+    for k in range(steps):
+        r = slice(k, k + seq)
+        args = (draft_logits, want[0][:, r], want[1][:, r], want[2][:, r], want[4])
+        for a, b in zip(terms(*args), eagle3.ttt_step_terms.fn(*args), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -19,6 +19,7 @@ and position mask shift left by one after each step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,57 @@ def teacher_tensors(target_logits_BLV, t2d_V, loss_mask_BL1, ttt_length: int, dr
     )
 
 
+@dataclass(frozen=True)
+class LogitTeacher:
+    """The teacher as the fused path reads it: the target's logits at the draft columns (in
+    their own dtype: bf16 on the GPU, so nothing is rounded) and two log-sum-exps, from which
+    `target_p = exp(logits - lse_draft)` and `target_p_on_draft = exp(logits - lse_full)` are
+    formed inside each step's fused kernel; padded by K rows that give 1/Vd and 0 as
+    `compute_teacher`'s padding does. A quarter of `Teacher`'s bytes (one bf16 `[B, L, Vd]`
+    against two fp32 ones), read once a step instead of twice as much."""
+
+    draft_logits_BLVd: torch.Tensor
+    lse_draft_BL1: torch.Tensor
+    lse_full_BL1: torch.Tensor
+    target_ids_BL: torch.Tensor
+    position_mask_BL1: torch.Tensor
+
+
+@torch.no_grad()
+def compute_logit_teacher(
+    target_logits_BLV: torch.Tensor,
+    t2d_V: torch.Tensor,
+    loss_mask_BL1: torch.Tensor,
+    ttt_length: int,
+    draft_ids_Vd: torch.Tensor,
+) -> LogitTeacher:
+    """`compute_teacher`'s teacher as a `LogitTeacher` (the same distributions; one compiled
+    function on CUDA)."""
+    return LogitTeacher(
+        *logit_teacher_tensors(target_logits_BLV, t2d_V, loss_mask_BL1, ttt_length, draft_ids_Vd)
+    )
+
+
+@compiled
+def logit_teacher_tensors(target_logits_BLV, t2d_V, loss_mask_BL1, ttt_length: int, draft_ids_Vd):
+    """`compute_logit_teacher`'s tensors (compiled on CUDA). Padding rows: logits 0 and
+    lse_draft log(Vd) give target_p 1/Vd; lse_full +inf gives target_p_on_draft 0."""
+    logits = upcast(target_logits_BLV)
+    target_ids = logits.argmax(-1)
+    position_mask = t2d_V[target_ids][..., None].int() * loss_mask_BL1
+    draft_logits = target_logits_BLV.index_select(-1, draft_ids_Vd)
+    lse_draft = torch.logsumexp(upcast(draft_logits), dim=-1, keepdim=True)
+    lse_full = torch.logsumexp(logits, dim=-1, keepdim=True)
+    rows = (0, 0, 0, ttt_length)
+    return (
+        F.pad(draft_logits, rows, value=0.0),
+        F.pad(lse_draft, rows, value=math.log(draft_ids_Vd.shape[0])),
+        F.pad(lse_full, rows, value=float("inf")),
+        F.pad(target_ids, (0, ttt_length), value=0),
+        position_mask,
+    )
+
+
 def step_loss(
     logits_BLVd: torch.Tensor, target_p_BLVd: torch.Tensor, position_mask_BL1: torch.Tensor
 ) -> torch.Tensor:
@@ -122,16 +174,22 @@ def acceptance_rate(
 
 
 @compiled
-def ttt_step_terms(logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd):
+def ttt_step_terms(
+    logits_BLVd, teacher_logits_BLVd, lse_draft_BL1, lse_full_BL1, position_mask_BL1
+):
     """`(ploss, acceptance_rate, d ploss / d logits)` of one TTT step: `step_loss` and
-    `acceptance_rate` from one log_softmax, the gradient as log_softmax's backward forms it.
-    Compiled on CUDA (`core/models/kernels.py`): a few fused passes over the vocabulary."""
+    `acceptance_rate` from one log_softmax, the teacher's two distributions formed from its
+    logits (`LogitTeacher`), the gradient as log_softmax's backward forms it. Compiled on
+    CUDA (`core/models/kernels.py`): a few fused passes over the vocabulary."""
     batch, seq = logits_BLVd.shape[:2]
+    teacher = upcast(teacher_logits_BLVd)
+    target_p = torch.exp(teacher - lse_draft_BL1)
+    target_p_on_draft = torch.exp(teacher - lse_full_BL1)
     logp = torch.log_softmax(upcast(logits_BLVd), dim=2)
-    weight = position_mask_BL1 * target_p_BLVd  # pm * (tp * logp) == (pm * tp) * logp: pm 0/1
+    weight = position_mask_BL1 * target_p  # pm * (tp * logp) == (pm * tp) * logp: pm 0/1
     ploss = -torch.sum(weight * logp, 2).mean()
     prob = logp.exp()
-    per_token = torch.minimum(target_p_on_draft_BLVd, prob.to(target_p_on_draft_BLVd.dtype))
+    per_token = torch.minimum(target_p_on_draft, prob.to(target_p_on_draft.dtype))
     mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
     rate = (per_token.sum(-1) * mask).sum() / mask.sum().clamp_min(1e-8)
     grad_logp = weight * (-1.0 / (batch * seq))
@@ -143,12 +201,15 @@ class _FusedStepLoss(torch.autograd.Function):
     """`step_loss` and `acceptance_rate` of one TTT step in one pass over the logits, with
     the loss's gradient w.r.t. the logits formed in the forward (`ttt_step_terms`) and kept
     until the backward, which only scales it: no second softmax for the acceptance rate, no
-    saved log-probabilities, no backward passes over the vocabulary."""
+    saved log-probabilities, no backward passes over the vocabulary. The teacher comes as a
+    `LogitTeacher`'s rows of the step."""
 
     @staticmethod
-    def forward(ctx, logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd):
+    def forward(
+        ctx, logits_BLVd, teacher_logits_BLVd, lse_draft_BL1, lse_full_BL1, position_mask_BL1
+    ):
         ploss, rate, grad = ttt_step_terms(
-            logits_BLVd, target_p_BLVd, position_mask_BL1, target_p_on_draft_BLVd
+            logits_BLVd, teacher_logits_BLVd, lse_draft_BL1, lse_full_BL1, position_mask_BL1
         )
         ctx.save_for_backward(grad)
         ctx.dtype = logits_BLVd.dtype
@@ -158,7 +219,7 @@ class _FusedStepLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, _):
         (grad,) = ctx.saved_tensors
-        return scaled_to(grad, g_loss, ctx.dtype), None, None, None
+        return scaled_to(grad, g_loss, ctx.dtype), None, None, None, None
 
 
 @compiled
@@ -247,7 +308,7 @@ def eagle3_ttt_loss(
         target_hidden = shift_left(target_BLH)
         loss_mask = loss_mask_BL[..., None]
         target_logits = F.linear(target_hidden.to(lm_head_VH.dtype), lm_head_VH)
-        teacher = compute_teacher(
+        teacher = (compute_logit_teacher if fused else compute_teacher)(
             target_logits, draft.t2d, loss_mask, ttt_length, draft_columns(draft)
         )
         del target_logits
@@ -263,9 +324,10 @@ def eagle3_ttt_loss(
     for k, logits in enumerate(step_logits):
         position_mask = position_masks[:, k : k + seq]
         if fused:
+            rows = slice(k, k + seq)
             ploss, rate = _FusedStepLoss.apply(
-                logits, teacher.target_p_BLVd[:, k : k + seq], position_mask,
-                teacher.target_p_on_draft_BLVd[:, k : k + seq],
+                logits, teacher.draft_logits_BLVd[:, rows], teacher.lse_draft_BL1[:, rows],
+                teacher.lse_full_BL1[:, rows], position_mask,
             )  # fmt: skip
         else:
             ploss = step_loss(logits, teacher.target_p_BLVd[:, k : k + seq], position_mask)
