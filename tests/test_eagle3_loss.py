@@ -333,10 +333,20 @@ def test_the_logit_teacher_and_the_fused_terms_compile_and_equal_eager():
     torch.testing.assert_close(
         torch.exp(want[0][:, rows].float() - want[2][:, rows]), full.target_p_on_draft_BLVd
     )
+    # all steps at once, as the fused path calls it: the teacher's rows of every step as
+    # strided views of overlapping windows (`step_rows`), equal to each step's own call
     terms = torch.compile(eagle3.ttt_step_terms.fn, dynamic=True)
-    draft_logits = torch.randn(batch, seq, 20).to(torch.bfloat16)
+    logits_K = torch.randn(steps, batch, seq, 20).to(torch.bfloat16)
+    masks = torch.nn.functional.pad(want[4], (0, 0, 0, steps))
+    rows = [eagle3.step_rows(t, steps, seq) for t in (*want[:3], masks)]
+    assert rows[0].data_ptr() == want[0].data_ptr()  # a view, no copy
+    got_K = terms(logits_K, *rows)
+    for a, b in zip(got_K, eagle3.ttt_step_terms.fn(logits_K, *rows), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for k in range(steps):
         r = slice(k, k + seq)
-        args = (draft_logits, want[0][:, r], want[1][:, r], want[2][:, r], want[4])
-        for a, b in zip(terms(*args), eagle3.ttt_step_terms.fn(*args), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        one = eagle3.ttt_step_terms.fn(
+            logits_K[k], want[0][:, r], want[1][:, r], want[2][:, r], masks[:, r]
+        )
+        for a, b in zip(one, got_K, strict=True):
+            torch.testing.assert_close(a, b[k], rtol=1e-5, atol=1e-6)

@@ -162,6 +162,10 @@ def test_compiled_kernels_match_eager():
     torch.testing.assert_close(comp[0], eager[0], rtol=1e-2, atol=1e-2)
     assert cosine(comp[2], eager[2]) > 0.999
     if DEVICE == "cuda":
-        fns = (kernels.rms_norm, kernels.rope, kernels.swiglu, eagle3.step_accuracy)
+        fns = (
+            kernels.rms_norm, kernels.rms_norm_to, kernels.rope, kernels.swiglu,
+            eagle3.step_accuracy, eagle3.ttt_step_terms, eagle3.logit_teacher_tensors,
+            eagle3.scaled_to,
+        )  # fmt: skip
         failed = [f.__name__ for f in fns if f.failed]
         assert not failed, f"compile fell back to eager: {failed}"

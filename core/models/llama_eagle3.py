@@ -157,12 +157,25 @@ class RMSNorm(nn.Module):
         """`x` normalised by its RMS over the last dimension, scaled, in `x`'s dtype (fp32
         compute, fp64 kept for tests; one fused kernel on CUDA, `core.models.kernels`); in
         autocast's dtype under autocast when `matmul_input` (class docstring)."""
-        device = x.device.type
-        if self.matmul_input and torch.is_autocast_enabled(device):
-            return rms_norm_to(
-                x, self.weight, self.variance_epsilon, torch.get_autocast_dtype(device)
-            )
-        return rms_norm(x, self.weight, self.variance_epsilon)
+        return norm(x, self.weight, self.variance_epsilon, matmul_input=self.matmul_input)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, matmul_input: bool) -> torch.Tensor:
+    """`RMSNorm`'s function of its weight (`matmul_input`: its class docstring)."""
+    device = x.device.type
+    if matmul_input and torch.is_autocast_enabled(device):
+        return rms_norm_to(x, weight, eps, torch.get_autocast_dtype(device))
+    return rms_norm(x, weight, eps)
+
+
+def stacked_logits(
+    hiddens: list[torch.Tensor], norm_weight: torch.Tensor, eps: float, lm_head_weight: torch.Tensor
+) -> torch.Tensor:
+    """The draft's `head=` giving every TTT step's logits as one `[K, B, L, Vd]` tensor: the
+    final norm and the lm_head once over the stacked pre-norm hidden states, so the lm_head's
+    weight gradient is one product (K products summed by K - 1 adds of the weight's size
+    before). Row k equals `compute_logits(hiddens[k])`."""
+    return F.linear(norm(torch.stack(hiddens), norm_weight, eps, matmul_input=True), lm_head_weight)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

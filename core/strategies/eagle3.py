@@ -28,7 +28,7 @@ from specbus.core.config import StrategyConfig
 from specbus.core.data.vocab import VocabMapping
 from specbus.core.errors import ConfigError
 from specbus.core.models.kernels import compiled, upcast
-from specbus.core.models.llama_eagle3 import shift_left
+from specbus.core.models.llama_eagle3 import shift_left, stacked_logits
 from specbus.core.models.registry import build_draft
 from specbus.core.models.target import TargetHeads, TargetInfo
 from specbus.core.strategies.base import (
@@ -177,49 +177,61 @@ def acceptance_rate(
 def ttt_step_terms(
     logits_BLVd, teacher_logits_BLVd, lse_draft_BL1, lse_full_BL1, position_mask_BL1
 ):
-    """`(ploss, acceptance_rate, d ploss / d logits)` of one TTT step: `step_loss` and
+    """`(ploss, acceptance_rate, d ploss / d logits)` of TTT steps: `step_loss` and
     `acceptance_rate` from one log_softmax, the teacher's two distributions formed from its
-    logits (`LogitTeacher`), the gradient as log_softmax's backward forms it. Compiled on
+    logits (`LogitTeacher`), the gradient as log_softmax's backward forms it. One step's
+    `[B, L, Vd]` or all steps' `[K, B, L, Vd]` (then ploss and rate are `[K]`). Compiled on
     CUDA (`core/models/kernels.py`): a few fused passes over the vocabulary."""
-    batch, seq = logits_BLVd.shape[:2]
+    batch, seq = logits_BLVd.shape[-3:-1]
     teacher = upcast(teacher_logits_BLVd)
     target_p = torch.exp(teacher - lse_draft_BL1)
     target_p_on_draft = torch.exp(teacher - lse_full_BL1)
-    logp = torch.log_softmax(upcast(logits_BLVd), dim=2)
+    logp = torch.log_softmax(upcast(logits_BLVd), dim=-1)
     weight = position_mask_BL1 * target_p  # pm * (tp * logp) == (pm * tp) * logp: pm 0/1
-    ploss = -torch.sum(weight * logp, 2).mean()
+    ploss = -torch.sum(weight * logp, -1).mean((-2, -1))
     prob = logp.exp()
     per_token = torch.minimum(target_p_on_draft, prob.to(target_p_on_draft.dtype))
     mask = position_mask_BL1.squeeze(-1).to(per_token.dtype)
-    rate = (per_token.sum(-1) * mask).sum() / mask.sum().clamp_min(1e-8)
+    rate = (per_token.sum(-1) * mask).sum((-2, -1)) / mask.sum((-2, -1)).clamp_min(1e-8)
     grad_logp = weight * (-1.0 / (batch * seq))
     grad = grad_logp - prob * grad_logp.sum(-1, keepdim=True)
     return ploss, rate, grad
 
 
 class _FusedStepLoss(torch.autograd.Function):
-    """`step_loss` and `acceptance_rate` of one TTT step in one pass over the logits, with
-    the loss's gradient w.r.t. the logits formed in the forward (`ttt_step_terms`) and kept
-    until the backward, which only scales it: no second softmax for the acceptance rate, no
-    saved log-probabilities, no backward passes over the vocabulary. The teacher comes as a
-    `LogitTeacher`'s rows of the step."""
+    """`step_loss` and `acceptance_rate` of every TTT step in one pass over the logits
+    `[K, B, L, Vd]` (`ploss`, `rate`: `[K]`), with the loss's gradient w.r.t. the logits
+    formed in the forward (`ttt_step_terms`) and kept until the backward, which only scales
+    each step's by its weight: no second softmax for the acceptance rate, no saved
+    log-probabilities, no backward passes over the vocabulary. The teacher comes as a
+    `LogitTeacher`'s rows of each step (`step_rows`)."""
 
     @staticmethod
     def forward(
-        ctx, logits_BLVd, teacher_logits_BLVd, lse_draft_BL1, lse_full_BL1, position_mask_BL1
+        ctx, logits_KBLVd, teacher_logits_KBLVd, lse_draft_KBL1, lse_full_KBL1, position_mask_KBL1
     ):
         ploss, rate, grad = ttt_step_terms(
-            logits_BLVd, teacher_logits_BLVd, lse_draft_BL1, lse_full_BL1, position_mask_BL1
+            logits_KBLVd, teacher_logits_KBLVd, lse_draft_KBL1, lse_full_KBL1, position_mask_KBL1
         )
         ctx.save_for_backward(grad)
-        ctx.dtype = logits_BLVd.dtype
+        ctx.dtype = logits_KBLVd.dtype
         ctx.mark_non_differentiable(rate)
         return ploss, rate
 
     @staticmethod
-    def backward(ctx, g_loss, _):
+    def backward(ctx, g_ploss_K, _):
         (grad,) = ctx.saved_tensors
-        return scaled_to(grad, g_loss, ctx.dtype), None, None, None, None
+        return scaled_to(grad, g_ploss_K[:, None, None, None], ctx.dtype), None, None, None, None
+
+
+def step_rows(x_BP_: torch.Tensor, steps: int, seq: int) -> torch.Tensor:
+    """`[B, L + K, ...]` (padded by K rows) -> `[K, B, L, ...]` whose row k is `x[:, k : k + L]`:
+    a strided view of overlapping windows, no copy."""
+    s = x_BP_.stride()
+    return x_BP_.as_strided(
+        (steps, x_BP_.shape[0], seq, *x_BP_.shape[2:]), (s[1], s[0], s[1], *s[2:]),
+        x_BP_.storage_offset(),
+    )  # fmt: skip
 
 
 @compiled
@@ -231,12 +243,13 @@ def scaled_to(grad_BLVd: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 
 @compiled
 def step_accuracy(logits_BLVd, d2t_Vd, target_ids_BL, loss_mask_BL1):
-    """(correct, denom) of one TTT step: draft argmaxes mapped to target ids that equal the
-    target's argmax, over the loss mask, and the mask's count (clamped to 1e-6). One compiled
+    """(correct, denom) of one TTT step (or of each of K: `[K, B, L, Vd]` logits give `[K]`):
+    draft argmaxes mapped to target ids that equal the target's argmax, over the loss mask,
+    and the mask's count (clamped to 1e-6). One compiled
     function on CUDA: an argmax over the draft vocabulary and a masked count, not ~9 launches."""
     pred = logits_BLVd.argmax(-1)
-    correct = ((pred + d2t_Vd[pred] == target_ids_BL) * loss_mask_BL1.squeeze(-1)).sum()
-    return correct, loss_mask_BL1.sum().clamp_min(1e-6)
+    correct = ((pred + d2t_Vd[pred] == target_ids_BL) * loss_mask_BL1.squeeze(-1)).sum((-2, -1))
+    return correct, loss_mask_BL1.sum((-3, -2, -1)).clamp_min(1e-6)
 
 
 def simulated_accept_length(accs: list[float] | torch.Tensor) -> float:
@@ -312,43 +325,62 @@ def eagle3_ttt_loss(
             target_logits, draft.t2d, loss_mask, ttt_length, draft_columns(draft)
         )
         del target_logits
-    step_logits = model(
-        input_ids, hidden_states_BL3H, attention_mask_BL, ttt_length=ttt_length,
-        attention=attention, checkpoint=checkpoint,
-    )  # fmt: skip
     # step k reads the masks shifted left k times (zeros entering at the end): views of them
     # padded with K zeros once, not 2 x K shifts
     position_masks = F.pad(teacher.position_mask_BL1, (0, 0, 0, ttt_length))
     loss_masks = F.pad(loss_mask, (0, 0, 0, ttt_length))
+    if fused:  # every step's logits, loss and metrics at once
+        rows = lambda x: step_rows(x, ttt_length, seq)  # noqa: E731
+        logits_KBLVd = model(
+            input_ids, hidden_states_BL3H, attention_mask_BL, ttt_length=ttt_length,
+            attention=attention, checkpoint=checkpoint, head=stacked_logits,
+        )  # fmt: skip
+        ploss_K, rate_K = _FusedStepLoss.apply(
+            logits_KBLVd, rows(teacher.draft_logits_BLVd), rows(teacher.lse_draft_BL1),
+            rows(teacher.lse_full_BL1), rows(position_masks),
+        )  # fmt: skip
+        with torch.no_grad():
+            correct_K, denom_K = step_accuracy(
+                logits_KBLVd, draft.d2t, rows(teacher.target_ids_BL), rows(loss_masks)
+            )
+        losses, metrics = list(ploss_K.unbind(0)), {}
+        for k, ploss in enumerate(losses):
+            metrics[f"ploss_{k}"] = ploss.detach()
+            metrics[f"acc_{k}"] = correct_K[k] / denom_K[k]
+            metrics[f"correct_{k}"] = correct_K[k]
+            metrics[f"denom_{k}"] = denom_K[k]
+            metrics[f"acceptance_rate_{k}"] = rate_K[k]
+    else:  # the reference's arithmetic, step by step
+        losses, metrics = _reference_steps(
+            model(
+                input_ids, hidden_states_BL3H, attention_mask_BL, ttt_length=ttt_length,
+                attention=attention, checkpoint=checkpoint,
+            ),
+            teacher, position_masks, loss_masks, draft.d2t, seq,
+        )  # fmt: skip
+    loss = sum(step_weight**k * p for k, p in enumerate(losses))
+    return loss, _totals(metrics, loss, batch, seq, ttt_length)
+
+
+def _reference_steps(step_logits, teacher: Teacher, position_masks, loss_masks, d2t, seq):
+    """(each step's loss, the metrics) of `eagle3_ttt_loss`'s unfused path."""
     losses, metrics = [], {}
     for k, logits in enumerate(step_logits):
         position_mask = position_masks[:, k : k + seq]
-        if fused:
-            rows = slice(k, k + seq)
-            ploss, rate = _FusedStepLoss.apply(
-                logits, teacher.draft_logits_BLVd[:, rows], teacher.lse_draft_BL1[:, rows],
-                teacher.lse_full_BL1[:, rows], position_mask,
-            )  # fmt: skip
-        else:
-            ploss = step_loss(logits, teacher.target_p_BLVd[:, k : k + seq], position_mask)
+        ploss = step_loss(logits, teacher.target_p_BLVd[:, k : k + seq], position_mask)
         with torch.no_grad():
             correct, denom = step_accuracy(
-                logits, draft.d2t, teacher.target_ids_BL[:, k : k + seq], loss_masks[:, k : k + seq]
+                logits, d2t, teacher.target_ids_BL[:, k : k + seq], loss_masks[:, k : k + seq]
             )
             metrics[f"ploss_{k}"] = ploss.detach()
             metrics[f"acc_{k}"] = correct / denom
             metrics[f"correct_{k}"] = correct
             metrics[f"denom_{k}"] = denom
-            metrics[f"acceptance_rate_{k}"] = (
-                rate
-                if fused
-                else acceptance_rate(
-                    logits, teacher.target_p_on_draft_BLVd[:, k : k + seq], position_mask
-                )
+            metrics[f"acceptance_rate_{k}"] = acceptance_rate(
+                logits, teacher.target_p_on_draft_BLVd[:, k : k + seq], position_mask
             )
         losses.append(ploss)
-    loss = sum(step_weight**k * p for k, p in enumerate(losses))
-    return loss, _totals(metrics, loss, batch, seq, ttt_length)
+    return losses, metrics
 
 
 def _totals(metrics: Metrics, loss: torch.Tensor, batch: int, seq: int, ttt_length: int):
