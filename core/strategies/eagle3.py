@@ -204,7 +204,10 @@ class _FusedStepLoss(torch.autograd.Function):
     formed in the forward (`ttt_step_terms`) and kept until the backward, which only scales
     each step's by its weight: no second softmax for the acceptance rate, no saved
     log-probabilities, no backward passes over the vocabulary. The teacher comes as a
-    `LogitTeacher`'s rows of each step (`step_rows`)."""
+    `LogitTeacher`'s rows of each step (`step_rows`). Memory: the kept gradient is what the
+    K per-step calls kept (K fp32 `[B, L, Vd]`), but the compiled kernels' transient buffers
+    are K steps wide (on the CPU, two fp32 `[K, B, L, Vd]`: ~3.7 GB at 2048 tokens and a 32k
+    draft vocabulary); past `strategy.chunk_tokens` the long path takes over."""
 
     @staticmethod
     def forward(
