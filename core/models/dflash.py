@@ -230,8 +230,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # each feeds only matmuls (q/k/v, the MLP): under autocast, handed over in its dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, matmul_input=True)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, matmul_input=True
+        )
 
     def forward(self, x_BQH, kv_ctx, positions_BQ, allow_BQS, attention="sdpa") -> torch.Tensor:
         """The block's hidden states `[B, Q, H]` after this layer."""
