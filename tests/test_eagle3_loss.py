@@ -307,7 +307,7 @@ def test_the_logit_teacher_and_the_fused_terms_compile_and_equal_eager():
     target_p_on_draft 0 as `compute_teacher` pads them."""
     import math
 
-    from specbus.core.strategies import eagle3
+    from specbus.core.strategies import eagle3, eagle3_fused
 
     torch.manual_seed(0)
     batch, seq, vocab, steps = 2, 37, 50, 3
@@ -316,9 +316,9 @@ def test_the_logit_teacher_and_the_fused_terms_compile_and_equal_eager():
     t2d[draft_ids] = True
     target_logits = torch.randn(batch, seq, vocab).to(torch.bfloat16)
     loss_mask = (torch.rand(batch, seq, 1) > 0.3).int()
-    teacher = torch.compile(eagle3.logit_teacher_tensors.fn, dynamic=True)
+    teacher = torch.compile(eagle3_fused.logit_teacher_tensors.fn, dynamic=True)
     got = teacher(target_logits, t2d, loss_mask, steps, draft_ids)
-    want = eagle3.logit_teacher_tensors.fn(target_logits, t2d, loss_mask, steps, draft_ids)
+    want = eagle3_fused.logit_teacher_tensors.fn(target_logits, t2d, loss_mask, steps, draft_ids)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
     logits, lse_draft, lse_full = (t[:, seq:].float() for t in want[:3])
@@ -335,17 +335,17 @@ def test_the_logit_teacher_and_the_fused_terms_compile_and_equal_eager():
     )
     # all steps at once, as the fused path calls it: the teacher's rows of every step as
     # strided views of overlapping windows (`step_rows`), equal to each step's own call
-    terms = torch.compile(eagle3.ttt_step_terms.fn, dynamic=True)
+    terms = torch.compile(eagle3_fused.ttt_step_terms.fn, dynamic=True)
     logits_K = torch.randn(steps, batch, seq, 20).to(torch.bfloat16)
     masks = torch.nn.functional.pad(want[4], (0, 0, 0, steps))
-    rows = [eagle3.step_rows(t, steps, seq) for t in (*want[:3], masks)]
+    rows = [eagle3_fused.step_rows(t, steps, seq) for t in (*want[:3], masks)]
     assert rows[0].data_ptr() == want[0].data_ptr()  # a view, no copy
     got_K = terms(logits_K, *rows)
-    for a, b in zip(got_K, eagle3.ttt_step_terms.fn(logits_K, *rows), strict=True):
+    for a, b in zip(got_K, eagle3_fused.ttt_step_terms.fn(logits_K, *rows), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for k in range(steps):
         r = slice(k, k + seq)
-        one = eagle3.ttt_step_terms.fn(
+        one = eagle3_fused.ttt_step_terms.fn(
             logits_K[k], want[0][:, r], want[1][:, r], want[2][:, r], masks[:, r]
         )
         for a, b in zip(one, got_K, strict=True):

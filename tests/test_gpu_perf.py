@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from specbus.core.models import kernels
 from specbus.core.models.dflash import DFlashConfig, DFlashDraft
-from specbus.core.strategies import eagle3
+from specbus.core.strategies import eagle3, eagle3_fused
 from specbus.core.strategies.dflash import dflash_loss, dspark_loss, sample_anchors
 
 DEVICE = os.environ.get("SPECBUS_GPU_TEST_DEVICE", "cuda")
@@ -164,8 +164,8 @@ def test_compiled_kernels_match_eager():
     if DEVICE == "cuda":
         fns = (
             kernels.rms_norm, kernels.rms_norm_to, kernels.rope, kernels.swiglu,
-            eagle3.step_accuracy, eagle3.ttt_step_terms, eagle3.logit_teacher_tensors,
-            eagle3.scaled_to,
+            eagle3.step_accuracy, eagle3_fused.ttt_step_terms,
+            eagle3_fused.logit_teacher_tensors, eagle3_fused.scaled_to,
         )  # fmt: skip
         failed = [f.__name__ for f in fns if f.failed]
         assert not failed, f"compile fell back to eager: {failed}"
