@@ -57,12 +57,19 @@ def scrape(url: str, headers: dict | None = None) -> dict[str, dict]:
 
 
 def value(families: dict, name: str, **labels) -> float:
-    """The one sample `name{labels}` (counters: the `_total` sample)."""
+    """The one sample `name{labels}` (counters: the `_total` sample). Missing, the failure
+    lists every sample named `name` (other labels), else the families scraped."""
+    want = {k: str(x) for k, x in labels.items()}
+    others = []
     for fam in families.values():
         for (sample, lab), v in fam["samples"].items():
-            if sample == name and dict(lab) == {k: str(x) for k, x in labels.items()}:
-                return v
-    raise AssertionError(f"no sample {name}{labels} in {sorted(families)}")
+            if sample == name:
+                if dict(lab) == want:
+                    return v
+                others.append(f"{name}{dict(lab)} = {v}")
+    if others:
+        raise AssertionError(f"no sample {name}{want}; its samples: {others}")
+    raise AssertionError(f"no sample {name}{want} in {sorted(families)}")
 
 
 def endpoints(cfg, role: str) -> list[str]:
@@ -154,10 +161,19 @@ def test_the_intake_and_serve_answer_metrics(tmp_path, chat_target, nats_server,
     try:
         ep = run.start_intake()
         serve = run.start_serve()
-        answer = httpx.post(serve + "/v1/chat/completions", timeout=120.0, json={
-            "model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "add 12"}]})  # fmt: skip
+        # Greedy, so that the answer is the same 4 tokens every run. Sampled (the default
+        # temperature 1, seeded by a fresh request id), the random target ended ~1.6% of the
+        # answers with EOS within 2 tokens: fewer generated rows than `live.min_num_tokens`
+        # (2), so the sink dropped the capture as `too_short` and the intake saw no record
+        # (CI once; such a request id reproduces it: only `reason=config` on its `/metrics`).
+        answer = httpx.post(serve + "/v1/chat/completions", timeout=120.0,
+                            headers={"X-Request-Id": "metrics-1"}, json={
+            "model": "x", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "add 12"}]})  # fmt: skip
         assert answer.status_code == 200, answer.text
-        run.wait_sink_idle()
+        assert answer.json()["usage"]["completion_tokens"] == 4, answer.text
+        sink = run.wait_sink_idle()  # the sink's POST answered: the intake counted the record
+        assert sink["counts"].get("accepted") == 1, sink
         auth = {"Authorization": f"Bearer {ep['token']}"}
         fams = scrape(ep["url"] + "/metrics", auth)
         assert fams["specbus_intake_records"]["type"] == "counter"
