@@ -376,11 +376,13 @@ class Loader:
             self.loop.call(self.source.nak(surplus))
             self._forget(surplus)
 
-    def commit(self, window: Window) -> None:
+    def commit(self, window: Window, *, release: bool = True) -> None:
         """After optimizer.step(): record the step's items (every rank's) in the ledger, ack
         this rank's (confirmed; an ack the broker does not confirm is logged, not fatal: the
         item comes back and is filtered), then free their tensors. Parked duplicates are
-        settled by the next round, now that their originals are in."""
+        settled by the next round, now that their originals are in. `release=False`: the
+        tensors stay until `release(window)` (the step that reads them may still be running
+        on the GPU)."""
         self.ledger.record(window.keys)
         self.held_bytes += window.nbytes
         with span("ack", attributes={"messages": len(window.items)}):
@@ -391,12 +393,18 @@ class Loader:
                 # lost its place, and answers no ack beyond it) only means a redelivery, filtered.
                 log.warning("rank %d: %s; they will be redelivered and filtered", rank(), e)
         self._forget(window.items)
-        self._release_later(window.items)
-        for item in window.items:
-            item.tensors = {}
+        if release:
+            self.release(window)
         if self._parked:
             parked, self._parked = self._parked, []
             self._held[:0] = parked  # trained ones are settled by the next round's first look
+
+    def release(self, window: Window) -> None:
+        """Free a committed window's tensors (`commit(window, release=False)`): once the step
+        that read them is done."""
+        self._release_later(window.items)
+        for item in window.items:
+            item.tensors = {}
 
     def _call_unless_stopped(
         self, coro, what: str, timeout_s: float | None = None, *, stoppable: bool = True

@@ -39,7 +39,7 @@ from specbus.consumers.profiling import profiled_step
 from specbus.core.config import TrainingConfig
 from specbus.core.strategies.base import StepContext, Strategy
 from specbus.core.telemetry import span
-from specbus.core.training import train_step
+from specbus.core.training import PendingStep, launch_step
 
 log = logging.getLogger("specbus.trainer")
 
@@ -136,6 +136,12 @@ class Trainer:
         self.sharded = is_sharded(self.model)
         self._window_metrics: dict[str, list[float]] = defaultdict(list)
         self._interval = self._new_interval()
+        # The last step, queued on the GPU and not waited for (`_settle`), with its window;
+        # and the log row its interval closed, emitted once that step's figures are in.
+        self._pending: list[tuple[int, PendingStep, Window]] = []  # (step number, ...)
+        self._due_row: dict[str, float] | None = None
+        overlap = cfg.overlap_steps
+        self._overlap = parts.device.type == "cuda" if overlap is None else overlap
         self._last_checkpoint: str | None = None
         self._last_checkpoint_step = self.state.step
         if checkpoints is not None:  # the ledger's lineage goes to the file beside them
@@ -216,6 +222,8 @@ class Trainer:
             # The model and the ledger are at the last optimizer step (a failed step never
             # reached optimizer.step(); a finished one is recorded right after it).
             with contextlib.suppress(Exception):
+                self._settle()
+            with contextlib.suppress(Exception):
                 self.loader.close()
             self._save_alone()
             if not (isinstance(e, Exception) and self.loader.stop.is_set()):
@@ -224,6 +232,7 @@ class Trainer:
             # the step is abandoned, the last one saved, the leases given back.
             log.warning("rank %d abandoned step %d on stop: %s", self.rank, self.state.step, e)
             return self._result(stopped=True)
+        self._settle()
         self.loader.close()
         if self._interval["steps"]:
             self._log()
@@ -253,23 +262,25 @@ class Trainer:
                   attributes={"step": self.state.step, "samples": len(window.items)}):  # fmt: skip
             device = self.parts.device
             batches = [batch.to(device, non_blocking=True) for batch in window.micro_batches]
-            result = train_step(
+            pending = launch_step(
                 self.strategy, self.model, batches, self.optimizer, self.scheduler,
                 grad_clip=self.cfg.grad_clip, step=ctx, autocast_dtype=self.parts.autocast_dtype,
                 # the step's one all-reduce (ddp); FSDP reduce-scatters inside the backward
                 reduce_gradients=None if self.sharded else average_gradients,
                 weights=window.weights,  # the ragged last step's (None: a full window)
             )  # fmt: skip
-            # The step is applied: record it (the window's keys were agreed before the step,
-            # on every rank), then confirm it upstream. Nothing that can fail comes between.
+            # The step is applied (queued on the device, in order: what reads the model runs
+            # after it): record it (the window's keys were agreed before the step, on every
+            # rank), then confirm it upstream. Nothing that can fail comes between. Its
+            # tensors are freed once the GPU is done with it, in the next step's `_settle`.
             t_bus = time.perf_counter()
             self.state.step += 1
-            self.loader.commit(window)
-            if self.checkpoints is None:  # no checkpoint will ever cover it: free it now
-                self.loader.checkpointed()
+            self.loader.commit(window, release=False)
             bus_s = time.perf_counter() - t_bus
-            for k, v in {**result.metrics, "grad_norm": result.grad_norm}.items():
-                self._window_metrics[k].append(_scalar(v))
+            # Only now wait for the previous step: this one is queued behind it, so the GPU
+            # never drains between steps while the host plans, acks and logs.
+            self._pending.append((self.state.step, pending, window))
+            self._settle(keep=1 if self._overlap else 0)
         iv = self._interval
         iv["wait"] += window.wait_s
         iv["bus"] += bus_s
@@ -285,11 +296,37 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - a report never stops training
             log.warning("could not report the first step %d: %s", self.state.step, e)
 
+    def _settle(self, keep: int = 0) -> None:
+        """Wait for the pending steps but the last `keep` (their figures reach the host), free
+        their windows, and emit the log row they closed. With `keep=0`, everything trained is
+        settled after it."""
+        while len(self._pending) > keep:
+            _, pending, window = self._pending.pop(0)
+            result = pending.result()
+            for k, v in {**result.metrics, "grad_norm": result.grad_norm}.items():
+                self._window_metrics[k].append(_scalar(v))
+            self.loader.release(window)
+            if self.checkpoints is None:  # no checkpoint will ever cover it: free it now
+                self.loader.checkpointed()
+        self._emit_due_row()
+
+    def _emit_due_row(self) -> None:
+        """The closed interval's row, once every step it covers is settled."""
+        due = self._due_row
+        if due is not None and not (self._pending and self._pending[0][0] <= due["step"]):
+            row, self._due_row = due, None
+            row.update({k: sum(v) / len(v) for k, v in self._window_metrics.items() if v})
+            self._window_metrics.clear()
+            self.state.history.append(row)
+            if self.hooks.on_log is not None and self.rank == 0:
+                self.hooks.on_log(row)
+
     def _log(self) -> None:
+        """Close the log interval: its row is emitted (history, `on_log`) with the interval's
+        step figures once the last step is settled (at once when nothing is pending)."""
         iv = self._interval
         elapsed = max(time.perf_counter() - iv["t0"], 1e-9)
         row: dict[str, float] = {"step": float(self.state.step)}
-        row.update({k: sum(v) / len(v) for k, v in self._window_metrics.items() if v})
         row["lr"] = float(self.optimizer.param_groups[0]["lr"])
         row["samples_per_s"] = iv["samples"] / elapsed  # this rank's
         # the world's: every rank trains the same number of samples per step (lockstep)
@@ -316,11 +353,9 @@ class Trainer:
         saved = self.checkpoints.last_save if self.checkpoints is not None else None
         if saved is not None:  # the last checkpoint: its step, write time and size
             row.update({f"checkpoint_{k}": v for k, v in saved.items()})
-        self.state.history.append(row)
-        if self.hooks.on_log is not None and self.rank == 0:
-            self.hooks.on_log(row)
-        self._window_metrics.clear()
+        self._due_row = row
         self._interval = self._new_interval()
+        self._emit_due_row()
 
     def score(self) -> float | None:
         """Checkpoint score: the simulated acceptance length of the last interval, measured
@@ -352,6 +387,7 @@ class Trainer:
         lets its source free what it held for this checkpoint (the barrier comes after rank 0's
         write: past it, the checkpoint is on disk). Under FSDP every rank takes part in
         gathering the full state."""
+        self._settle()  # the last step's row goes into the checkpoint's history
         if self.checkpoints is not None and (self.rank == 0 or self.sharded):
             state = self.state_dict()
             if self.rank == 0:

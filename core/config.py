@@ -284,6 +284,11 @@ class TrainingConfig(Section):
     # torch.profiler around this optimizer step (0-based): its collectives per rank are written
     # to <run_dir>/profile/step<N>-rank<r>.json (counts by name) and a .txt op table
     profile_step: int | None = Field(None, ge=0)
+    # Queue each optimizer step before waiting for the last one's figures (its loss and
+    # metrics, one device-to-host copy), so the GPU does not drain between steps while the
+    # host plans, acks and logs; a step's window is freed, and the log row it closes emitted,
+    # once the GPU is done with it. None: on a CUDA device (on the CPU nothing runs ahead).
+    overlap_steps: bool | None = None
 
 
 class DeploymentConfig(Section):

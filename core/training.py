@@ -86,36 +86,78 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _host_values(values: list[Any]) -> list[float]:
+class HostValues:
     """`float(v)` of every value, with one device-to-host copy per (device, dtype) group of
-    tensors instead of one synchronising `.item()` each (a step has ~100-200 metrics)."""
-    out: list[float | None] = [None] * len(values)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            groups.setdefault((v.device, v.dtype), []).append(i)
-        else:
-            out[i] = float(v)
-    for idx in groups.values():
-        flat = torch.stack([values[i].detach().reshape(()) for i in idx]).tolist()
-        for i, x in zip(idx, flat, strict=True):
-            out[i] = float(x)
-    return out  # type: ignore[return-value]
+    tensors instead of one synchronising `.item()` each (a step has ~100-200 metrics).
+
+    The copies start here, on the current stream, into pinned memory on CUDA, and nothing
+    waits for them until `get()`: a training loop can queue its next step first and read
+    these afterwards, so the GPU never drains between steps (`PendingStep`)."""
+
+    def __init__(self, values: list[Any]):
+        self._values: list[float | None] = [None] * len(values)
+        self._groups: list[tuple[list[int], torch.Tensor]] = []
+        self._events: list[torch.cuda.Event] = []
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                groups.setdefault((v.device, v.dtype), []).append(i)
+            else:
+                self._values[i] = float(v)
+        for (device, _), idx in groups.items():
+            flat = torch.stack([values[i].detach().reshape(()) for i in idx])
+            if device.type == "cuda":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                self._events.append(event)
+                flat = host
+            self._groups.append((idx, flat))
+
+    def ready(self) -> bool:
+        """The copies are done (`get()` will not wait)."""
+        return all(event.query() for event in self._events)
+
+    def get(self) -> list[float]:
+        """The values as floats; waits for the copies (not for work queued after them)."""
+        for event in self._events:
+            event.synchronize()
+        self._events = []
+        for idx, flat in self._groups:
+            for i, x in zip(idx, flat.tolist(), strict=True):
+                self._values[i] = float(x)
+        self._groups = []
+        return self._values  # type: ignore[return-value]
+
+
+def _host_values(values: list[Any]) -> list[float]:
+    """`float(v)` of every value in one device-to-host copy per group (`HostValues`)."""
+    return HostValues(values).get()
 
 
 def _mean_metrics(all_metrics: list[dict], extra: list[Any] = ()) -> dict[str, float]:
     """Average per-micro-batch figures; counts (correct/denom) are summed and acc recomputed
     (none: {}). `extra` values come back (as floats) under "_extra" in the same
     device-to-host copy."""
+    return _averaged(all_metrics, _host_values(_metric_values(all_metrics, extra)), extra)
+
+
+def _metric_values(all_metrics: list[dict], extra: Sequence[Any]) -> list[Any]:
+    keys = list(all_metrics[0]) if all_metrics else []
+    return [m[key] for key in keys for m in all_metrics] + list(extra)
+
+
+def _averaged(all_metrics: list[dict], values: list[float], extra: Sequence[Any]) -> dict:
     out: dict[str, float] = {}
     keys = list(all_metrics[0]) if all_metrics else []
-    host = iter(_host_values([m[key] for key in keys for m in all_metrics] + list(extra)))
+    host = iter(values)
     for key in keys:
-        values = [next(host) for _ in all_metrics]
+        per_batch = [next(host) for _ in all_metrics]
         out[key] = (
-            sum(values)
+            sum(per_batch)
             if key.startswith(("correct_", "denom_", "loss_denom"))
-            else sum(values) / len(values)
+            else sum(per_batch) / len(per_batch)
         )
     steps = sum(1 for k in out if k.startswith("correct_"))
     for k in range(steps):
@@ -129,7 +171,36 @@ def _mean_metrics(all_metrics: list[dict], extra: list[Any] = ()) -> dict[str, f
     return out
 
 
-def train_step(
+class PendingStep:
+    """An optimizer step whose work is queued (`launch_step`) and whose figures are on their
+    way to the host. `result()` waits for them: for the step's last kernels, not for anything
+    queued after it. `ready()` says whether that wait would block."""
+
+    def __init__(self, all_metrics: list[dict], grad_norm: Any, lr: float):
+        self._metrics, self._lr = all_metrics, lr
+        self._host = HostValues(_metric_values(all_metrics, [grad_norm]))
+        self._result: StepResult | None = None
+
+    def ready(self) -> bool:
+        return self._result is not None or self._host.ready()
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            metrics = _averaged(self._metrics, self._host.get(), [None])
+            (grad_norm,) = metrics.pop("_extra")
+            self._result = StepResult(loss=metrics.get("loss", math.nan), grad_norm=grad_norm,
+                                      lr=self._lr, metrics=metrics)  # fmt: skip
+            self._metrics = []
+        return self._result
+
+
+def train_step(*args, **kwargs) -> StepResult:
+    """`launch_step(...).result()`: one optimizer step, its figures on the host when it
+    returns (one host sync)."""
+    return launch_step(*args, **kwargs).result()
+
+
+def launch_step(
     strategy: Strategy,
     model: nn.Module,
     batches: list[TrainBatch],
@@ -141,7 +212,7 @@ def train_step(
     autocast_dtype: torch.dtype | None = None,
     reduce_gradients: Callable[[list[nn.Parameter]], None] | None = None,
     weights: Sequence[float] | None = None,
-) -> StepResult:
+) -> PendingStep:
     """One optimizer step over `batches` (gradient accumulation: each loss scaled by 1/len,
     or by `weights[i]`).
 
@@ -154,7 +225,8 @@ def train_step(
     the global grad norm of the trainable parameters to `grad_clip`, steps the
     optimizer and the scheduler, zeroes the gradients. Returns loss/metrics averaged over
     the micro-batches (NaN loss and no metrics when none was trained here), the pre-clip grad
-    norm and the lr used.
+    norm and the lr used, as a `PendingStep`: on CUDA this returns once the step's work is
+    queued, without waiting for it (`PendingStep.result()` does).
     """
     assert weights is None or len(weights) == len(batches), "one weight per micro-batch"
     model.train()
@@ -184,8 +256,4 @@ def train_step(
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    metrics = _mean_metrics(all_metrics, extra=[grad_norm])  # the step's one host sync
-    (grad_norm,) = metrics.pop("_extra")
-    return StepResult(
-        loss=metrics.get("loss", math.nan), grad_norm=grad_norm, lr=lr, metrics=metrics
-    )
+    return PendingStep(all_metrics, grad_norm, lr)  # the step's one host sync, deferred

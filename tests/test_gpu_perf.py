@@ -13,6 +13,7 @@ the test itself: flex is the dense emulation there and nothing is compiled)."""
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -136,6 +137,73 @@ def _eagle3_case(seq, attention, fused, compile_kernels, autocast):
         kernels.ENABLED = was
     grads = torch.cat([p.grad.flatten().float() for p in draft.parameters() if p.requires_grad])
     return loss.detach().float(), metrics, grads
+
+
+def test_an_eagle3_step_is_queued_without_waiting_for_the_gpu():
+    """`training.overlap_steps` gains only if queuing a step never waits for the device: no
+    `.item()`, no blocking copy, no stream sync in staging a host batch (pinned) and in
+    `launch_step` (forward, backward, clip, AdamW, the metrics' copy), flash attention and
+    the fused loss as on the H200; the figures then come from `result()`."""
+    from specbus.core.config import TrainingConfig
+    from specbus.core.strategies import StepContext
+    from specbus.core.training import build_optimizer, launch_step
+
+    if DEVICE != "cuda":
+        pytest.skip("a sync is a CUDA notion (torch.cuda.set_sync_debug_mode)")
+    case = _eagle3_step_case(1000)
+    strategy, draft, batch = case
+    optimizer = build_optimizer(draft, TrainingConfig())
+
+    def launch(step):
+        return launch_step(strategy, draft, [batch.to(DEVICE, non_blocking=True)], optimizer,
+                           None, grad_clip=1.0, step=StepContext(step, 100),
+                           autocast_dtype=torch.bfloat16)  # fmt: skip
+
+    for step in range(3):  # compiles, caches the draft vocabulary's ids
+        launch(step).result()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = [launch(3), launch(4)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    results = [p.result() for p in pending]
+    assert all(math.isfinite(r.loss) and r.grad_norm > 0 for r in results)
+    assert "acc_0" in results[-1].metrics
+
+
+def _eagle3_step_case(seq):
+    """An EAGLE3 strategy with flash TTT attention, its draft on CUDA and a host batch."""
+    from specbus.core.config import DraftConfig, StrategyConfig
+    from specbus.core.data.vocab import build_vocab_mapping, count_tokens
+    from specbus.core.models.target import TargetHeads, TargetInfo
+    from specbus.core.strategies import build_strategy
+
+    torch.manual_seed(0)
+    vocab, hidden = 4096, 256
+    target = TargetInfo(
+        name="t", path=".", model_type="llama", num_layers=30, hidden_size=hidden,
+        vocab_size=vocab, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=8192,
+        rope_theta=1e5,
+    )  # fmt: skip
+    heads = TargetHeads(torch.randn(vocab, hidden) * 0.05, torch.randn(vocab, hidden) * 0.05)
+    strategy = build_strategy(
+        StrategyConfig(attention="flash", draft=DraftConfig(draft_vocab_size=vocab // 2)),
+        target, heads=heads,
+    )  # fmt: skip
+    samples = [
+        {
+            "input_ids": torch.randint(0, vocab, (seq,)),
+            "loss_mask": torch.ones(seq, dtype=torch.long),
+            "hidden_states": torch.randn(seq, 3 * hidden).to(torch.bfloat16),
+            "target": torch.randn(seq, hidden).to(torch.bfloat16),
+        }
+    ]
+    pairs = [(s["input_ids"], s["loss_mask"]) for s in samples]
+    mapping = build_vocab_mapping(count_tokens(pairs), vocab // 2, vocab)
+    draft = strategy.build_model(vocab=mapping).to(DEVICE)
+    return strategy, draft, strategy.collate(samples)
 
 
 def test_eagle3_fused_loss_and_step_masks_match_the_eager_reference():

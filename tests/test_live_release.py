@@ -243,3 +243,73 @@ def test_the_trainer_frees_held_tensors_at_each_checkpoint_early_by_bytes_and_at
     assert not (w[2] | w[3]) & seen[5] and w[4] <= seen[5]
     # the stop's checkpoint freed the rest; the two refs never trained keep their tensors
     assert present(live.store, refs) == {r.sample_id for r in refs} - set(result.lineage)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_overlapped_trainer_frees_each_window_once_the_next_step_is_queued(live, overlap):
+    """`training.overlap_steps`: step k+1 is queued before step k's figures are waited for; so
+    window k is freed, and the row closing at step k is emitted, only after step k+1's commit.
+    The rows hold the same figures either way, every window is freed once, nothing leaks."""
+    refs = live.refs(8)
+    events: list[tuple[str, int]] = []
+    losses: list[float] = []
+
+    class Recorded(_Toy):
+        def forward_loss(self, model, batch, step):
+            loss, metrics = super().forward_loss(model, batch, step)
+            events.append(("step", step.global_step + 1))
+            losses.append(float(loss.detach()))
+            return loss, metrics
+
+    strategy = Recorded()
+    world = live(collate=strategy.collate)
+    steps_of: dict[str, int] = {}  # sample id -> the step that trained it
+    commit, release = world.loader.commit, world.loader.release
+
+    def recorded_commit(window, **kw):
+        n = 1 + max(steps_of.values(), default=0)
+        steps_of.update({item.sample_id: n for item in window.items})
+        events.append(("commit", n))
+        commit(window, **kw)
+
+    def recorded_release(window):
+        (n,) = {steps_of[item.sample_id] for item in window.items}
+        events.append(("release", n))
+        release(window)
+
+    world.loader.commit, world.loader.release = recorded_commit, recorded_release
+    rows: list[dict] = []
+
+    def on_log(row) -> None:
+        events.append(("row", int(row["step"])))
+        rows.append(row)
+
+    model = torch.nn.Linear(4, 1)
+    parts = TrainParts(model, strategy, torch.optim.AdamW(model.parameters(), lr=1e-2), None,
+                       torch.device("cpu"))  # fmt: skip
+    cfg = TrainingConfig(micro_batch=2, log_every=2, max_steps=4, overlap_steps=overlap)
+    hooks = TrainerHooks(on_log=on_log)
+    result = Trainer(parts, world.loader, cfg, total_steps=4, hooks=hooks).fit()
+    assert result.steps == 4 and result.samples == 8
+    assert sorted(steps_of) == sorted(r.sample_id for r in refs)
+    if overlap:
+        assert events == [
+            ("step", 1), ("commit", 1),
+            ("step", 2), ("commit", 2), ("release", 1),
+            ("step", 3), ("commit", 3), ("release", 2), ("row", 2),
+            ("step", 4), ("commit", 4), ("release", 3),
+            ("release", 4), ("row", 4),
+        ]  # fmt: skip
+    else:
+        assert events == [
+            ("step", 1), ("commit", 1), ("release", 1),
+            ("step", 2), ("commit", 2), ("release", 2), ("row", 2),
+            ("step", 3), ("commit", 3), ("release", 3),
+            ("step", 4), ("commit", 4), ("release", 4), ("row", 4),
+        ]  # fmt: skip
+    # each row: the mean of the figures of exactly the steps it closes
+    assert [r["loss"] for r in rows] == pytest.approx(
+        [sum(losses[:2]) / 2, sum(losses[2:]) / 2], rel=1e-6
+    )
+    assert all("grad_norm" in r and "samples_per_s" in r for r in rows)
+    assert live.store.usage().resident_bytes == 0  # every trained window freed

@@ -112,8 +112,18 @@ class TrainBatch:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TrainBatch:
-        """A copy with every tensor on `device` (counts and meta kept)."""
-        moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
+        """A copy with every tensor on `device` (counts and meta kept). With `non_blocking`
+        to a GPU, host tensors are staged through pinned memory: a copy from pageable memory
+        would first wait for everything queued on the stream (CUDA's rule for pageable
+        copies), draining the GPU between training steps."""
+        pin = non_blocking and torch.device(device).type == "cuda"
+
+        def staged(v: torch.Tensor) -> torch.Tensor:
+            return v.pin_memory() if pin and v.device.type == "cpu" and not v.is_pinned() else v
+
+        moved = {
+            k: staged(v).to(device, non_blocking=non_blocking) for k, v in self.tensors.items()
+        }
         return TrainBatch(
             moved, self.num_samples, self.num_tokens, self.num_loss_tokens, dict(self.meta)
         )
