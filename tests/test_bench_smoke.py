@@ -131,12 +131,19 @@ def test_long_context_bench_runs_dflash_in_both_modes_and_times_other_sdpa_order
 def test_pipeline_bench_runs_a_compiled_capture_and_profiles_a_step(tmp_path):
     """gpu_pipeline's `+compile` mode (target.compile in the trainer's own capture),
     `+graphs` (on the CPU the bucketed maskless prefill, with its warning kept in the row),
-    and `--profile-step` (the step's timeline in the row, its trace kept beside the report)."""
+    `+overlap` (training.overlap_steps, the CUDA default, forced on the CPU) and
+    `--profile-step` (the step's timeline in the row, its trace kept beside the report; a
+    step of the measured window is refused)."""
     out = tmp_path / "gpu_pipeline_128.json"
-    mode = "colocated+compile+graphs"
+    mode = "colocated+compile+graphs+overlap"
+    refused = subprocess.run(
+        [sys.executable, "-m", "specbus.ops.bench.gpu_pipeline", "--tiny", "--warmup", "2",
+         "--profile-step", "3"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "lies in the measured window" in refused.stderr
     _bench("gpu_pipeline", "--tiny", "--seqs", "128", "--modes", mode,
-           "--steps", "5", "--warmup", "2", "--log-every", "1", "--colocated-prefetch", "1",
-           "--profile-step", "3", "--timeout", "200", "--out", str(out), timeout=300)  # fmt: skip
+           "--steps", "6", "--warmup", "3", "--log-every", "1", "--colocated-prefetch", "1",
+           "--profile-step", "1", "--timeout", "200", "--out", str(out), timeout=300)  # fmt: skip
     row = json.loads(out.read_text())["results"]["128"][mode]
     assert "error" not in row, row.get("error")
     assert row["samples_per_s"] > 0 and row["steady_steps"] == 3 and row["capture_frac"] > 0

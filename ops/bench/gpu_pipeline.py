@@ -58,8 +58,10 @@ from specbus.ops.launch import Launcher
 from specbus.ops.services.nats import NatsServer
 
 # `--modes colocated+compile+flash+graphs`: target.compile on; EAGLE3's flash TTT attention;
-# target.cuda_graphs on (the prefill replayed as CUDA graphs)
-MODE_VARIANTS = ("compile", "flash", "graphs")
+# target.cuda_graphs on (the prefill replayed as CUDA graphs); `+sync` / `+overlap`:
+# training.overlap_steps off (the trainer waits for each step's figures before queuing the next:
+# the GPU drains) / on (the default on CUDA; `+overlap` forces it on the CPU)
+MODE_VARIANTS = ("compile", "flash", "graphs", "sync", "overlap")
 
 
 def strategy_tree(args) -> dict:
@@ -78,7 +80,8 @@ def config_for(
     strategy: dict | None = None,
 ):
     """A run of `mode` (`colocated` | `disaggregated`, then `+compile` for `target.compile`,
-    `+flash` for `strategy.attention: flash`, `+graphs` for `target.cuda_graphs`) at
+    `+flash` for `strategy.attention: flash`, `+graphs` for `target.cuda_graphs`, `+sync` /
+    `+overlap` for `training.overlap_steps` false / true) at
     `seq` tokens; `strategy` (a strategy section) defaults to `strategy_tree(args)`."""
     mode, *variants = mode.split("+")
     for variant in variants:
@@ -105,7 +108,9 @@ def config_for(
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,
                      "checkpoint_every": 100_000, "prefetch": args.prefetch, "lr": 1e-4,
                      "max_steps": args.steps, "total_steps": args.steps,
-                     "profile_step": getattr(args, "profile_step", None)},
+                     "profile_step": getattr(args, "profile_step", None),
+                     "overlap_steps": {"sync": False, "overlap": True}.get(
+                         next((v for v in variants if v in ("sync", "overlap")), ""))},
         "deployment": {"mode": mode} | (
             {"colocated_prefetch": args.colocated_prefetch} if mode == "colocated" else {}
         ),
@@ -381,6 +386,11 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.profile_step is not None and args.profile_step >= args.warmup:
+        # the profiler's start and its trace export (~1 s) would count in the figures
+        ap.error(f"--profile-step {args.profile_step} lies in the measured window (the steps "
+                 f"after --warmup {args.warmup}); profile a warm-up step, e.g. "
+                 f"{max(0, args.warmup - 2)}")  # fmt: skip
     seqs = [int(s) for s in args.seqs.split(",")]
     work = Path(tempfile.mkdtemp(prefix="specbus-gpubench-"))
     overrides = TINY if args.tiny else None

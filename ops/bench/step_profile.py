@@ -6,6 +6,8 @@ lm_head are the random ones `gpu_pipeline.write_target` writes), so the step is 
 the trainer runs (`core.training.train_step`: bf16 autocast on CUDA, clip, fused AdamW).
 Reported per configuration:
 - `step_ms`: median wall time of `--reps` synchronised steps after `--warmup` (no profiler);
+  `overlapped_step_ms`: the mean of `--reps` steps run as the trainer runs them
+  (`training.overlap_steps`: each queued before the last one's figures are read);
 - `launches`: kernel launches of one profiled step (CUDA runtime launch calls); on the CPU
   `compute_ops` stands in for them: leaf aten ops that are not views, allocations or
   metadata (each launches about one kernel on a GPU); `ops` counts every aten op;
@@ -163,7 +165,7 @@ def run(strategy_name: str, target: Path, seqs: list[int], args, flops: dict) ->
     from specbus.core.config import TrainingConfig
     from specbus.core.data.vocab import build_vocab_mapping, count_tokens
     from specbus.core.strategies.base import StepContext
-    from specbus.core.training import build_optimizer, train_step
+    from specbus.core.training import build_optimizer, launch_step
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
@@ -194,12 +196,15 @@ def run(strategy_name: str, target: Path, seqs: list[int], args, flops: dict) ->
             s = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in s.items()}
             batches.append(strategy.collate([s], seq).to(device))
 
-        def step(batches=batches):
+        def launch(batches=batches):
             counter[0] += 1
             batch = batches[counter[0] % len(batches)]
-            train_step(strategy, draft, [batch], optimizer, None, grad_clip=1.0,
-                       step=StepContext(counter[0], 1000),
-                       autocast_dtype=torch.bfloat16 if low else None)  # fmt: skip
+            return launch_step(strategy, draft, [batch], optimizer, None, grad_clip=1.0,
+                               step=StepContext(counter[0], 1000),
+                               autocast_dtype=torch.bfloat16 if low else None)  # fmt: skip
+
+        def step():
+            launch().result()
 
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -215,6 +220,18 @@ def run(strategy_name: str, target: Path, seqs: list[int], args, flops: dict) ->
             times.append(time.perf_counter() - t0)
         row = {"step_ms": 1000 * statistics.median(times),
                "step_ms_all": [round(1000 * t, 2) for t in times]}  # fmt: skip
+        # as the trainer runs them (`training.overlap_steps`): each step queued before the
+        # last one's figures are read, so the GPU does not drain between steps
+        sync()
+        t0, pending = time.perf_counter(), None
+        for _ in range(args.reps):
+            queued = launch()
+            if pending is not None:
+                pending.result()
+            pending = queued
+        pending.result()
+        sync()
+        row["overlapped_step_ms"] = 1000 * (time.perf_counter() - t0) / args.reps
         row.update(profile_once(step, cuda))
         row["mfu"] = mfu(per_step[seq], 1000 / row["step_ms"], flops["peak_flops"])
         if cuda:
