@@ -64,6 +64,22 @@ from specbus.ops.services.nats import NatsServer
 MODE_VARIANTS = ("compile", "flash", "graphs", "sync", "overlap")
 
 
+def store_budget(seq: int) -> int:
+    """The store's byte budget at `seq` tokens: 12 samples' features, at least 2 GiB."""
+    sample_bytes = seq * QWEN3_8B["hidden_size"] * 4 * 2  # 3 aux + final, bf16
+    return max(2 << 30, 12 * sample_bytes)
+
+
+def tasks_to_feed(seq: int, trained: int) -> int:
+    """Tasks fed for a run that trains `trained` samples: enough that the disaggregated
+    producer still captures through the trainer's last step. With only `trained`, it captured
+    up to a full store (~30 samples at 2048 tokens) during the trainer's warm-up, and the
+    steady window then timed the trainer alone on a GPU the producer had left (10.8
+    samples/s at 2048 where the two processes' kernels add up to ~122 ms a sample)."""
+    sample_bytes = seq * QWEN3_8B["hidden_size"] * 4 * 2
+    return trained + store_budget(seq) // sample_bytes + 8
+
+
 def strategy_tree(args) -> dict:
     """The EAGLE3 strategy section every run of this bench uses."""
     return {"ttt_length": args.ttt, "draft": {"draft_vocab_size": args.draft_vocab}}
@@ -90,8 +106,7 @@ def config_for(
     strategy = strategy if strategy is not None else strategy_tree(args)
     if "flash" in variants:
         strategy = strategy | {"attention": "flash"}
-    sample_bytes = seq * QWEN3_8B["hidden_size"] * 4 * 2  # 3 aux + final, bf16
-    budget = max(2 << 30, 12 * sample_bytes)
+    budget = store_budget(seq)
     tree = {
         "run": run,
         "run_dir": str(work / run),
@@ -201,6 +216,12 @@ def summarize(cfg, rows: list[dict], mode: str, warmup: int, work: Path) -> dict
         "trainer_peak_alloc_gib_history": max(r.get("gpu_peak_gib", 0.0) for r in rows),
         "loss_last": steady[-1].get("loss"),
     }
+    if "lag_refs" in steady[-1]:
+        # refs captured before the window and trained in it (the window's start lag less its
+        # end lag): near 0 when the producer kept pace inside the window; a large figure means
+        # the rate is partly the trainer alone on a backlog
+        start = (base[-1] if base else steady[0])["lag_refs"]
+        out["backlog_trained"] = start - steady[-1]["lag_refs"]
     if mode == "colocated" and "capture_s" in steady[-1]:
         before = base[-1].get("capture_s", 0.0) if base else 0.0
         out["capture_frac"] = (steady[-1]["capture_s"] - before) / wall
@@ -420,7 +441,8 @@ def main() -> None:
             args.out.write_text(json.dumps(report, indent=1, default=str))
 
     for seq in seqs:
-        data = write_data(work / f"data-{seq}.jsonl", args.steps * args.micro_batch + 4, seq, vocab)
+        fed = tasks_to_feed(seq, args.steps * args.micro_batch)
+        data = write_data(work / f"data-{seq}.jsonl", fed, seq, vocab)
         row = report["results"].setdefault(str(seq), {})
         for mode in args.modes.split(","):
             run = f"gpu-{mode[:5]}-{seq}-{uuid.uuid4().hex[:6]}"
