@@ -222,6 +222,10 @@ def summarize(cfg, rows: list[dict], mode: str, warmup: int, work: Path) -> dict
         # the rate is partly the trainer alone on a backlog
         start = (base[-1] if base else steady[0])["lag_refs"]
         out["backlog_trained"] = start - steady[-1]["lag_refs"]
+        # the rate of the samples captured inside the window (a lower bound on what the two
+        # processes sustain: the trainer that drains a backlog leaves the producer less GPU)
+        trained = samples
+        out["captured_per_s"] = max(0.0, trained - max(0.0, out["backlog_trained"])) / wall
     if mode == "colocated" and "capture_s" in steady[-1]:
         before = base[-1].get("capture_s", 0.0) if base else 0.0
         out["capture_frac"] = (steady[-1]["capture_s"] - before) / wall
@@ -519,6 +523,10 @@ def print_table(report: dict) -> None:
                 print(f"{'':>5} {'':<18} profiled step: wall {t['wall_ms']:.1f} ms, GPU busy "
                       f"{t['busy_ms']:.1f} ({t['busy_frac']:.0%}), overlapped {t['overlap_ms']:.1f}"
                       f"; {streams}")  # fmt: skip
+            if r.get("backlog_trained", 0) > 0:
+                print(f"{'':>5} {'':<18} {r['backlog_trained']:.0f} refs trained from a backlog "
+                      f"captured before the window: captured inside it {r['captured_per_s']:.2f}"
+                      "/s (what the layout sustains lies between)")  # fmt: skip
         if "ratio_disagg_over_coloc" in row:
             print(f"{seq:>5} disagg/coloc   {row['ratio_disagg_over_coloc']:.3f}")
     for seq, p in (report.get("profile") or {}).items():
