@@ -49,6 +49,7 @@ SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC = 5.7, 0.112
 # `@graphs`, `target.cuda_graphs` on (the prefill replayed as CUDA graphs per length bucket).
 # Variants combine with `+`: `dflash:2048-2048@compile+disagg`.
 CONFIG_VARIANTS = ("compile", "disagg", "graphs")
+STORE_BUDGET = 8 << 30
 VARIANTS = {
     "torchsdpa": {"SPECBUS_SDPA_BACKENDS": "default"},
     "flash": {"SPECBUS_SDPA_BACKENDS": "flash,efficient,math"},
@@ -88,7 +89,7 @@ def config_for(run, work: Path, target: Path, data: Path, strategy: str, hi: int
         "run_dir": str(work / run),
         "bus": {"ack_wait_s": 120.0, "heartbeat_s": 5.0, "fetch_timeout_s": 0.1},
         "store": {"uri": shm_uri(run, work, 8 << 30) if "disagg" in variants else "mem://",
-                  "budget_bytes": 8 << 30},
+                  "budget_bytes": STORE_BUDGET},
         "target": {"model": str(target), "capture_batch": 1, "context_length": max(hi, 4096),
                    "compile": "compile" in variants, "cuda_graphs": "graphs" in variants},
         "strategy": strat,
@@ -164,9 +165,13 @@ def main() -> None:
 
     for name, lo, hi, variants in runs:
         key = f"{name}:{lo}-{hi}" + (f"@{'+'.join(variants)}" if variants else "")
-        data = write_mixed_data(
-            work / f"data-{name}-{lo}-{hi}.jsonl", args.steps + 4, lo, hi, vocab
-        )
+        fed = args.steps + 4
+        if "disagg" in variants:
+            # the producer must still be capturing at the trainer's last step: with only what
+            # is trained it filled the store in the warm-up and the window timed the trainer
+            # alone (gpu_pipeline.tasks_to_feed); a bound on what the store can hold
+            fed += min(2048, STORE_BUDGET // (lo * target_config["hidden_size"] * 2))
+        data = write_mixed_data(work / f"data-{name}-{lo}-{hi}.jsonl", fed, lo, hi, vocab)
         run = f"gd-{name}-{uuid.uuid4().hex[:6]}"
         cfg = config_for(run, work, target, data, name, hi, args, vocab, variants)
         flops = mean_sample_flops(cfg.strategy, target_config, lo, hi)

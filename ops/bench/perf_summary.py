@@ -196,7 +196,7 @@ def sustained(key: str, row: dict) -> float | None:
     cc93f20) claims its rate when the window trained at most one ref from a backlog, else the
     rate of what was captured inside the window (a lower bound); one without it (before) is
     unverified: None."""
-    if "disaggregated" not in key:
+    if "disagg" not in key:  # `2048/disaggregated...`, `dflash:2048-2048@compile+disagg`
         return row["samples_per_s"]
     if "backlog_trained" not in row:
         return None
