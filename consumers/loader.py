@@ -116,6 +116,9 @@ class Loader:
         self._held: list[Item] = []  # taken from _ready, waiting for the window to fill
         self._parked: list[Item] = []  # duplicates of an item another rank trains this step
         self._leased_items: dict[int, Item] = {}
+        # committed, tensors not yet released (`commit(release=False)`): still in the store,
+        # so they count against `capacity` until `release`
+        self._unreleased: set[int] = set()
         # A source whose store other ranks read (`shared_store`) gets its releases after the
         # next lockstep exchange; one of its own rank's (colocated mem://) at once.
         self._defer_release = bool(getattr(source, "shared_store", False))
@@ -141,7 +144,7 @@ class Loader:
     # -- bus-loop side ---------------------------------------------------------------
     def _in_flight(self) -> int:
         with self._lock:
-            return len(self._leased_items)
+            return len(self._leased_items) + len(self._unreleased)
 
     async def _prefetch(self) -> None:
         quiet = 0
@@ -208,6 +211,12 @@ class Loader:
                 self._leased_items.pop(id(item), None)
 
     # -- training-thread side --------------------------------------------------------
+    def has_window(self) -> bool:
+        """This rank holds a full window's items already (a hint: `next_window` may still
+        wait for the other ranks). False means a window needs more takes, and a take may
+        need what `release` frees."""
+        return len(self._held) + self._ready.qsize() >= self.need
+
     def next_window(self) -> Window | None:
         """Block until every rank holds a full window of items not yet trained (returned), the
         data is over (the ragged window of what this rank still holds, then None), the time
@@ -392,6 +401,9 @@ class Loader:
                 # The ledger already holds them: an unconfirmed ack (the broker restarted and
                 # lost its place, and answers no ack beyond it) only means a redelivery, filtered.
                 log.warning("rank %d: %s; they will be redelivered and filtered", rank(), e)
+        if not release:
+            with self._lock:
+                self._unreleased.update(id(item) for item in window.items)
         self._forget(window.items)
         if release:
             self.release(window)
@@ -402,6 +414,8 @@ class Loader:
     def release(self, window: Window) -> None:
         """Free a committed window's tensors (`commit(window, release=False)`): once the step
         that read them is done."""
+        with self._lock:
+            self._unreleased.difference_update(id(item) for item in window.items)
         self._release_later(window.items)
         for item in window.items:
             item.tensors = {}

@@ -201,6 +201,10 @@ class Trainer:
         cfg, profile_dir = self.cfg, self.hooks.profile_dir
         try:
             while cfg.max_steps is None or self.state.step < cfg.max_steps:
+                if self._pending and not self.loader.has_window():
+                    # the next window needs takes, and they may need room the pending step's
+                    # window holds (`capacity` counts it until released): settle it first
+                    self._settle()
                 window = self.loader.next_window()
                 if window is None:
                     break

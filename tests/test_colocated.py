@@ -84,8 +84,16 @@ def test_equivalence_gate_colocated_equals_disaggregated(tmp_path, tiny_target, 
 
 
 @pytest.mark.slow
-def test_colocated_residency_never_exceeds_one_window(tmp_path, tiny_target, nats_server, run_id):
-    cfg, cluster = run_two_colocated_ranks(tmp_path, tiny_target, nats_server, run_id, 16)
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronised", "overlapped"])
+def test_colocated_residency_never_exceeds_one_window(
+    tmp_path, tiny_target, nats_server, run_id, overlap
+):
+    """colocated_prefetch=0: one window resident, also when the trainer queues a step before
+    the last one is settled (`training.overlap_steps`, CUDA's default, forced on here): a
+    committed window holds its room until it is freed."""
+    cfg, cluster = run_two_colocated_ranks(
+        tmp_path, tiny_target, nats_server, run_id, 16, f"training.overlap_steps={overlap}"
+    )
     history = cluster.checkpoint_state()["history"]
     assert (
         max(row["store_peak_bytes"] for row in history) <= cfg.training.micro_batch * sample_bytes
@@ -181,7 +189,7 @@ def test_colocated_capture_waits_leased_for_room_in_a_full_store(
     budget = 3 * sample_bytes  # a window is 2 samples: one and a half windows
     cfg, cluster = run_two_colocated_ranks(
         tmp_path, tiny_target, nats_server, run_id, 24, "deployment.colocated_prefetch=1",
-        f"store.budget_bytes={budget}",
+        f"store.budget_bytes={budget}", "training.overlap_steps=true",  # CUDA's default
     )  # fmt: skip
     lineage = cluster.checkpoint_state()["lineage"]
     assert len(lineage) == len(set(lineage)) == 24

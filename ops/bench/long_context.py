@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 from specbus.ops.bench.flops import describe, flops_section, fmt_mfu, mfu, sample_flops
-from specbus.ops.bench.gpu_pipeline import config_for, run_mode, strategy_tree
+from specbus.ops.bench.gpu_pipeline import config_for, run_mode, strategy_tree, tasks_to_feed
 from specbus.ops.bench.random_target import QWEN3_8B, TINY, random_engine, write_data, write_target
 from specbus.producers.engines.hf import SDPA_ENV
 
@@ -270,7 +270,8 @@ def pipeline(target: Path, seqs: list[int], modes: list[str], args, work: Path, 
         steps, warmup = steps_for(seq)
         args.steps, args.warmup = (3, 1) if args.tiny else (steps, warmup)
         args.log_every = 1 if seq > 16384 or args.tiny else 2
-        data = write_data(work / f"data-{seq}.jsonl", args.steps * args.micro_batch + 4, seq, vocab)
+        fed = tasks_to_feed(seq, args.steps * args.micro_batch)  # the producer busy to the end
+        data = write_data(work / f"data-{seq}.jsonl", fed, seq, vocab)
         for mode in modes:
             run = f"long-{seq}-{mode[:5]}-{uuid.uuid4().hex[:6]}"
             cfg = config_for(run, work, target, data, seq, mode, args, strategy=strategy)
