@@ -7,11 +7,11 @@ candidates and filtering them against the ledger (`plan_round`); at the end of t
 ragged `Window` of what every rank still holds (fewer items, none on some ranks, weighted so
 that the step is the mean over the samples it trains); then None (also on a stop or a spent
 time budget, after giving back what it holds). `commit(window)` records, acks, then releases
-(a live source holds the tensors until `checkpointed()`, after the next checkpoint). From a
-store every rank reads (`Source.shared_store`) the release waits for the next lockstep
-exchange (or the checkpoint's barrier): past it every rank has recorded the window, so a rank
-that finds a ref's tensors gone knows from its own ledger whether it was trained (no
-recapture of a trained sample). It owns the `Ledger` (a
+(`release=False`: later, by `release`; a live source holds the tensors until `checkpointed()`,
+after the next checkpoint). From a store every rank reads (`Source.shared_store`) the release
+waits for the next lockstep exchange (or the checkpoint's barrier): past it every rank has
+recorded the window, so a rank that finds a ref's tensors gone knows from its own ledger
+whether it was trained (no recapture of a trained sample). It owns the `Ledger` (a
 `Stateful`). docs/architecture.md, "Exactly once into the model" and "Lockstep".
 """
 
@@ -116,8 +116,7 @@ class Loader:
         self._held: list[Item] = []  # taken from _ready, waiting for the window to fill
         self._parked: list[Item] = []  # duplicates of an item another rank trains this step
         self._leased_items: dict[int, Item] = {}
-        # committed, tensors not yet released (`commit(release=False)`): still in the store,
-        # so they count against `capacity` until `release`
+        # committed, not yet released (`commit(release=False)`): they still count in `capacity`
         self._unreleased: set[int] = set()
         # A source whose store other ranks read (`shared_store`) gets its releases after the
         # next lockstep exchange; one of its own rank's (colocated mem://) at once.
@@ -205,16 +204,15 @@ class Loader:
                 log.warning("heartbeats back after %.1fs", time.monotonic() - failing_since)
                 failing_since = None
 
-    def _forget(self, items: list[Item]) -> None:
-        with self._lock:
+    def _forget(self, items: list[Item], *, hold: bool = False) -> None:
+        with self._lock:  # `hold`: committed, still in the store until `release`
             for item in items:
                 self._leased_items.pop(id(item), None)
+            self._unreleased.update(id(item) for item in items if hold)
 
     # -- training-thread side --------------------------------------------------------
     def has_window(self) -> bool:
-        """This rank holds a full window's items already (a hint: `next_window` may still
-        wait for the other ranks). False means a window needs more takes, and a take may
-        need what `release` frees."""
+        """This rank holds a full window (a hint; False: takes, maybe room `release` frees)."""
         return len(self._held) + self._ready.qsize() >= self.need
 
     def next_window(self) -> Window | None:
@@ -346,9 +344,8 @@ class Loader:
     def _drop_trained_held(self) -> None:
         """Items another rank trained since this rank took them: settle them before counting."""
         trained = [i for i in self._held if self.ledger.contains(*i.key)]
-        if trained:
-            self._held = [i for i in self._held if not self.ledger.contains(*i.key)]
-            self._settle_trained(trained, alone=True)
+        self._held = [i for i in self._held if not self.ledger.contains(*i.key)]
+        self._settle_trained(trained, alone=True)  # none: a no-op
 
     def _settle_trained(self, items: list[Item], *, alone: bool = False) -> None:
         """Already in the model: ack (the broker may have lost the first ack) and release,
@@ -389,9 +386,8 @@ class Loader:
         """After optimizer.step(): record the step's items (every rank's) in the ledger, ack
         this rank's (confirmed; an ack the broker does not confirm is logged, not fatal: the
         item comes back and is filtered), then free their tensors. Parked duplicates are
-        settled by the next round, now that their originals are in. `release=False`: the
-        tensors stay until `release(window)` (the step that reads them may still be running
-        on the GPU)."""
+        settled by the next round, now that their originals are in (`release=False`: freed
+        by `release(window)`, once the GPU is done with the step)."""
         self.ledger.record(window.keys)
         self.held_bytes += window.nbytes
         with span("ack", attributes={"messages": len(window.items)}):
@@ -401,10 +397,7 @@ class Loader:
                 # The ledger already holds them: an unconfirmed ack (the broker restarted and
                 # lost its place, and answers no ack beyond it) only means a redelivery, filtered.
                 log.warning("rank %d: %s; they will be redelivered and filtered", rank(), e)
-        if not release:
-            with self._lock:
-                self._unreleased.update(id(item) for item in window.items)
-        self._forget(window.items)
+        self._forget(window.items, hold=not release)
         if release:
             self.release(window)
         if self._parked:
@@ -412,8 +405,7 @@ class Loader:
             self._held[:0] = parked  # trained ones are settled by the next round's first look
 
     def release(self, window: Window) -> None:
-        """Free a committed window's tensors (`commit(window, release=False)`): once the step
-        that read them is done."""
+        """Free a window committed with `release=False`, once the step that read it is done."""
         with self._lock:
             self._unreleased.difference_update(id(item) for item in window.items)
         self._release_later(window.items)

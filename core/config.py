@@ -281,14 +281,9 @@ class TrainingConfig(Section):
     checkpoint_every: int = Field(100, ge=1)
     keep_checkpoints: int = Field(3, ge=1)
     log_every: int = Field(10, ge=1)
-    # torch.profiler around this optimizer step (0-based): its collectives per rank are written
-    # to <run_dir>/profile/step<N>-rank<r>.json (counts by name) and a .txt op table
+    # torch.profiler around this step (0-based): collectives, op table, trace (run_dir/profile)
     profile_step: int | None = Field(None, ge=0)
-    # Queue each optimizer step before waiting for the last one's figures (its loss and
-    # metrics, one device-to-host copy), so the GPU does not drain between steps while the
-    # host plans, acks and logs; a step's window is freed, and the log row it closes emitted,
-    # once the GPU is done with it. None: on a CUDA device (on the CPU nothing runs ahead).
-    overlap_steps: bool | None = None
+    overlap_steps: bool | None = None  # queue a step before the last one is done (None: CUDA)
 
 
 class DeploymentConfig(Section):

@@ -104,13 +104,18 @@ def test_colocated_residency_never_exceeds_one_window(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronised", "overlapped"])
 def test_colocated_rank_killed_then_resumed_exactly_once(
-    tmp_path, tiny_target, nats_server, run_id
+    tmp_path, tiny_target, nats_server, run_id, overlap
 ):
+    """kill -9 of both ranks past a checkpoint, then a resume: every task trained once; also
+    with the steps overlapped (`training.overlap_steps`, CUDA's default, forced on here: a
+    killed rank's last window is acked and not yet freed, its capacity still held)."""
     n = 200
     data = write_tokenised_data(tmp_path / "data.jsonl", n)
     cfg = pipeline_config(run_id, tmp_path / "run", tiny_target, data, store_uri="mem://",
-                          overrides=["deployment.mode=colocated", "training.checkpoint_every=5"])  # fmt: skip
+                          overrides=["deployment.mode=colocated", "training.checkpoint_every=5",
+                                     f"training.overlap_steps={overlap}"])  # fmt: skip
     cluster = Cluster(cfg, tmp_path / "procs", nats_server.url)
     try:
         cluster.start("feeder", "feed")
