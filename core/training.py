@@ -115,10 +115,6 @@ class HostValues:
                 flat = host
             self._groups.append((idx, flat))
 
-    def ready(self) -> bool:
-        """The copies are done (`get()` will not wait)."""
-        return all(event.query() for event in self._events)
-
     def get(self) -> list[float]:
         """The values as floats; waits for the copies (not for work queued after them)."""
         for event in self._events:
@@ -174,15 +170,12 @@ def _averaged(all_metrics: list[dict], values: list[float], extra: Sequence[Any]
 class PendingStep:
     """An optimizer step whose work is queued (`launch_step`) and whose figures are on their
     way to the host. `result()` waits for them: for the step's last kernels, not for anything
-    queued after it. `ready()` says whether that wait would block."""
+    queued after it."""
 
     def __init__(self, all_metrics: list[dict], grad_norm: Any, lr: float):
         self._metrics, self._lr = all_metrics, lr
         self._host = HostValues(_metric_values(all_metrics, [grad_norm]))
         self._result: StepResult | None = None
-
-    def ready(self) -> bool:
-        return self._result is not None or self._host.ready()
 
     def result(self) -> StepResult:
         if self._result is None:

@@ -96,10 +96,9 @@ def test_fused_vocabulary_head_matches_the_checkpointed_chunks(projector):
     assert cosine(got[2], ref[2]) > 0.99
 
 
-def _eagle3_case(seq, attention, fused, compile_kernels, autocast):
-    from specbus.core.config import DraftConfig, StrategyConfig
+def _eagle3_target():
+    """A small Llama-shaped target (vocab 4096, hidden 256) and its random heads, seed 0."""
     from specbus.core.models.target import TargetHeads, TargetInfo
-    from specbus.core.strategies import StepContext, build_strategy
 
     torch.manual_seed(0)
     vocab, hidden = 4096, 256
@@ -110,6 +109,14 @@ def _eagle3_case(seq, attention, fused, compile_kernels, autocast):
         rope_theta=1e5,
     )  # fmt: skip
     heads = TargetHeads(torch.randn(vocab, hidden) * 0.05, torch.randn(vocab, hidden) * 0.05)
+    return vocab, hidden, target, heads
+
+
+def _eagle3_case(seq, attention, fused, compile_kernels, autocast):
+    from specbus.core.config import DraftConfig, StrategyConfig
+    from specbus.core.strategies import StepContext, build_strategy
+
+    vocab, hidden, target, heads = _eagle3_target()
     strategy = build_strategy(
         StrategyConfig(attention=attention, draft=DraftConfig(draft_vocab_size=vocab)),
         target,
@@ -176,18 +183,9 @@ def _eagle3_step_case(seq):
     """An EAGLE3 strategy with flash TTT attention, its draft on CUDA and a host batch."""
     from specbus.core.config import DraftConfig, StrategyConfig
     from specbus.core.data.vocab import build_vocab_mapping, count_tokens
-    from specbus.core.models.target import TargetHeads, TargetInfo
     from specbus.core.strategies import build_strategy
 
-    torch.manual_seed(0)
-    vocab, hidden = 4096, 256
-    target = TargetInfo(
-        name="t", path=".", model_type="llama", num_layers=30, hidden_size=hidden,
-        vocab_size=vocab, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=8192,
-        rope_theta=1e5,
-    )  # fmt: skip
-    heads = TargetHeads(torch.randn(vocab, hidden) * 0.05, torch.randn(vocab, hidden) * 0.05)
+    vocab, hidden, target, heads = _eagle3_target()
     strategy = build_strategy(
         StrategyConfig(attention="flash", draft=DraftConfig(draft_vocab_size=vocab // 2)),
         target, heads=heads,

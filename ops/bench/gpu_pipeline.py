@@ -64,10 +64,14 @@ from specbus.ops.services.nats import NatsServer
 MODE_VARIANTS = ("compile", "flash", "graphs", "sync", "overlap")
 
 
+def sample_bytes(seq: int) -> int:
+    """One sample's features at `seq` tokens: 3 aux layers and the final state, bf16."""
+    return seq * QWEN3_8B["hidden_size"] * 4 * 2
+
+
 def store_budget(seq: int) -> int:
     """The store's byte budget at `seq` tokens: 12 samples' features, at least 2 GiB."""
-    sample_bytes = seq * QWEN3_8B["hidden_size"] * 4 * 2  # 3 aux + final, bf16
-    return max(2 << 30, 12 * sample_bytes)
+    return max(2 << 30, 12 * sample_bytes(seq))
 
 
 def tasks_to_feed(seq: int, trained: int) -> int:
@@ -76,8 +80,7 @@ def tasks_to_feed(seq: int, trained: int) -> int:
     up to a full store (~30 samples at 2048 tokens) during the trainer's warm-up, and the
     steady window then timed the trainer alone on a GPU the producer had left (10.8
     samples/s at 2048 where the two processes' kernels add up to ~122 ms a sample)."""
-    sample_bytes = seq * QWEN3_8B["hidden_size"] * 4 * 2
-    return trained + store_budget(seq) // sample_bytes + 8
+    return trained + store_budget(seq) // sample_bytes(seq) + 8
 
 
 def strategy_tree(args) -> dict:
