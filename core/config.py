@@ -156,14 +156,14 @@ class TargetConfig(Section):
     capture_batch: int = Field(4, ge=1)
     tp_size: int = Field(1, ge=1)
     max_total_tokens: int | None = Field(None, ge=1)  # engine's tokens per forward, if bounded
-    # hf engine: torch.compile each decoder layer for capture (fuses the norms, rotary and
-    # activations between the matrix products; ~1 min to compile on the first lengths seen)
+    # hf engine: each decoder layer torch.compile'd for capture (~1 min on the first lengths)
     compile: bool = False
     # hf engine on CUDA: the prefill replayed as a CUDA graph per (batch, length rounded up to
     # graph_bucket) up to graph_max_tokens a batch (producers/engines/prefill_graphs.py)
     cuda_graphs: bool = False
     graph_bucket: int = Field(256, ge=1)
     graph_max_tokens: int = Field(16384, ge=1)
+    quantize: Literal["none", "fp8"] = "none"  # hf: decoder linears in FP8 (core/models/fp8.py)
     cache_dir: Path | None = None  # converted embedded target; None: $SPECBUS_CACHE or ~/.cache
     # engine sglang_server (docs/sglang.md, "Driven capture"): the running server's base URL,
     # how long an unreachable server is retried, how long the intake may take to hear of a capture
@@ -178,8 +178,9 @@ class TargetConfig(Section):
 
     @model_validator(mode="after")
     def _compilable(self) -> TargetConfig:
-        for flag in ("compile", "cuda_graphs"):
-            if getattr(self, flag) and (self.engine != "hf" or self.tp_size > 1):
+        plain_hf = self.engine == "hf" and self.tp_size == 1
+        for flag in ("compile", "cuda_graphs", "quantize"):
+            if getattr(self, flag) not in (False, "none") and not plain_hf:
                 raise ValueError(f"target.{flag} is the hf engine's with tp_size 1 (got engine "
                                  f"{self.engine!r}, tp_size {self.tp_size}): other engines "
                                  "compile and graph their own way, sharded layers run eager")  # fmt: skip
@@ -314,8 +315,7 @@ class LiveConfig(Section):
     handshake. Watermarks are fractions of `min(store.budget_bytes, what the store can hold)`."""
 
     host: str = "127.0.0.1"  # the intake binds here (loopback by default)
-    # 0: a free port (written to <run_dir>/live/intake.json)
-    port: int = Field(8470, ge=0, le=65535)
+    port: int = Field(8470, ge=0, le=65535)  # 0: a free port (in <run_dir>/live/intake.json)
     # where serving servers reach the intake; None: <run_dir>/live/intake.json
     url: str | None = None
     # Bearer token; None: $SPECBUS_INTAKE_TOKEN, else one generated once and kept (0600) in

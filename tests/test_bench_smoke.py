@@ -52,7 +52,9 @@ def test_step_profile_reports_each_strategy(tmp_path):
 
 def test_capture_bench_times_every_arm_on_the_same_weights(tmp_path, capsys):
     out = tmp_path / "capture.json"
-    _bench("capture", "--tiny", "--reps", "1", "--warmup", "1", "--new", "2", "--out", str(out))
+    arms = "eager,compiled,graphs,compiled+graphs,fp8"
+    _bench("capture", "--tiny", "--reps", "1", "--warmup", "1", "--new", "2", "--arms", arms,
+           "--out", str(out))  # fmt: skip
     report = json.loads(out.read_text())
     assert sorted(report["fixed"], key=int) == ["64", "128"]  # 2048, 4096 scaled for --tiny
     for row in report["fixed"].values():
@@ -61,6 +63,9 @@ def test_capture_bench_times_every_arm_on_the_same_weights(tmp_path, capsys):
         for arm in ("graphs", "compiled+graphs"):  # the CPU: bucketed, maskless, no graph
             assert row[f"{arm}_over_eager"] > 0 and 0 <= row[f"{arm}_max_rel_diff"] < 0.05
         assert all(row[f"{arm}_host_ms"] > 0 for arm in ("eager", "compiled", "graphs"))
+        # target.quantize fp8 on its own copy of the weights: near, not equal (random weights)
+        assert row["fp8_ms"] > 0 and 1e-3 < row["fp8_rel_err"] < 0.15, row["fp8_rel_err"]
+        assert row["compiled_rel_err"] < 0.05
     assert len(report["new"]["lengths"]) == 2 and report["new"]["compiled_ms_mean"] > 0
     assert report["new"]["compiled+graphs_ms_mean"] > 0
     # the perf summary of a capture-only call (gpu.sh STAGES=capture): a line per length and arm
@@ -130,12 +135,12 @@ def test_long_context_bench_runs_dflash_in_both_modes_and_times_other_sdpa_order
 @pytest.mark.slow
 def test_pipeline_bench_runs_a_compiled_capture_and_profiles_a_step(tmp_path):
     """gpu_pipeline's `+compile` mode (target.compile in the trainer's own capture),
-    `+graphs` (on the CPU the bucketed maskless prefill, with its warning kept in the row),
+    `+fp8` (target.quantize), `+graphs` (on the CPU the bucketed maskless prefill, with its warning kept in the row),
     `+overlap` (training.overlap_steps, the CUDA default, forced on the CPU) and
     `--profile-step` (the step's timeline in the row, its trace kept beside the report; a
     step of the measured window is refused)."""
     out = tmp_path / "gpu_pipeline_128.json"
-    mode = "colocated+compile+graphs+overlap"
+    mode = "colocated+compile+graphs+overlap+fp8"
     refused = subprocess.run(
         [sys.executable, "-m", "specbus.ops.bench.gpu_pipeline", "--tiny", "--warmup", "2",
          "--profile-step", "3"], capture_output=True, text=True, timeout=120,

@@ -1,5 +1,5 @@
 """The `hf` engine's capture, eager against `target.compile` and `target.cuda_graphs` (and
-both), in one process on one model.
+both), and `target.quantize: fp8`, in one process on the same weights.
 
 The prefill is the larger half of a colocated sample at 2048 tokens on an H200 (67 of ~150 ms,
 docs/benchmarks.md "The profile stage on one H200") and HF's eager decoder layers run their
@@ -48,7 +48,8 @@ def _sync(device: torch.device) -> None:
 
 # arm -> what it sets in target (over the eager config)
 ARMS = {"eager": {}, "compiled": {"compile": True}, "graphs": {"cuda_graphs": True},
-        "compiled+graphs": {"compile": True, "cuda_graphs": True}}  # fmt: skip
+        "compiled+graphs": {"compile": True, "cuda_graphs": True},
+        "fp8": {"quantize": "fp8"}, "compiled+fp8": {"compile": True, "quantize": "fp8"}}  # fmt: skip
 
 
 def timed_capture(engine, ids: torch.Tensor, contract, device: torch.device):
@@ -74,6 +75,16 @@ def largest_difference(got: dict, want: dict) -> float:
     return worst
 
 
+def relative_error(got: dict, want: dict) -> float:
+    """max over features of ||got - want|| / ||want|| (the capture audit's measure)."""
+    worst = 0.0
+    for name, w in want.items():
+        if torch.is_floating_point(w):
+            w = w.float()
+            worst = max(worst, float((got[name].float() - w).norm() / w.norm().clamp(min=1e-30)))
+    return worst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -87,8 +98,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
     ap.add_argument("--arms", default="eager,compiled,graphs,compiled+graphs",
                     help="comma-separated, eager first: eager | compiled | graphs | "
-                    "compiled+graphs (graphs: target.cuda_graphs; off CUDA the bucketed "
-                    "prefill without graphs)")  # fmt: skip
+                    "compiled+graphs | fp8 | compiled+fp8 (graphs: target.cuda_graphs; off "
+                    "CUDA the bucketed prefill without graphs; fp8: target.quantize fp8)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from specbus.core.config import StrategyConfig, TargetConfig
@@ -113,8 +124,12 @@ def main() -> None:
     if not arms or arms[0] != "eager" or not set(arms) <= set(ARMS):
         ap.error(f"--arms: eager first, then any of {list(ARMS)} (got {args.arms!r})")
     eager = random_engine(cfg)
+    # the fp8 arms share one copy of the same weights, quantised (HFEngine does it in place)
+    fp8 = [arm for arm in arms if "fp8" in arm]
+    fp8_model = random_engine(cfg.model_copy(update=ARMS[fp8[0]])).model if fp8 else None
     engines = {"eager": eager, **{
-        arm: HFEngine(cfg.model_copy(update=ARMS[arm]), model=eager.model) for arm in arms[1:]}}  # fmt: skip
+        arm: HFEngine(cfg.model_copy(update=ARMS[arm]),
+                      model=fp8_model if arm in fp8 else eager.model) for arm in arms[1:]}}  # fmt: skip
     contract = build_strategy(StrategyConfig(), eager.info).feature_contract()
     target_config = json.loads((target / "config.json").read_text())
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -159,11 +174,14 @@ def main() -> None:
         said = [f"eager {row['eager_ms']:.1f} ms, host {row['eager_host_ms']:.1f}"]
         for arm in arms[1:]:
             row[f"{arm}_over_eager"] = row["eager_ms"] / row[f"{arm}_ms"]
-            row[f"{arm}_max_rel_diff"] = largest_difference(row.pop(f"{arm}_features"), want)
+            got = row.pop(f"{arm}_features")
+            row[f"{arm}_max_rel_diff"] = largest_difference(got, want)
+            row[f"{arm}_rel_err"] = relative_error(got, want)
             said.append(f"{arm} {row[f'{arm}_ms']:.1f} ms, host {row[f'{arm}_host_ms']:.1f} "
                         f"({row[f'{arm}_over_eager']:.3f}x; "
                         f"warm-up {row[f'{arm}_warmup_s']:.1f} s, largest difference "
-                        f"{row[f'{arm}_max_rel_diff']:.2e})")  # fmt: skip
+                        f"{row[f'{arm}_max_rel_diff']:.2e}, relative error "
+                        f"{row[f'{arm}_rel_err']:.2e})")  # fmt: skip
         if "compiled" in engines:  # the name earlier records used
             row["max_rel_diff"] = row["compiled_max_rel_diff"]
         report["fixed"][str(seq)] = row

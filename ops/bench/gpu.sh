@@ -31,7 +31,7 @@
 #
 #   stage        limit  what
 #   profile      200 s  step_profile: one train step in-process, EAGLE3 / DSpark / DFlash, 2048 + 4096
-#   gputests     300 s  pytest -m gpu tests/test_gpu_perf.py tests/test_eagle3_gpu.py tests/test_ttt_flash.py tests/test_prefill_graphs.py
+#   gputests     300 s  pytest -m gpu tests/test_gpu_perf.py tests/test_eagle3_gpu.py tests/test_ttt_flash.py tests/test_prefill_graphs.py tests/test_fp8_target.py
 #   eagle3-2048  360 s  gpu_pipeline 2048: colocated (capture overlapped) + disaggregated, 24 steps
 #   eagle3-4096  360 s  gpu_pipeline 4096: the same
 #   dflash       310 s  gpu_dflash: DSpark 512-4096 and DFlash 2048, colocated, 56 steps
@@ -169,7 +169,7 @@ if [ "${BENCH:-pipeline}" = perf ]; then  # the floor probe, then the stages of 
         --seqs 2048,4096 --reps 5 --warmup 3 --out "$PERF/step_profile.json" --out-dir "$PERF/profiles" ${PROFILE_ARGS:-} ;;
       gputests) stage gputests python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts="" \
         tests/test_gpu_perf.py tests/test_eagle3_gpu.py tests/test_ttt_flash.py tests/test_prefill_graphs.py \
-        ${GPUTESTS_K:+-k "$GPUTESTS_K"} ${GPUTESTS_ARGS:-} ;;
+        tests/test_fp8_target.py ${GPUTESTS_K:+-k "$GPUTESTS_K"} ${GPUTESTS_ARGS:-} ;;
       eagle3-2048 | eagle3-4096) stage "$1" python3 -m specbus.ops.bench.gpu_pipeline --seqs "${1#eagle3-}" \
         --steps 24 --warmup 8 --colocated-prefetch 1 --timeout "$E3_RUN" \
         --out "$PERF/gpu_pipeline_${1#eagle3-}.json" ${EAGLE3_ARGS:-} $(length_args "${1#eagle3-}") ;;

@@ -47,8 +47,9 @@ SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC = 5.7, 0.112
 # `target.compile` on (the capture's decoder layers torch.compile'd); `@disagg`, the
 # disaggregated layout on the same GPU (a producer process and the trainer, the shm store);
 # `@graphs`, `target.cuda_graphs` on (the prefill replayed as CUDA graphs per length bucket).
+# `@fp8`, `target.quantize: fp8` (the target's decoder linears in FP8, core/models/fp8.py).
 # Variants combine with `+`: `dflash:2048-2048@compile+disagg`.
-CONFIG_VARIANTS = ("compile", "disagg", "graphs")
+CONFIG_VARIANTS = ("compile", "disagg", "graphs", "fp8")
 STORE_BUDGET = 8 << 30
 VARIANTS = {
     "torchsdpa": {"SPECBUS_SDPA_BACKENDS": "default"},
@@ -91,7 +92,8 @@ def config_for(run, work: Path, target: Path, data: Path, strategy: str, hi: int
         "store": {"uri": shm_uri(run, work, 8 << 30) if "disagg" in variants else "mem://",
                   "budget_bytes": STORE_BUDGET},
         "target": {"model": str(target), "capture_batch": 1, "context_length": max(hi, 4096),
-                   "compile": "compile" in variants, "cuda_graphs": "graphs" in variants},
+                   "compile": "compile" in variants, "cuda_graphs": "graphs" in variants,
+                   "quantize": "fp8" if "fp8" in variants else "none"},
         "strategy": strat,
         "data": {"source": str(data), "max_length": hi, "holdout": 0},
         "training": {"micro_batch": 1, "log_every": args.log_every, "checkpoint_every": 100_000,

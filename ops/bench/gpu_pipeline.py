@@ -60,8 +60,9 @@ from specbus.ops.services.nats import NatsServer
 # `--modes colocated+compile+flash+graphs`: target.compile on; EAGLE3's flash TTT attention;
 # target.cuda_graphs on (the prefill replayed as CUDA graphs); `+sync` / `+overlap`:
 # training.overlap_steps off (the trainer waits for each step's figures before queuing the next:
-# the GPU drains) / on (the default on CUDA; `+overlap` forces it on the CPU)
-MODE_VARIANTS = ("compile", "flash", "graphs", "sync", "overlap")
+# the GPU drains) / on (the default on CUDA; `+overlap` forces it on the CPU); `+fp8`:
+# target.quantize fp8 (the target's decoder linears in FP8, core/models/fp8.py)
+MODE_VARIANTS = ("compile", "flash", "graphs", "sync", "overlap", "fp8")
 
 
 def sample_bytes(seq: int) -> int:
@@ -99,7 +100,8 @@ def config_for(
     strategy: dict | None = None,
 ):
     """A run of `mode` (`colocated` | `disaggregated`, then `+compile` for `target.compile`,
-    `+flash` for `strategy.attention: flash`, `+graphs` for `target.cuda_graphs`, `+sync` /
+    `+flash` for `strategy.attention: flash`, `+graphs` for `target.cuda_graphs`, `+fp8` for
+    `target.quantize: fp8`, `+sync` /
     `+overlap` for `training.overlap_steps` false / true) at
     `seq` tokens; `strategy` (a strategy section) defaults to `strategy_tree(args)`."""
     mode, *variants = mode.split("+")
@@ -120,7 +122,8 @@ def config_for(
         },
         "target": {"model": str(target), "capture_batch": args.micro_batch,
                    "context_length": max(seq, 4096), "compile": "compile" in variants,
-                   "cuda_graphs": "graphs" in variants},
+                   "cuda_graphs": "graphs" in variants,
+                   "quantize": "fp8" if "fp8" in variants else "none"},
         "strategy": strategy,
         "data": {"source": str(data), "max_length": seq, "holdout": 0},
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,

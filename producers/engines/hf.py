@@ -27,6 +27,10 @@ seed's uniform 512-4096 setup are nearly all new lengths. `SPECBUS_SDPA_BACKENDS
 features equal the eager ones up to the fused kernels' rounding. Measure it before relying on
 it: `python -m specbus.ops.bench.capture` times both in one process.
 
+`target.quantize: fp8`: the decoder's linear layers run in FP8 (`core/models/fp8.py`: per-
+channel weight and per-token activation scales, as FP8 serving runs them); the features are
+the FP8 target's. Applied at load, so the live server's decoding uses the same layers.
+
 `target.cuda_graphs`: the prefill replays a CUDA graph per (batch, length rounded up to
 `target.graph_bucket`), run without a mask (right padding under causal attention changes no
 real position); see `producers/engines/prefill_graphs.py`.
@@ -194,6 +198,11 @@ class HFEngine:
             from specbus.producers.engines.tp import shard_decoder
 
             shard_decoder(self.model, tp_mesh)
+        if cfg.quantize == "fp8":  # in place, a lent model too (idempotent)
+            from specbus.core.models.fp8 import quantize_linears_fp8
+
+            swapped = quantize_linears_fp8(decoder_layers(self.model))
+            log.info("target.quantize fp8: %d decoder linear layers in e4m3", swapped)
         # entered around every capture (a nullcontext is reusable)
         self._compiled = CompiledLayers(self.model) if cfg.compile else contextlib.nullcontext()
         self.target_fingerprint = target_fingerprint(self.path)
