@@ -122,7 +122,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         info=info,
         target_path=path,
         tokenizer=tokenizer,
-        target_fingerprint=target_fingerprint(path),
+        target_fingerprint=target_fingerprint(path, cfg.target.quantize),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else "none",
     )
 

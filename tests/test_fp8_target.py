@@ -90,6 +90,25 @@ def test_smollm2_captured_in_fp8_stays_near_its_float32_capture():
     assert agree.float().mean() > 0.85, agree.float().mean()
 
 
+def test_an_fp8_target_is_another_target_to_the_run(tiny_target, tmp_path):
+    """The run's manifest (the feeder's `prepare`) and the engine's refs both name the FP8
+    target `<weights>+fp8`: a trainer of the bf16 run refuses them (bus_source's fingerprint
+    check), and a feeder of the other precision has another plan."""
+    from specbus.producers.feeder import prepare
+
+    from tests.fixtures.pipeline import pipeline_config, write_tokenised_data
+
+    data = write_tokenised_data(tmp_path / "data.jsonl", 4)
+    plain = pipeline_config("fp8", tmp_path / "run", tiny_target, data, store_uri="mem://")
+    fp8 = pipeline_config("fp8", tmp_path / "run", tiny_target, data, store_uri="mem://",
+                          overrides=["target.quantize=fp8"])  # fmt: skip
+    weights = target_mod.target_fingerprint(tiny_target)
+    assert prepare(plain).target_fingerprint == build_engine(plain.target).target_fingerprint
+    assert prepare(plain).target_fingerprint == weights and len(weights) == 32
+    assert prepare(fp8).target_fingerprint == f"{weights}+fp8"
+    assert build_engine(fp8.target).target_fingerprint == f"{weights}+fp8"
+
+
 @pytest.mark.parametrize("bad", [{"engine": "sglang"}, {"tp_size": 2}])
 def test_fp8_is_the_hf_engines_alone(bad):
     with pytest.raises(ValueError, match="target.quantize"):

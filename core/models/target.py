@@ -217,8 +217,12 @@ def _hash_files(paths: list[Path]) -> str:
 _FINGERPRINTS: dict[Path, str] = {}
 
 
-def target_fingerprint(path: Path) -> str:
-    """sha256 (32 hex) over config.json and every weight file. Memoised per process."""
+def target_fingerprint(path: Path, quantize: str = "none") -> str:
+    """sha256 (32 hex) over config.json and every weight file, memoised per process; with
+    `target.quantize` other than "none", `+<quantize>` after it (an FP8 target captures other
+    features: its refs are another target's, refused by a run of the bf16 one)."""
+    if quantize != "none":
+        return f"{target_fingerprint(path)}+{quantize}"
     path = Path(path).resolve()
     if path not in _FINGERPRINTS:
         marker = path / _CONVERTED_MARKER

@@ -205,7 +205,7 @@ class HFEngine:
             log.info("target.quantize fp8: %d decoder linear layers in e4m3", swapped)
         # entered around every capture (a nullcontext is reusable)
         self._compiled = CompiledLayers(self.model) if cfg.compile else contextlib.nullcontext()
-        self.target_fingerprint = target_fingerprint(self.path)
+        self.target_fingerprint = target_fingerprint(self.path, cfg.quantize)
         self.tokenizer_fingerprint = (
             tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else "none"
         )
