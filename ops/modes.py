@@ -81,8 +81,9 @@ class Mode:
 def capture_audit(ctx: RankContext) -> CaptureAudit | None:
     """The rank's capture audit (core/audit.py): rank 0 only (one reference per run, however
     many ranks; it audits `audit.rate` of the samples it leases), None when `audit.rate` is 0.
-    Its reference is the hf engine on the run's target in float32 on `audit.device`, built at
-    the first audited sample."""
+    Its reference is the hf engine on the run's target in float32 on `audit.device` (in FP8
+    with `target.quantize: fp8`: the audit checks the capture path, not the precision), built
+    at the first audited sample."""
     cfg = ctx.cfg
     if cfg.audit.rate <= 0 or ctx.rank != 0:
         return None
@@ -92,7 +93,8 @@ def capture_audit(ctx: RankContext) -> CaptureAudit | None:
         device = str(ctx.device) if cfg.audit.device == "auto" else cfg.audit.device
         target = TargetConfig(engine="hf", model=cfg.target.model, device=device, dtype="float32",
                               cache_dir=cfg.target.cache_dir,
-                              context_length=cfg.target.context_length)  # fmt: skip
+                              context_length=cfg.target.context_length,
+                              quantize=cfg.target.quantize)  # fmt: skip
         engine = build_engine(target)
         return lambda ids: engine.capture([ids], None, contract)[0]
 
