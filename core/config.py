@@ -183,7 +183,7 @@ class TargetConfig(Section):
             if getattr(self, flag) not in (False, "none") and not plain_hf:
                 raise ValueError(f"target.{flag} is the hf engine's with tp_size 1 (got engine "
                                  f"{self.engine!r}, tp_size {self.tp_size}): other engines "
-                                 "compile and graph their own way, sharded layers run eager")  # fmt: skip
+                                 "compile, graph and quantise their own way")  # fmt: skip
         return self
 
 
