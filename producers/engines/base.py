@@ -5,8 +5,9 @@ Guarantees of every engine:
   contract's feature names, each verified against the contract's shapes and dtypes
   (`CaptureError` otherwise); padding used for batching never reaches a sample;
 - tensors are on CPU unless a device is requested;
-- `target_fingerprint` / `tokenizer_fingerprint` identify the weights and the tokenizer
-  (they ride in every SampleRef, so a trainer can refuse features of another target).
+- `target_fingerprint` / `tokenizer_fingerprint` identify the weights (with `+fp8` when
+  `target.quantize` runs them in FP8) and the tokenizer (they ride in every SampleRef, so a
+  trainer can refuse features of another target).
 """
 
 from __future__ import annotations
