@@ -62,11 +62,12 @@ def test_the_swap_covers_the_decoder_linears_once_and_keeps_odd_widths():
 
 
 def test_smollm2_captured_in_fp8_stays_near_its_float32_capture():
-    """The embedded target, each captured layer against the float32 capture (the capture
-    audit's measure, `||c - r|| / ||r||`), and the teacher's next-token choice. Measured at
-    this commit: aux layers 1 / 14 / 26 within 3.3 / 1.3 / 2.5 % (bf16), the final state
-    13 %, the teacher's argmax the same at ~94 % of positions. A 135M model is a hard case
-    for FP8 (few, large outlier channels); the bounds leave room for the kernel's rounding."""
+    """The embedded target, each captured layer against the float32 capture per token
+    (`||c - r|| / ||r||` of a row, the median over the rows: a whole-tensor norm is ruled by
+    the few tokens of huge norm), and the teacher's next-token choice. Measured at this
+    commit (78 tokens): aux layers 1 / 14 / 26 at 3.3 / 7.3 / 9.2 %, the final state 10.9 %
+    (a bf16 capture: 0.45 / 1.0 / 1.3 %, 1.6 %); the teacher's argmax the same at ~94 % of
+    positions. A 135M model is a hard case for FP8 (few, large outlier channels)."""
     reference = build_engine(TargetConfig(capture_batch=1))
     fp8 = build_engine(TargetConfig(capture_batch=1, quantize="fp8", dtype="bfloat16"))
     layers = target_mod.decoder_layers(fp8.model)
@@ -77,11 +78,17 @@ def test_smollm2_captured_in_fp8_stays_near_its_float32_capture():
     ids = torch.tensor(reference.tokenizer.encode(text))
     want = reference.capture([ids], None, contract)[0]
     got = fp8.capture([ids], None, contract)[0]
-    result = compare(got, want, contract, tolerance=1.0)
-    errors = {e.layer: e.error for e in result.errors}
-    assert set(errors) == {1, 14, 26, "final"}
-    assert all(0.002 < errors[layer] < 0.06 for layer in (1, 14, 26)), errors
-    assert 0.002 < errors["final"] < 0.2, errors
+
+    def per_token(c: torch.Tensor, r: torch.Tensor) -> float:
+        c, r = c.float(), r.float()
+        return float(((c - r).norm(dim=-1) / r.norm(dim=-1)).median())
+
+    width = want["hidden_states"].shape[-1] // 3
+    aux = [per_token(got["hidden_states"][:, j * width : (j + 1) * width],
+                     want["hidden_states"][:, j * width : (j + 1) * width]) for j in range(3)]  # fmt: skip
+    final = per_token(got["target"], want["target"])
+    assert all(0.01 < e < 0.15 for e in aux) and 0.01 < final < 0.2, (aux, final)
+    assert compare(got, want, contract, tolerance=0.2).ok  # the audit's measure: within 20 %
     heads = target_mod.load_target_heads(reference.path)
     lm_head = heads.lm_head.float()
     agree = (want["target"].float() @ lm_head.T).argmax(-1) == (

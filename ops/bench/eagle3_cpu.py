@@ -7,6 +7,12 @@ init, same vocab mapping) and the trained draft decode the 50 held-back question
 chain drafting of k tokens and greedy verification (outputs checked equal to the target's
 greedy decoding). Prints and writes one JSON record.
 
+With `--set target.quantize=fp8` the draft trains on the FP8 target's features and is still
+measured against the unquantised target (what a bf16 deployment would see):
+
+    python ops/bench/eagle3_cpu.py --steps 60 --seq 256 --lr 2e-3 --holdout 12 \
+        --max-new-tokens 32 --set target.quantize=fp8
+
     python ops/bench/eagle3_cpu.py --steps 120 --out runs/bench/eagle3_cpu.json
 """
 
@@ -87,6 +93,9 @@ def main() -> None:
         ),
     )
 
+    # acceptance against the unquantised target whatever the capture ran (target.quantize)
+    if cfg.target.quantize != "none":
+        engine = HFEngine(cfg.target.model_copy(update={"quantize": "none"}))
     torch.manual_seed(cfg.training.seed)  # the same init train_local started from
     untrained = run.strategy.build_model(engine.info, run.strategy.heads, run.vocab).eval()
     prompts = [prompt_ids(r, engine.tokenizer, template) for r in held]
@@ -103,6 +112,7 @@ def main() -> None:
     after = measure_acceptance(engine.model, run.draft.eval(), prompts, **eval_kw)
     result = {
         "target": "smollm2-135m-instruct (bf16 cache, run in fp32 on CPU)",
+        "capture_quantize": cfg.target.quantize,
         "host": platform.processor() or platform.machine(),
         "torch_threads": args.threads,
         "seq": args.seq,
