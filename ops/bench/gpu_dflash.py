@@ -37,7 +37,7 @@ from specbus.core.config import build_config
 from specbus.ops.bench.flops import describe, flops_section, fmt_mfu, mean_sample_flops, mfu
 from specbus.ops.bench.gpu_pipeline import run_mode
 from specbus.ops.bench.perf_summary import row_goal
-from specbus.ops.bench.random_target import QWEN3_8B, TINY, shm_uri, write_target
+from specbus.ops.bench.random_target import QWEN3_8B, TINY, shm_uri, target_variants, write_target
 
 SEED_SAMPLES_PER_S, SEED_CAPTURE_FRAC = 5.7, 0.112
 # `--runs dspark:512-4096@torchsdpa`: the same run with its processes' environment changed
@@ -92,8 +92,7 @@ def config_for(run, work: Path, target: Path, data: Path, strategy: str, hi: int
         "store": {"uri": shm_uri(run, work, 8 << 30) if "disagg" in variants else "mem://",
                   "budget_bytes": STORE_BUDGET},
         "target": {"model": str(target), "capture_batch": 1, "context_length": max(hi, 4096),
-                   "compile": "compile" in variants, "cuda_graphs": "graphs" in variants,
-                   "quantize": "fp8" if "fp8" in variants else "none"},
+                   **target_variants(variants)},
         "strategy": strat,
         "data": {"source": str(data), "max_length": hi, "holdout": 0},
         "training": {"micro_batch": 1, "log_every": args.log_every, "checkpoint_every": 100_000,

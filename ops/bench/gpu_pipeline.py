@@ -51,6 +51,7 @@ from specbus.ops.bench.random_target import (  # noqa: F401  (gpu_dflash, gpu_mu
     build_random_target,
     random_engine,
     shm_uri,
+    target_variants,
     write_data,
     write_target,
 )
@@ -121,9 +122,7 @@ def config_for(
             "budget_bytes": budget,
         },
         "target": {"model": str(target), "capture_batch": args.micro_batch,
-                   "context_length": max(seq, 4096), "compile": "compile" in variants,
-                   "cuda_graphs": "graphs" in variants,
-                   "quantize": "fp8" if "fp8" in variants else "none"},
+                   "context_length": max(seq, 4096), **target_variants(variants)},
         "strategy": strategy,
         "data": {"source": str(data), "max_length": seq, "holdout": 0},
         "training": {"micro_batch": args.micro_batch, "log_every": args.log_every,

@@ -71,6 +71,13 @@ def write_target(path: Path, overrides: dict | None = None, device: str = "cuda"
     return path
 
 
+def target_variants(variants) -> dict:
+    """The `target` keys a bench run's variants set (`compile`, `graphs`, `fp8`: gpu_pipeline's
+    `+...` and gpu_dflash's `@...`)."""
+    return {"compile": "compile" in variants, "cuda_graphs": "graphs" in variants,
+            "quantize": "fp8" if "fp8" in variants else "none"}  # fmt: skip
+
+
 def build_random_target(path: Path, device: torch.device | str) -> torch.nn.Module:
     """The full causal LM of `path`'s config, random (seeded) on `device` in bf16, with the
     directory's embed_tokens / lm_head loaded: frozen, eval mode."""
