@@ -11,6 +11,7 @@ finds the intake through `<run_dir>/live/intake.json`, as docs/sglang.md has it)
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from specbus.core.errors import ConfigError
@@ -62,6 +63,12 @@ def test_a_driven_run_through_the_cli_trains_every_task_once(
 ):
     data = write_tokenised_data(tmp_path / "tasks.jsonl", N)
     server_port = free_port()
+    # Held (listening) until the server starts, seconds later: another worker's free_port()
+    # probe then sees it taken (CI once lost the port to one in that window: EADDRINUSE).
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", server_port))
+    holder.listen()
     cfg = pipeline_config(run_id, tmp_path / "run", chat_target, data, store_uri=f"shm://{run_id}",
                           overrides=["target.engine=sglang_server",
                                      f"target.server_url=http://127.0.0.1:{server_port}"])  # fmt: skip
@@ -77,6 +84,7 @@ def test_a_driven_run_through_the_cli_trains_every_task_once(
         env = {**sglang_env, "SPECBUS_CAPTURE_ENDPOINT": str(endpoint_file(cfg))}
         opts = {"model": str(chat_target), "layer_ids": hs["aux_layers"],
                 "hidden": hs["hidden_size"], "port": server_port}  # fmt: skip
+        holder.close()
         server = Server(env, opts, tmp_path / "server.log").start()
         run.start("producer-0", "produce", "--id", "p0")
         run.trainers(1)
@@ -107,6 +115,7 @@ def test_a_driven_run_through_the_cli_trains_every_task_once(
         with pytest.raises(ConfigError, match="manifest of another plan"):
             asyncio.run(run_intake(other, bus_url=nats_server.url, port=0))
     finally:
+        holder.close()  # idempotent: released already unless the run failed before the server
         if server is not None:
             server.kill()
         run.stop()
