@@ -33,6 +33,18 @@ def test_mixed_lengths_probe_reports_every_phase(tmp_path):
         assert row["prefill_ms_mean"] > 0 and row["step_ms_mean"] > 0 and row["samples_per_s"] > 0
 
 
+def test_attention_kernel_bench_reports_every_kernel_it_can_run(tmp_path):
+    """On the CPU only the math kernel and the matrix yardstick run; the rows are there."""
+    out = tmp_path / "attention.json"
+    _bench("attention_kernels", "--seqs", "64", "--reps", "1", "--out", str(out))
+    (rows,) = json.loads(out.read_text())["rows"]
+    assert rows["seq"] == 64
+    for name in ("fwd math gqa", "fwd math repeated", "fwd+bwd math repeated"):
+        assert rows[name]["ms"] > 0, name
+    assert rows["fwd math repeated"]["max_rel_diff"] < 1e-5  # repeated heads = GQA
+    assert rows["matmul L x 4096 x 12288"]["tflops"] >= 0
+
+
 def test_step_profile_reports_each_strategy(tmp_path):
     out = tmp_path / "profile.json"
     _bench("step_profile", "--tiny", "--strategies", "dspark,eagle3", "--seqs", "64",

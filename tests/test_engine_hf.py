@@ -190,3 +190,23 @@ def test_the_gpu_prefill_prefers_flash_and_the_cpu_keeps_torchs_order(monkeypatc
     assert not isinstance(sdpa_backends(device=torch.device("cuda")), contextlib.nullcontext)
     monkeypatch.setenv(SDPA_ENV, "default")
     assert isinstance(sdpa_backends(device=torch.device("cuda")), contextlib.nullcontext)
+
+
+def test_a_long_gpu_prefill_puts_cudnn_first(monkeypatch):
+    """From `kernels.CUDNN_ATTENTION_TOKENS` positions a CUDA prefill runs cuDNN first (its
+    kernel ~1.7x flash's at 32k on an H200), flash first below it; the environment wins at
+    any length; the CPU keeps torch's order."""
+    from specbus.core.models import kernels
+    from specbus.producers.engines.hf import GPU_SDPA_ORDER, LONG_SDPA_ORDER, SDPA_ENV, sdpa_order
+
+    monkeypatch.delenv(SDPA_ENV, raising=False)
+    cuda = torch.device("cuda")
+    at = kernels.CUDNN_ATTENTION_TOKENS
+    assert sdpa_order(cuda, at - 1) == GPU_SDPA_ORDER
+    assert sdpa_order(cuda, at) == LONG_SDPA_ORDER
+    assert LONG_SDPA_ORDER.split(",")[0] == "cudnn"
+    assert sdpa_order(torch.device("cpu"), 1 << 20) == ""
+    monkeypatch.setattr(kernels, "CUDNN_ATTENTION_TOKENS", 1 << 40)  # the override's effect
+    assert sdpa_order(cuda, 1 << 20) == GPU_SDPA_ORDER
+    monkeypatch.setenv(SDPA_ENV, "flash,math")
+    assert sdpa_order(cuda, 1 << 41) == "flash,math"

@@ -149,6 +149,28 @@ def test_merging_the_keys_at_once_equals_merging_them_one_at_a_time():
     torch.testing.assert_close(dq, acc)
 
 
+def test_auto_attention_runs_the_merged_path_where_cudnn_takes_the_causal_part(monkeypatch):
+    """EAGLE3's "auto" on CUDA: eager below 2048 tokens, flex from 2048, and from
+    `kernels.CUDNN_ATTENTION_TOKENS` the flash path, whose causal part is then cuDNN's kernel;
+    eager on the CPU at any length."""
+    from specbus.core.models import kernels
+
+    from tests.test_eagle3_loss import tiny_target
+
+    strategy = build_strategy(StrategyConfig(), tiny_target())
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    at = kernels.CUDNN_ATTENTION_TOKENS
+    assert strategy.resolve_attention(cuda, 1024) == "eager"
+    assert strategy.resolve_attention(cuda, 4096) == "flex"
+    assert kernels.causal_kernel(cuda, at - 1) == "flash"
+    assert strategy.resolve_attention(cuda, at) == "flash"
+    assert kernels.causal_kernel(cuda, at) == "cudnn"
+    assert strategy.resolve_attention(cpu, 1 << 20) == "eager"
+    assert kernels.causal_kernel(cpu, 1 << 20) == "math"
+    monkeypatch.setattr(kernels, "CUDNN_ATTENTION_TOKENS", 1 << 40)
+    assert strategy.resolve_attention(cuda, 1 << 20) == "flex"
+
+
 def test_flash_is_eagle3s_attention_only():
     from tests.test_eagle3_loss import tiny_target
 
@@ -161,11 +183,16 @@ def test_flash_is_eagle3s_attention_only():
     not torch.cuda.is_available(), reason="needs CUDA: torch's flash attention kernel"
 )
 @pytest.mark.parametrize("seq", [1000, 2048])
-def test_flash_matches_flex_on_cuda(seq):
-    """bf16, Qwen3-8B's heads (32 query, 8 kv, dim 128), right padding, 7 steps: the flash
-    kernel's path against flex (values at real rows, gradients)."""
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_flash_matches_flex_on_cuda(seq, kernel, monkeypatch):
+    """bf16, Qwen3-8B's heads (32 query, 8 kv, dim 128), right padding, 7 steps: the causal
+    part in flash's kernel and in cuDNN's (forced by the threshold) against flex (values at
+    real rows, gradients)."""
+    from specbus.core.models import kernels
     from specbus.core.models.eagle3_attention import TTTCache, _ttt_flex
 
+    monkeypatch.setattr(kernels, "CUDNN_ATTENTION_TOKENS", 0 if kernel == "cudnn" else 1 << 40)
+    assert kernels.causal_kernel(torch.device("cuda"), seq) == kernel
     torch.manual_seed(0)
     b, heads, kv_heads, d, steps = 2, 32, 8, 128, 7
     pad_BL = (torch.arange(seq)[None] < torch.tensor([seq, seq * 3 // 4])[:, None]).long()

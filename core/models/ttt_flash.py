@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 
 import torch
-from specbus.core.models.kernels import compiled, upcast
+from specbus.core.models.kernels import causal_kernel, compiled, upcast
 
 
 def supported(q_BNLD: torch.Tensor) -> bool:
@@ -57,28 +57,46 @@ def _causal_scores(q_BNLD, k_BNLD, scale):
     return s.masked_fill(future, float("-inf"))
 
 
-def causal_attention(q_BNLD, k_BNLD, v_BNLD, scale: float):
+def causal_attention(q_BNLD, k_BNLD, v_BNLD, scale: float, kernel: str | None = None):
     """(out [B, N, L, D] in q's dtype, lse [B, N, L] fp32, the kernel's state for its
-    backward): causal attention with its log-sum-exp."""
-    if q_BNLD.is_cuda:
+    backward): causal attention with its log-sum-exp. `kernel`: "flash", "cudnn" (CUDA) or
+    "math"; None: `kernels.causal_kernel` by the length (cuDNN at long lengths)."""
+    if kernel is None:
+        kernel = causal_kernel(q_BNLD.device, q_BNLD.shape[2])
+    if kernel == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q_BNLD, k_BNLD, v_BNLD, None, True, 0.0, True, False, scale=scale
+        )
+        # cuDNN's lse may carry a trailing unit dim: [B, N, L] here, its own shape back in the backward
+        lse = res[1]
+        return res[0], lse.reshape(q_BNLD.shape[:3]), ("cudnn", tuple(lse.shape), *res[2:8])
+    if kernel == "flash":
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             q_BNLD, k_BNLD, v_BNLD, 0.0, True, False, scale=scale
         )
-        return res[0], res[1], res[2:8]
+        return res[0], res[1], ("flash", *res[2:8])
     s = _causal_scores(q_BNLD, k_BNLD, scale)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse[..., None]), upcast(v_BNLD)).to(q_BNLD.dtype)
-    return out, lse, ()
+    return out, lse, ("math",)
 
 
 def causal_attention_backward(grad_BNLD, q_BNLD, k_BNLD, v_BNLD, out_BNLD, lse_BNL, scale, state):
     """(dq, dk, dv) of the causal part, with P = exp(scores - lse) and Delta = rowsum(dO * out)
-    read from the *merged* `out` and `lse` (module docstring)."""
-    if q_BNLD.is_cuda:
-        cum_q, cum_k, max_q, max_k, seed, offset = state
+    read from the *merged* `out` and `lse` (module docstring); `state` from `causal_attention`."""
+    kernel, *rest = state
+    if kernel == "flash":
+        cum_q, cum_k, max_q, max_k, seed, offset = rest
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_BNLD, q_BNLD, k_BNLD, v_BNLD, out_BNLD, lse_BNL, cum_q, cum_k, max_q, max_k,
             0.0, True, seed, offset, scale=scale,
+        )  # fmt: skip
+    if kernel == "cudnn":  # dO in O's layout (cuDNN reads both with one stride set)
+        lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = rest
+        out = out_BNLD.contiguous()
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_BNLD.contiguous(), q_BNLD, k_BNLD, v_BNLD, out, lse_BNL.reshape(lse_shape).contiguous(),
+            seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale,
         )  # fmt: skip
     g, q, k, v = upcast(grad_BNLD), upcast(q_BNLD), upcast(k_BNLD), upcast(v_BNLD)
     p = torch.exp(_causal_scores(q_BNLD, k_BNLD, scale) - lse_BNL[..., None])

@@ -20,7 +20,10 @@ torch's own order. torch 2.11 prefers cuDNN attention on sm90, and cuDNN builds 
 plan per new sequence length: on an H200 a Qwen3-8B-shaped prefill of a length not seen before
 took ~55 ms per 1k tokens against ~35 for a length seen before or under flash
 (`ops/bench/mixed_lengths.py`, docs/benchmarks.md "Mixed lengths"); real traffic and the
-seed's uniform 512-4096 setup are nearly all new lengths. `SPECBUS_SDPA_BACKENDS` (e.g.
+seed's uniform 512-4096 setup are nearly all new lengths. A long prefill (from
+`kernels.CUDNN_ATTENTION_TOKENS`, 16k) runs cuDNN first: its attention is most of the prefill
+there, cuDNN's kernel runs it ~1.7x flash's, and a plan per length is small against seconds
+(`ops/bench/attention_kernels.py`). `SPECBUS_SDPA_BACKENDS` (e.g.
 `cudnn,flash,math`; `default` = torch's order) overrides it; the CPU keeps torch's order.
 
 `target.compile`: capture runs each decoder layer `torch.compile`d (`CompiledLayers`); the
@@ -46,6 +49,7 @@ import time
 import torch
 from specbus.core.config import TargetConfig
 from specbus.core.errors import CaptureError, ConfigError
+from specbus.core.models.kernels import causal_kernel
 from specbus.core.models.target import (
     AuxCapture,
     decoder_layers,
@@ -66,18 +70,27 @@ _SDPA_NAMES = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
 
 
 GPU_SDPA_ORDER = "flash,efficient,cudnn,math"
+LONG_SDPA_ORDER = "cudnn,flash,efficient,math"
 
 
-def sdpa_backends(spec: str | None = None, device: torch.device | None = None):
-    """The SDPA context of a prefill or a decoding loop from `spec` (default:
-    `$SPECBUS_SDPA_BACKENDS`, else `GPU_SDPA_ORDER` on a CUDA `device`; cuDNN is not first
-    because it builds a plan on the host per new shape): `sdpa_kernel` over the named
-    backends in that priority order, or a null context (torch's own order) for "" /
-    `default` off the GPU.
-    `ConfigError` names the valid ones."""
+def sdpa_order(device: torch.device | None = None, seq_len: int = 0) -> str:
+    """The SDPA backend order of a prefill of `seq_len` positions on `device`:
+    `$SPECBUS_SDPA_BACKENDS` if set, else on CUDA `LONG_SDPA_ORDER` from
+    `kernels.CUDNN_ATTENTION_TOKENS` (cuDNN's kernel runs the attention, most of a long
+    prefill, ~1.7x flash's, and its plan per new shape is paid back) and `GPU_SDPA_ORDER`
+    below it (where it is not), else "" (torch's own order)."""
+    if device is None or torch.device(device).type != "cuda":
+        return os.environ.get(SDPA_ENV, "")
+    long = causal_kernel(device, seq_len) == "cudnn"
+    return os.environ.get(SDPA_ENV, LONG_SDPA_ORDER if long else GPU_SDPA_ORDER)
+
+
+def sdpa_backends(spec: str | None = None, device: torch.device | None = None, seq_len: int = 0):
+    """The SDPA context of a prefill or a decoding loop: `sdpa_kernel` over the backends of
+    `spec` (default: `sdpa_order(device, seq_len)`) in that priority order, or a null
+    context (torch's own order) for "" / `default`. `ConfigError` names the valid ones."""
     if spec is None:
-        cuda = device is not None and torch.device(device).type == "cuda"
-        spec = os.environ.get(SDPA_ENV, GPU_SDPA_ORDER if cuda else "")
+        spec = sdpa_order(device, seq_len)
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if not names or names == ["default"]:
         return contextlib.nullcontext()
@@ -322,7 +335,7 @@ class HFEngine:
         and then the layers of full attention get none, `MasklessLayers`)."""
         with (
             AuxCapture(self.model, aux_layers) as aux,
-            sdpa_backends(device=self.device),
+            sdpa_backends(device=self.device, seq_len=ids_BL.shape[1]),
             self._maskless if attn_BL is None else contextlib.nullcontext(),
             self._compiled,
         ):
