@@ -66,6 +66,19 @@ class LongTeacher:
             on_draft = F.pad(on_draft, (0, 0, 0, pad), value=0.0)
         return target_p, on_draft
 
+    def logit_rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft-column logits, lse) of rows `lo..hi-1`, what `rows` is computed from (the
+        fused chunk forms the two distributions itself): rows past L are logits 0 and lse
+        +inf, whose softmax is `rows`' uniform row and whose exp(logits - lse) its zeros."""
+        seq = self.draft_logits_BLVd.shape[1]
+        logits = self.draft_logits_BLVd[:, min(lo, seq) : min(hi, seq)]
+        lse = self.lse_BL1[:, min(lo, seq) : min(hi, seq)]
+        pad = (hi - lo) - logits.shape[1]
+        if pad:
+            logits = F.pad(logits, (0, 0, 0, pad), value=0.0)
+            lse = F.pad(lse, (0, 0, 0, pad), value=float("inf"))
+        return logits, lse
+
 
 @torch.no_grad()
 def long_teacher(
@@ -98,20 +111,26 @@ def long_teacher(
 
 
 @compiled
-def chunk_terms(logits_BcVd, target_p_BcVd, position_mask_Bc1, on_draft_BcVd, inv_count):
-    """`ttt_step_terms` of a chunk (compiled on CUDA): its share of the step loss (summed over
-    its positions, times `inv_count` = 1 / (B * L), a 0-dim tensor: a float would be baked
-    into the compiled graph, one per length), its acceptance sum, and d loss / d logits."""
+def chunk_terms(logits_BcVd, teacher_BcVd, lse_Bc1, position_mask_Bc1, inv_count, weight):
+    """`ttt_step_terms` of a chunk in one compiled kernel on CUDA, the teacher's two
+    distributions formed inside it (`LongTeacher.rows`' arithmetic on `logit_rows`; every
+    [c, Vd] pass outside it was a round trip through memory): its share of the step loss
+    (summed over its positions, times `inv_count` = 1 / (B * L)), its acceptance sum, the
+    draft's argmax, and `weight` x d loss / d logits in the logits' dtype. `inv_count` and
+    `weight` are 0-dim tensors (a float would be baked into the graph, one per length/step)."""
+    teacher = upcast(teacher_BcVd)
+    target_p = torch.softmax(teacher, dim=2)
+    on_draft = torch.exp(teacher - lse_Bc1)
     logp = torch.log_softmax(upcast(logits_BcVd), dim=2)
-    weight = position_mask_Bc1 * target_p_BcVd
-    ploss = -torch.sum(weight * logp, 2).sum() * inv_count
+    weighted = position_mask_Bc1 * target_p
+    ploss = -torch.sum(weighted * logp, 2).sum() * inv_count
     prob = logp.exp()
-    per_token = torch.minimum(on_draft_BcVd, prob.to(on_draft_BcVd.dtype))
+    per_token = torch.minimum(on_draft, prob.to(on_draft.dtype))
     mask = position_mask_Bc1.squeeze(-1).to(per_token.dtype)
     accepted = (per_token.sum(-1) * mask).sum()
-    grad_logp = weight * (-inv_count)
+    grad_logp = weighted * (-inv_count)
     grad = grad_logp - prob * grad_logp.sum(-1, keepdim=True)
-    return ploss, accepted, grad
+    return ploss, accepted, logits_BcVd.argmax(-1), (grad * weight).to(logits_BcVd.dtype)
 
 
 def _reference_terms(logits, target_p, position_mask, on_draft, inv_count: float):
@@ -157,11 +176,14 @@ class _ChunkedTTTLoss(torch.autograd.Function):
         grad_hidden = [torch.empty_like(h) for h in hiddens]
         total = torch.zeros((), dtype=acc_dtype, device=norm_w.device)
         stats = torch.zeros((len(hiddens), 5), dtype=torch.float64, device=norm_w.device)
+        # one leaf per weight for every chunk: autocast casts a grad-requiring leaf once and
+        # reuses the cast (a fresh leaf per chunk cast the [Vd, H] lm_head 7 x L / chunk times)
+        leaves = (norm_w.detach().requires_grad_(True), head_w.detach().requires_grad_(True))
         for k, hidden in enumerate(hiddens):
             weight_k = head.step_weight**k
             for lo in range(0, seq, head.chunk):
                 hi = min(lo + head.chunk, seq)
-                terms = _chunk(head, k, lo, hi, hidden, norm_w, head_w, eps, inv_count, weight_k)
+                terms = _chunk(head, k, lo, hi, hidden, *leaves, eps, inv_count, weight_k)
                 ploss, accepted, correct, (g_hidden, g_norm, g_head) = terms
                 grad_hidden[k][:, lo:hi] = g_hidden
                 grad_norm += g_norm
@@ -189,30 +211,32 @@ class _ChunkedTTTLoss(torch.autograd.Function):
         )  # fmt: skip
 
 
-def _chunk(head: TTTHead, k, lo, hi, hidden, norm_w, head_w, eps, inv_count, weight_k):
+def _chunk(head: TTTHead, k, lo, hi, hidden, nw, hw, eps, inv_count, weight_k):
     """One chunk of step `k`: (loss share, acceptance sum, correct count, gradients of the
-    weighted loss share w.r.t. the chunk's hidden state, the norm and lm_head weights)."""
-    target_p, on_draft = head.teacher.rows(lo + k, hi + k)
+    weighted loss share w.r.t. the chunk's hidden state, the norm and lm_head weights `nw`,
+    `hw`: detached leaves requiring grad)."""
     pm = shifted(head.teacher.position_mask_BL1, k, lo, hi)
     lm = shifted(head.loss_mask_BL1, k, lo, hi).squeeze(-1)
     with torch.enable_grad():
         h = hidden[:, lo:hi].detach().requires_grad_(True)
-        nw = norm_w.detach().requires_grad_(True)
-        hw = head_w.detach().requires_grad_(True)
         logits = F.linear(rms_norm(h, nw, eps), hw)
         if head.fused:
-            count = torch.full((), inv_count, dtype=upcast(logits[:0]).dtype, device=h.device)
-            terms = chunk_terms(logits.detach(), target_p, pm, on_draft, count)
-            ploss, accepted, grad = terms  # the gradient is formed here: no graph through them
-            grads = torch.autograd.grad(
-                logits, (h, nw, hw), grad_outputs=(grad * weight_k).to(logits.dtype)
+            acc = upcast(logits[:0]).dtype
+            count = torch.full((), inv_count, dtype=acc, device=h.device)
+            weight = torch.full((), weight_k, dtype=acc, device=h.device)
+            teacher, lse = head.teacher.logit_rows(lo + k, hi + k)
+            # the gradient is formed here: no graph through the terms
+            ploss, accepted, pred, grad = chunk_terms(
+                logits.detach(), teacher, lse, pm, count, weight
             )
+            grads = torch.autograd.grad(logits, (h, nw, hw), grad_outputs=grad)
         else:
+            target_p, on_draft = head.teacher.rows(lo + k, hi + k)
             ploss, accepted = _reference_terms(logits, target_p, pm, on_draft, inv_count)
             weight = torch.tensor(weight_k, dtype=ploss.dtype, device=ploss.device)
             grads = torch.autograd.grad(ploss, (h, nw, hw), grad_outputs=weight)
+            pred = logits.detach().argmax(-1)
     with torch.no_grad():
-        pred = logits.argmax(-1)
         ids = shifted(head.teacher.target_ids_BL, k, lo, hi)
         correct = ((pred + head.d2t_Vd[pred] == ids) * lm).sum()
     return ploss.detach(), accepted, correct, grads
