@@ -16,10 +16,10 @@ Stages (`--stages`, in this order):
   steps checkpointed from `strategy.checkpoint_tokens`); samples/s, tokens/s, capture and
   step seconds, peak allocated/reserved memory (of the whole loop and of the capture alone),
   and the slope of the peak per 1k tokens between consecutive lengths; with
-  `--capture-orders` (e.g. `default`: torch's own SDPA order, cuDNN first on sm90) the same
-  sample's capture timed again under each SDPA backend order (`capture_s_by_order`): the
-  prefill's attention is most of its time at long lengths, and cuDNN's per-shape plan, the
-  reason the engine puts flash first, costs little when a prefill takes seconds;
+  `--capture-orders` (e.g. `flash,efficient,cudnn,math` or `default`, torch's own order) the
+  same sample's capture timed again under each SDPA backend order (`capture_s_by_order`;
+  the engine's own order is cuDNN first from `kernels.CUDNN_ATTENTION_TOKENS`, flash first
+  below: `hf.sdpa_order`);
 - `floor`: the bare floor probe (`--floor FILE`, a copy of the steering folder's floor.py,
   lengths from `$FLOOR_SEQS`) in a process of its own, as the baseline.
 
