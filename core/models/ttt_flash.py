@@ -57,12 +57,11 @@ def _causal_scores(q_BNLD, k_BNLD, scale):
     return s.masked_fill(future, float("-inf"))
 
 
-def causal_attention(q_BNLD, k_BNLD, v_BNLD, scale: float, kernel: str | None = None):
+def causal_attention(q_BNLD, k_BNLD, v_BNLD, scale: float):
     """(out [B, N, L, D] in q's dtype, lse [B, N, L] fp32, the kernel's state for its
-    backward): causal attention with its log-sum-exp. `kernel`: "flash", "cudnn" (CUDA) or
-    "math"; None: `kernels.causal_kernel` by the length (cuDNN at long lengths)."""
-    if kernel is None:
-        kernel = causal_kernel(q_BNLD.device, q_BNLD.shape[2])
+    backward): causal attention with its log-sum-exp, in the kernel `kernels.causal_kernel`
+    picks by the length (cuDNN's at long lengths, flash's below; the arithmetic on the CPU)."""
+    kernel = causal_kernel(q_BNLD.device, q_BNLD.shape[2])
     if kernel == "cudnn":
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q_BNLD, k_BNLD, v_BNLD, None, True, 0.0, True, False, scale=scale

@@ -44,6 +44,14 @@ def shifted(x_BL: torch.Tensor, k: int, lo: int, hi: int, value=0) -> torch.Tens
     return F.pad(part, widths, value=value)
 
 
+def teacher_distributions(logits_BcVd, lse_Bc1):
+    """(target_p, target_p_on_draft) from the target's draft-column logits and its log-sum-exp
+    over the whole vocabulary: the softmax over the draft columns, and the full-vocabulary
+    probability of each draft column."""
+    logits = upcast(logits_BcVd)
+    return torch.softmax(logits, dim=2), torch.exp(logits - lse_Bc1)
+
+
 @dataclass(frozen=True)
 class LongTeacher:
     """The TTT teacher, kept as the target's draft-column logits (module doc)."""
@@ -56,20 +64,12 @@ class LongTeacher:
     def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(target_p, target_p_on_draft) of teacher rows `lo..hi-1` as `compute_teacher` pads
         them: rows past L are uniform / zero."""
-        seq, vd = self.draft_logits_BLVd.shape[1:]
-        logits = upcast(self.draft_logits_BLVd[:, min(lo, seq) : min(hi, seq)])
-        target_p = torch.softmax(logits, dim=2)
-        on_draft = torch.exp(logits - self.lse_BL1[:, min(lo, seq) : min(hi, seq)])
-        pad = (hi - lo) - logits.shape[1]
-        if pad:
-            target_p = F.pad(target_p, (0, 0, 0, pad), value=1 / vd)
-            on_draft = F.pad(on_draft, (0, 0, 0, pad), value=0.0)
-        return target_p, on_draft
+        return teacher_distributions(*self.logit_rows(lo, hi))
 
     def logit_rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft-column logits, lse) of rows `lo..hi-1`, what `rows` is computed from (the
         fused chunk forms the two distributions itself): rows past L are logits 0 and lse
-        +inf, whose softmax is `rows`' uniform row and whose exp(logits - lse) its zeros."""
+        +inf, whose softmax is the uniform row and whose exp(logits - lse) is zeros."""
         seq = self.draft_logits_BLVd.shape[1]
         logits = self.draft_logits_BLVd[:, min(lo, seq) : min(hi, seq)]
         lse = self.lse_BL1[:, min(lo, seq) : min(hi, seq)]
@@ -113,14 +113,12 @@ def long_teacher(
 @compiled
 def chunk_terms(logits_BcVd, teacher_BcVd, lse_Bc1, position_mask_Bc1, inv_count, weight):
     """`ttt_step_terms` of a chunk in one compiled kernel on CUDA, the teacher's two
-    distributions formed inside it (`LongTeacher.rows`' arithmetic on `logit_rows`; every
-    [c, Vd] pass outside it was a round trip through memory): its share of the step loss
+    distributions formed inside it (`teacher_distributions` of `logit_rows`; every [c, Vd]
+    pass outside it was a round trip through memory): its share of the step loss
     (summed over its positions, times `inv_count` = 1 / (B * L)), its acceptance sum, the
     draft's argmax, and `weight` x d loss / d logits in the logits' dtype. `inv_count` and
     `weight` are 0-dim tensors (a float would be baked into the graph, one per length/step)."""
-    teacher = upcast(teacher_BcVd)
-    target_p = torch.softmax(teacher, dim=2)
-    on_draft = torch.exp(teacher - lse_Bc1)
+    target_p, on_draft = teacher_distributions(teacher_BcVd, lse_Bc1)
     logp = torch.log_softmax(upcast(logits_BcVd), dim=2)
     weighted = position_mask_Bc1 * target_p
     ploss = -torch.sum(weighted * logp, 2).sum() * inv_count
