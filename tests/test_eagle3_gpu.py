@@ -81,3 +81,21 @@ def test_flex_uses_less_memory_at_long_sequences():
         f"peak bytes at L=4096, B=2, ttt=7: eager {eager[3] / 2**30:.2f} GiB, flex {flex[3] / 2**30:.2f} GiB"
     )
     assert flex[3] < eager[3]
+
+
+def test_the_long_paths_lm_head_gradient_accumulates_in_fp32_from_bf16_operands():
+    """`add_product` on CUDA: acc += a @ b with bf16 operands into an fp32 accumulator, in
+    place (cuBLAS's out_dtype, the output aliasing the input), `a` a transposed view as the
+    long path passes it; against the float64 product."""
+    from specbus.core.strategies.eagle3_long import add_product
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    acc = torch.randn(384, 256, device="cuda", generator=g)
+    grad = torch.randn(1000, 384, device="cuda", generator=g).bfloat16()  # [c, Vd]
+    normed = torch.randn(1000, 256, device="cuda", generator=g).bfloat16()  # [c, H]
+    want = acc.double() + grad.double().T @ normed.double()
+    for _ in range(2):  # twice: the sum of two chunks
+        add_product(acc, grad.T, normed)
+    want = want + grad.double().T @ normed.double()
+    assert acc.dtype == torch.float32
+    assert float((acc.double() - want).norm() / want.norm()) < 1e-6

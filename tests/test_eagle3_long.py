@@ -138,3 +138,20 @@ def test_the_long_path_forms_no_l_by_l_tensor():
     n = target.num_attention_heads
     assert largest(None) >= batch_size * n * seq * seq
     assert largest(32) <= batch_size * n * 32 * (seq + 2)
+
+
+@pytest.mark.parametrize("operands", [torch.float64, torch.bfloat16])
+def test_add_product_accumulates_in_the_accumulators_dtype(operands):
+    """acc += a @ b in place, in acc's dtype, whatever the operands' (the CPU's branches;
+    CUDA's out_dtype product: tests/test_eagle3_gpu.py)."""
+    from specbus.core.strategies.eagle3_long import add_product
+
+    g = torch.Generator().manual_seed(0)
+    acc = torch.randn(6, 5, dtype=torch.float64 if operands == torch.float64 else torch.float32)
+    a, b = torch.randn(7, 6, generator=g).to(operands), torch.randn(7, 5, generator=g).to(operands)
+    want = acc.double() + a.double().T @ b.double()
+    before, dtype = acc.data_ptr(), acc.dtype
+    add_product(acc, a.T, b)
+    assert acc.data_ptr() == before and acc.dtype == dtype
+    tol = 1e-12 if operands == torch.float64 else 2e-2  # the CPU rounds a bf16 product
+    torch.testing.assert_close(acc.double(), want, rtol=tol, atol=tol)

@@ -97,14 +97,14 @@ def test_the_compiled_merges_are_few_graphs_for_every_step_and_equal_eager():
     for seq in (12, 20):
         q, g = torch.randn(1, 4, seq, 8), torch.randn(1, 4, seq, 8)
         out, lse = torch.randn(1, 4, seq, 8), torch.randn(1, 4, seq)
-        delta, dq = torch.randn(1, 4, seq), torch.randn(1, 4, seq, 8)
+        dq = torch.randn(1, 4, seq, 8)
         for s in range(1, 7):  # steps 1..6: one diagonal key more each time
             k, v = torch.randn(s, 1, 2, seq, 8), torch.randn(s, 1, 2, seq, 8)
             merged = tf.merge_steps.fn(q, out, lse, k, v, scale)
             for a, b in zip(step(q, out, lse, k, v, scale), merged, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-            want = tf.merge_steps_grads.fn(q, g, delta, merged[1], k, v, dq, scale)
-            for a, b in zip(grads(q, g, delta, merged[1], k, v, dq, scale), want, strict=True):
+            want = tf.merge_steps_grads.fn(q, g, merged[0], merged[1], k, v, dq, scale)
+            for a, b in zip(grads(q, g, merged[0], merged[1], k, v, dq, scale), want, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] - before == 4
 
@@ -134,15 +134,12 @@ def test_merging_the_keys_at_once_equals_merging_them_one_at_a_time():
         acc, chain = tf.merge_steps.fn(q, acc, chain, k[i : i + 1], v[i : i + 1], scale)
     torch.testing.assert_close(out, acc)
     torch.testing.assert_close(lse, chain)
-    delta, dq0 = (
-        torch.randn(2, 4, seq, dtype=torch.float64),
-        torch.zeros(2, 4, seq, 8, dtype=torch.float64),
-    )
-    dq, dk, dv = tf.merge_steps_grads.fn(q, g, delta, lse, k, v, dq0, scale)
+    dq0 = torch.zeros(2, 4, seq, 8, dtype=torch.float64)
+    dq, dk, dv = tf.merge_steps_grads.fn(q, g, out, lse, k, v, dq0, scale)
     acc = dq0
     for i in range(s):
         acc, dki, dvi = tf.merge_steps_grads.fn(
-            q, g, delta, lse, k[i : i + 1], v[i : i + 1], acc, scale
+            q, g, out, lse, k[i : i + 1], v[i : i + 1], acc, scale
         )
         torch.testing.assert_close(dk[i], dki[0])
         torch.testing.assert_close(dv[i], dvi[0])

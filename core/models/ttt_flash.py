@@ -24,16 +24,21 @@ and never concatenates the steps' keys. Padding: the batch is right-padded (`col
 real query's causal keys are all real; rows past a sample's length attend to padding keys
 here and not in the reference, and neither reaches a real row (a row attends only to its own
 and earlier positions) nor the loss (masked): real rows and every gradient are the same
-function. On CUDA the causal part is torch's flash kernel (bf16/fp16); on the CPU it is the
-same arithmetic written out (the tests' reference, O(L^2) memory).
+function. On CUDA the causal part is torch's flash kernel (bf16/fp16), or cuDNN's at long
+lengths (`kernels.causal_kernel`), which reads the G key/value heads as they are (GQA) where
+flash's takes them repeated; on the CPU it is the same arithmetic written out (the tests'
+reference, O(L^2) memory).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from specbus.core.models.kernels import causal_kernel, compiled, upcast
+
+log = logging.getLogger("specbus.ttt_flash")
 
 
 def supported(q_BNLD: torch.Tensor) -> bool:
@@ -57,18 +62,53 @@ def _causal_scores(q_BNLD, k_BNLD, scale):
     return s.masked_fill(future, float("-inf"))
 
 
-def causal_attention(q_BNLD, k_BNLD, v_BNLD, scale: float):
+def _repeated(x_BGLD: torch.Tensor, r: int) -> torch.Tensor:
+    return x_BGLD if r == 1 else x_BGLD.repeat_interleave(r, 1)
+
+
+def _group_sum(x_BNLD: torch.Tensor, g: int) -> torch.Tensor:
+    return x_BNLD if x_BNLD.shape[1] == g else _grouped(x_BNLD, g).sum(2)
+
+
+# cuDNN's kernel reads the G key/value heads as they are (GQA: no repeated copies, the keys'
+# gradients come back per kv head); False after a build refused it (then repeated, as flash)
+_CUDNN_GQA = [True]
+
+
+def _cudnn_forward(q_BNLD, k_BGLD, v_BGLD, scale):
+    """(cuDNN's outputs, whether the keys went in repeated)."""
+    r = q_BNLD.shape[1] // k_BGLD.shape[1]
+    if _CUDNN_GQA[0] or r == 1:
+        try:
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q_BNLD, k_BGLD, v_BGLD, None, True, 0.0, True, False, scale=scale
+            ), False
+        except RuntimeError as e:  # an older build: the heads repeated from now on
+            _CUDNN_GQA[0] = False
+            log.warning("cuDNN attention refused %d kv heads for %d query heads, repeating "
+                        "them: %s", k_BGLD.shape[1], q_BNLD.shape[1], str(e)[:200])  # fmt: skip
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q_BNLD, _repeated(k_BGLD, r), _repeated(v_BGLD, r), None, True, 0.0, True, False,
+        scale=scale,
+    ), r > 1  # fmt: skip
+
+
+def causal_attention(q_BNLD, k_BGLD, v_BGLD, scale: float):
     """(out [B, N, L, D] in q's dtype, lse [B, N, L] fp32, the kernel's state for its
-    backward): causal attention with its log-sum-exp, in the kernel `kernels.causal_kernel`
-    picks by the length (cuDNN's at long lengths, flash's below; the arithmetic on the CPU)."""
+    backward): causal attention with its log-sum-exp over G key/value heads (N = G * R), in
+    the kernel `kernels.causal_kernel` picks by the length (cuDNN's at long lengths, reading
+    the kv heads as they are; flash's below, on the heads repeated; the arithmetic on the
+    CPU)."""
     kernel = causal_kernel(q_BNLD.device, q_BNLD.shape[2])
+    r = q_BNLD.shape[1] // k_BGLD.shape[1]
     if kernel == "cudnn":
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q_BNLD, k_BNLD, v_BNLD, None, True, 0.0, True, False, scale=scale
-        )
+        res, repeated = _cudnn_forward(q_BNLD, k_BGLD, v_BGLD, scale)
         # cuDNN's lse may carry a trailing unit dim: [B, N, L] here, its own shape back in the backward
         lse = res[1]
-        return res[0], lse.reshape(q_BNLD.shape[:3]), ("cudnn", tuple(lse.shape), *res[2:8])
+        return res[0], lse.reshape(q_BNLD.shape[:3]), (
+            "cudnn", repeated, tuple(lse.shape), *res[2:8]
+        )  # fmt: skip
+    k_BNLD, v_BNLD = _repeated(k_BGLD, r), _repeated(v_BGLD, r)
     if kernel == "flash":
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             q_BNLD, k_BNLD, v_BNLD, 0.0, True, False, scale=scale
@@ -80,31 +120,42 @@ def causal_attention(q_BNLD, k_BNLD, v_BNLD, scale: float):
     return out, lse, ("math",)
 
 
-def causal_attention_backward(grad_BNLD, q_BNLD, k_BNLD, v_BNLD, out_BNLD, lse_BNL, scale, state):
-    """(dq, dk, dv) of the causal part, with P = exp(scores - lse) and Delta = rowsum(dO * out)
-    read from the *merged* `out` and `lse` (module docstring); `state` from `causal_attention`."""
+def causal_attention_backward(grad_BNLD, q_BNLD, k_BGLD, v_BGLD, out_BNLD, lse_BNL, scale, state):
+    """(dq, dk [B, G, L, D], dv) of the causal part, with P = exp(scores - lse) and
+    Delta = rowsum(dO * out) read from the *merged* `out` and `lse` (module docstring);
+    `state` from `causal_attention`."""
     kernel, *rest = state
+    g = k_BGLD.shape[1]
+    r = q_BNLD.shape[1] // g
+    if kernel == "cudnn":  # dO in O's layout (cuDNN reads both with one stride set)
+        repeated, lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = rest
+        k, v = (_repeated(k_BGLD, r), _repeated(v_BGLD, r)) if repeated else (k_BGLD, v_BGLD)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_BNLD.contiguous(), q_BNLD, k, v, out_BNLD.contiguous(),
+            lse_BNL.reshape(lse_shape).contiguous(), seed, offset, None, cum_q, cum_k, max_q,
+            max_k, 0.0, True, scale=scale,
+        )  # fmt: skip
+        return dq, _group_sum(dk, g), _group_sum(dv, g)
+    k_BNLD, v_BNLD = _repeated(k_BGLD, r), _repeated(v_BGLD, r)
     if kernel == "flash":
         cum_q, cum_k, max_q, max_k, seed, offset = rest
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_BNLD, q_BNLD, k_BNLD, v_BNLD, out_BNLD, lse_BNL, cum_q, cum_k, max_q, max_k,
             0.0, True, seed, offset, scale=scale,
         )  # fmt: skip
-    if kernel == "cudnn":  # dO in O's layout (cuDNN reads both with one stride set)
-        lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = rest
-        out = out_BNLD.contiguous()
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_BNLD.contiguous(), q_BNLD, k_BNLD, v_BNLD, out, lse_BNL.reshape(lse_shape).contiguous(),
-            seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale,
-        )  # fmt: skip
-    g, q, k, v = upcast(grad_BNLD), upcast(q_BNLD), upcast(k_BNLD), upcast(v_BNLD)
+        return dq, _group_sum(dk, g), _group_sum(dv, g)
+    gr, q, k, v = upcast(grad_BNLD), upcast(q_BNLD), upcast(k_BNLD), upcast(v_BNLD)
     p = torch.exp(_causal_scores(q_BNLD, k_BNLD, scale) - lse_BNL[..., None])
-    delta = (g * upcast(out_BNLD)).sum(-1, keepdim=True)
-    ds = p * (torch.matmul(g, v.transpose(-1, -2)) - delta)
+    delta = (gr * upcast(out_BNLD)).sum(-1, keepdim=True)
+    ds = p * (torch.matmul(gr, v.transpose(-1, -2)) - delta)
     dq = torch.matmul(ds, k) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
-    dv = torch.matmul(p.transpose(-1, -2), g)
-    return dq.to(q_BNLD.dtype), dk.to(k_BNLD.dtype), dv.to(v_BNLD.dtype)
+    dv = torch.matmul(p.transpose(-1, -2), gr)
+    return (
+        dq.to(q_BNLD.dtype),
+        _group_sum(dk, g).to(k_BGLD.dtype),
+        _group_sum(dv, g).to(v_BGLD.dtype),
+    )
 
 
 def _grouped(x_BNL_: torch.Tensor, g: int) -> torch.Tensor:
@@ -114,12 +165,12 @@ def _grouped(x_BNL_: torch.Tensor, g: int) -> torch.Tensor:
 
 @compiled
 def merge_steps(q_BNLD, out_BNLD, lse_BNL, k_SBGLD, v_SBGLD, scale: float):
-    """(out fp32 (fp64 kept), lse) with S more keys per row, each step's key and value at the
+    """(out in q's dtype, lse fp32) with S more keys per row, each step's key and value at the
     row's own position (`k`/`v` stacked over the steps): the causal part's softmax (`out`,
-    `lse`) and the S diagonal scores merged by one log-sum-exp. One pass over q and out for
-    all S keys (compiled on CUDA, S a dynamic size: one graph for S = 1 and one for the rest;
-    a key at a time read and wrote the fp32 output S times, and a tuple of keys was a graph
-    per step count, each compiled cold)."""
+    `lse`) and the S diagonal scores merged by one log-sum-exp, in fp32 (fp64 kept). One
+    pass over q and out for all S keys (compiled on CUDA, S a dynamic size: one graph for
+    S = 1 and one for the rest; a key at a time read and wrote the fp32 output S times, and a
+    tuple of keys was a graph per step count, each compiled cold)."""
     g = k_SBGLD.shape[2]
     q = upcast(_grouped(q_BNLD, g))  # [B, G, R, L, D]
     lse = _grouped(lse_BNL, g)  # [B, G, R, L]
@@ -129,24 +180,27 @@ def merge_steps(q_BNLD, out_BNLD, lse_BNL, k_SBGLD, v_SBGLD, scale: float):
     out = torch.exp(lse - merged)[..., None] * upcast(_grouped(out_BNLD, g)) + (
         torch.exp(scores - merged)[..., None] * vf
     ).sum(0)
-    return out.flatten(1, 2), merged.flatten(1, 2)
+    return out.flatten(1, 2).to(q_BNLD.dtype), merged.flatten(1, 2)
 
 
 @compiled
 def merge_steps_grads(
-    q_BNLD, grad_BNLD, delta_BNL, lse_BNL, k_SBGLD, v_SBGLD, dq_BNLD, scale: float
+    q_BNLD, grad_BNLD, out_BNLD, lse_BNL, k_SBGLD, v_SBGLD, dq_BNLD, scale: float
 ):
-    """(dq + the S diagonal keys' terms, dK [S, B, G, L, D], dV): P (dP - Delta) on each
-    key's column, with P = exp(score - lse) of the merged softmax (compiled on CUDA)."""
+    """(dq + the S diagonal keys' terms in q's dtype, dK [S, B, G, L, D], dV): P (dP - Delta)
+    on each key's column, with P = exp(score - lse) of the merged softmax and
+    Delta = rowsum(dO * out) of the merged output (compiled on CUDA: one kernel reads grad,
+    out, q and the causal part's dq once)."""
     g = k_SBGLD.shape[2]
     q, grad = upcast(_grouped(q_BNLD, g)), upcast(_grouped(grad_BNLD, g))
+    delta = (grad * upcast(_grouped(out_BNLD, g))).sum(-1)  # [B, G, R, L]
     kf, vf = upcast(k_SBGLD)[:, :, :, None], upcast(v_SBGLD)[:, :, :, None]
     p = torch.exp((q * kf).sum(-1) * scale - _grouped(lse_BNL, g))  # [S, B, G, R, L]
-    ds = p * ((grad * vf).sum(-1) - _grouped(delta_BNL, g))
-    dq = _grouped(dq_BNLD, g) + (ds[..., None] * kf).sum(0) * scale
+    ds = p * ((grad * vf).sum(-1) - delta)
+    dq = upcast(_grouped(dq_BNLD, g)) + (ds[..., None] * kf).sum(0) * scale
     dk = ((ds[..., None] * q).sum(3) * scale).to(k_SBGLD.dtype)
     dv = (p[..., None] * grad).sum(3).to(v_SBGLD.dtype)
-    return dq.flatten(1, 2), dk, dv
+    return dq.flatten(1, 2).to(q_BNLD.dtype), dk, dv
 
 
 _SAVED = object()  # a slot of the kernel's state that went through save_for_backward
@@ -165,16 +219,13 @@ class TTTFlashAttention(torch.autograd.Function):
     def forward(ctx, q_BNLD, steps: int, *keys_values):
         q_BNLD = _stride_one(q_BNLD)
         keys, values = keys_values[:steps], keys_values[steps:]
-        r = q_BNLD.shape[1] // keys[0].shape[1]
         scale = 1.0 / math.sqrt(q_BNLD.shape[-1])
-        k0, v0 = keys[0].repeat_interleave(r, 1), values[0].repeat_interleave(r, 1)
-        out, lse, state = causal_attention(q_BNLD, k0, v0, scale)
+        out, lse, state = causal_attention(q_BNLD, keys[0], values[0], scale)
         if steps > 1:
-            merged, lse = merge_steps(
+            out, lse = merge_steps(
                 q_BNLD, out, lse, torch.stack(keys[1:]), torch.stack(values[1:]), scale
             )
-            out = merged.to(q_BNLD.dtype)
-        ctx.steps, ctx.scale, ctx.r = steps, scale, r
+        ctx.steps, ctx.scale = steps, scale
         # the kernel's state: tensors saved as such, the rest (lengths, None) kept as is
         tensors = [t for t in state if isinstance(t, torch.Tensor)]
         ctx.state = [_SAVED if isinstance(t, torch.Tensor) else t for t in state]
@@ -183,26 +234,22 @@ class TTTFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BNLD):
-        steps, scale, r = ctx.steps, ctx.scale, ctx.r
+        steps, scale = ctx.steps, ctx.scale
         q, out, lse, *rest = ctx.saved_tensors
         keys, values = rest[:steps], rest[steps : 2 * steps]
         saved = iter(rest[2 * steps :])
         state = [next(saved) if s is _SAVED else s for s in ctx.state]
         grad = _stride_one(grad_BNLD)
-        k0, v0 = keys[0].repeat_interleave(r, 1), values[0].repeat_interleave(r, 1)
-        dq, dk0, dv0 = causal_attention_backward(grad, q, k0, v0, out, lse, scale, state)
-        g = keys[0].shape[1]
-        dk0, dv0 = _grouped(dk0, g).sum(2), _grouped(dv0, g).sum(2)
+        dq, dk0, dv0 = causal_attention_backward(
+            grad, q, keys[0], values[0], out, lse, scale, state
+        )
         dks, dvs = [dk0], [dv0]
         if steps > 1:
-            delta = (upcast(grad) * upcast(out)).sum(-1)
-            acc, dk, dv = merge_steps_grads(
-                q, grad, delta, lse, torch.stack(keys[1:]), torch.stack(values[1:]), upcast(dq),
-                scale,
-            )  # fmt: skip
+            dq, dk, dv = merge_steps_grads(
+                q, grad, out, lse, torch.stack(keys[1:]), torch.stack(values[1:]), dq, scale
+            )
             dks.extend(dk.unbind(0))
             dvs.extend(dv.unbind(0))
-            dq = acc.to(q.dtype)
         return (dq, None, *dks, *dvs)
 
 

@@ -114,18 +114,19 @@ def long_teacher(
 def chunk_terms(logits_BcVd, teacher_BcVd, lse_Bc1, position_mask_Bc1, inv_count, weight):
     """`ttt_step_terms` of a chunk in one compiled kernel on CUDA, the teacher's two
     distributions formed inside it (`teacher_distributions` of `logit_rows`; every [c, Vd]
-    pass outside it was a round trip through memory): its share of the step loss
-    (summed over its positions, times `inv_count` = 1 / (B * L)), its acceptance sum, the
-    draft's argmax, and `weight` x d loss / d logits in the logits' dtype. `inv_count` and
-    `weight` are 0-dim tensors (a float would be baked into the graph, one per length/step)."""
+    pass outside it was a round trip through memory): per position its share of the step
+    loss (times `inv_count` = 1 / (B * L)) and its acceptance sum `[B, c]`, the draft's
+    argmax, and `weight` x d loss / d logits in the logits' dtype. Every reduction is over a
+    row (the chunk's totals are summed outside: a sum over the whole chunk made Inductor
+    split the kernel's reduction, and drop its online softmax). `inv_count` and `weight` are
+    0-dim tensors (a float would be baked into the graph, one per length/step)."""
     target_p, on_draft = teacher_distributions(teacher_BcVd, lse_Bc1)
     logp = torch.log_softmax(upcast(logits_BcVd), dim=2)
     weighted = position_mask_Bc1 * target_p
-    ploss = -torch.sum(weighted * logp, 2).sum() * inv_count
+    ploss = -torch.sum(weighted * logp, 2) * inv_count
     prob = logp.exp()
     per_token = torch.minimum(on_draft, prob.to(on_draft.dtype))
-    mask = position_mask_Bc1.squeeze(-1).to(per_token.dtype)
-    accepted = (per_token.sum(-1) * mask).sum()
+    accepted = per_token.sum(-1) * position_mask_Bc1.squeeze(-1).to(per_token.dtype)
     grad_logp = weighted * (-inv_count)
     grad = grad_logp - prob * grad_logp.sum(-1, keepdim=True)
     return ploss, accepted, logits_BcVd.argmax(-1), (grad * weight).to(logits_BcVd.dtype)
@@ -175,17 +176,20 @@ class _ChunkedTTTLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=acc_dtype, device=norm_w.device)
         stats = torch.zeros((len(hiddens), 5), dtype=torch.float64, device=norm_w.device)
         # one leaf per weight for every chunk: autocast casts a grad-requiring leaf once and
-        # reuses the cast (a fresh leaf per chunk cast the [Vd, H] lm_head 7 x L / chunk times)
+        # reuses the cast (a fresh leaf per chunk cast the [Vd, H] lm_head 7 x L / chunk times);
+        # the fused path casts the lm_head itself, once
         leaves = (norm_w.detach().requires_grad_(True), head_w.detach().requires_grad_(True))
+        head_mm = _matmul_operand(head_w.detach()) if head.fused else None
         for k, hidden in enumerate(hiddens):
             weight_k = head.step_weight**k
             for lo in range(0, seq, head.chunk):
                 hi = min(lo + head.chunk, seq)
-                terms = _chunk(head, k, lo, hi, hidden, *leaves, eps, inv_count, weight_k)
-                ploss, accepted, correct, (g_hidden, g_norm, g_head) = terms
+                terms = _chunk(
+                    head, k, lo, hi, hidden, *leaves, head_mm, eps, inv_count, weight_k, grad_head
+                )
+                ploss, accepted, correct, (g_hidden, g_norm) = terms
                 grad_hidden[k][:, lo:hi] = g_hidden
                 grad_norm += g_norm
-                grad_head += g_head
                 total += weight_k * ploss
                 stats[k, 0] += ploss.double()
                 stats[k, 1] += correct.double()
@@ -209,31 +213,61 @@ class _ChunkedTTTLoss(torch.autograd.Function):
         )  # fmt: skip
 
 
-def _chunk(head: TTTHead, k, lo, hi, hidden, nw, hw, eps, inv_count, weight_k):
+def _matmul_operand(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype a matrix product casts it to: autocast's where it is on (bf16 on the
+    GPU), else its own."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
+def add_product(acc_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor) -> None:
+    """`acc += a @ b`, the product accumulated in `acc`'s dtype: on CUDA fp32 straight from
+    bf16 operands (cuBLAS's `out_dtype`: no rounded [M, N] product, no cast, no separate sum;
+    at 32k tokens these were ~3 passes over a [Vd, H] fp32 array per chunk and step)."""
+    with torch.autocast(acc_MN.device.type, enabled=False):
+        if a_MK.dtype == acc_MN.dtype:
+            acc_MN.addmm_(a_MK, b_KN)
+        elif acc_MN.is_cuda:
+            torch.addmm(acc_MN, a_MK, b_KN, out_dtype=acc_MN.dtype, out=acc_MN)
+        else:
+            acc_MN += (a_MK @ b_KN).to(acc_MN.dtype)
+
+
+def _chunk(head: TTTHead, k, lo, hi, hidden, nw, hw, hw_mm, eps, inv_count, weight_k, grad_head):
     """One chunk of step `k`: (loss share, acceptance sum, correct count, gradients of the
-    weighted loss share w.r.t. the chunk's hidden state, the norm and lm_head weights `nw`,
-    `hw`: detached leaves requiring grad)."""
+    weighted loss share w.r.t. the chunk's hidden state and the norm weight `nw`); the
+    lm_head's (`hw`; `hw_mm` its matmul operand on the fused path) is added to `grad_head`.
+    `nw`, `hw`: detached leaves requiring grad."""
     pm = shifted(head.teacher.position_mask_BL1, k, lo, hi)
     lm = shifted(head.loss_mask_BL1, k, lo, hi).squeeze(-1)
     with torch.enable_grad():
         h = hidden[:, lo:hi].detach().requires_grad_(True)
-        logits = F.linear(rms_norm(h, nw, eps), hw)
-        if head.fused:
-            acc = upcast(logits[:0]).dtype
-            count = torch.full((), inv_count, dtype=acc, device=h.device)
-            weight = torch.full((), weight_k, dtype=acc, device=h.device)
-            teacher, lse = head.teacher.logit_rows(lo + k, hi + k)
-            # the gradient is formed here: no graph through the terms
-            ploss, accepted, pred, grad = chunk_terms(
-                logits.detach(), teacher, lse, pm, count, weight
-            )
-            grads = torch.autograd.grad(logits, (h, nw, hw), grad_outputs=grad)
-        else:
+        normed = rms_norm(h, nw, eps)
+    if head.fused:
+        # the lm_head's backward written out: d normed = grad @ W, dW += grad^T @ normed
+        normed_mm = _matmul_operand(normed.detach())
+        logits = F.linear(normed_mm, hw_mm)
+        acc = upcast(logits[:0]).dtype
+        count = torch.full((), inv_count, dtype=acc, device=h.device)
+        weight = torch.full((), weight_k, dtype=acc, device=h.device)
+        teacher, lse = head.teacher.logit_rows(lo + k, hi + k)
+        ploss, accepted, pred, grad = chunk_terms(logits, teacher, lse, pm, count, weight)
+        ploss, accepted = ploss.sum(), accepted.sum()
+        add_product(grad_head, grad.flatten(0, 1).T, normed_mm.flatten(0, 1))
+        d_normed = (grad @ hw_mm).to(normed.dtype)
+        grads = torch.autograd.grad(normed, (h, nw), grad_outputs=d_normed)
+    else:
+        with torch.enable_grad():
+            logits = F.linear(normed, hw)
             target_p, on_draft = head.teacher.rows(lo + k, hi + k)
             ploss, accepted = _reference_terms(logits, target_p, pm, on_draft, inv_count)
             weight = torch.tensor(weight_k, dtype=ploss.dtype, device=ploss.device)
             grads = torch.autograd.grad(ploss, (h, nw, hw), grad_outputs=weight)
-            pred = logits.detach().argmax(-1)
+        grad_head += grads[2]
+        grads = grads[:2]
+        pred = logits.detach().argmax(-1)
     with torch.no_grad():
         ids = shifted(head.teacher.target_ids_BL, k, lo, hi)
         correct = ((pred + head.d2t_Vd[pred] == ids) * lm).sum()

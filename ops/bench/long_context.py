@@ -19,7 +19,9 @@ Stages (`--stages`, in this order):
   `--capture-orders` (e.g. `flash,efficient,cudnn,math` or `default`, torch's own order) the
   same sample's capture timed again under each SDPA backend order (`capture_s_by_order`;
   the engine's own order is cuDNN first from `kernels.CUDNN_ATTENTION_TOKENS`, flash first
-  below: `hf.sdpa_order`);
+  below: `hf.sdpa_order`); with `--profile L1,L2` one more sample at each of those lengths
+  under torch.profiler (`profile`: per phase, capture and step, its wall time, its kernels'
+  device time by family and its top kernels);
 - `floor`: the bare floor probe (`--floor FILE`, a copy of the steering folder's floor.py,
   lengths from `$FLOOR_SEQS`) in a process of its own, as the baseline.
 
@@ -151,6 +153,14 @@ def sweep(target: Path, seqs: list[int], args, vocab_size: int) -> dict:
                 if i:  # the first sample compiles the kernels of this length
                     times["capture"].append(t1 - t0)
                     times["step"].append(t2 - t1)
+            if seq in args.profile_seqs:
+                row["profile"] = profile_sample(
+                    lambda ids=ids, mask=mask: engine.capture([ids], [mask], contract, device=device),
+                    lambda features, seq=seq: train_step(
+                        strategy, draft, [strategy.collate(features, seq).to(device)], optimizer,
+                        None, grad_clip=0.5, step=StepContext(99, 100),
+                        autocast_dtype=torch.bfloat16 if cuda else None),
+                    sync)  # fmt: skip
             capture_s, step_s = (
                 statistics.median(times["capture"]),
                 statistics.median(times["step"]),
@@ -175,6 +185,58 @@ def sweep(target: Path, seqs: list[int], args, vocab_size: int) -> dict:
     add_slopes(rows)
     engine.close()
     return rows
+
+
+# kernel families of a profile: the first whose key is in a kernel's name (lower case)
+FAMILIES = (("attention", ("fmha", "flash", "cudnn", "sdpa", "attn", "attention")),
+            ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "matmul")),
+            ("compiled", ("triton",)), ("other", ("",)))  # fmt: skip
+
+
+def profile_sample(capture, step, sync, top: int = 40) -> dict:
+    """One sample (capture, then the step on its features) under torch.profiler: per phase its
+    wall milliseconds, its kernels' device milliseconds by family (`FAMILIES`) and its `top`
+    kernels by device time (name, calls, ms), to show where a length's time goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
+    with profile(activities=activities) as prof:
+        with record_function("phase:capture"):
+            features = capture()
+            sync()
+        with record_function("phase:step"):
+            step(features)
+            sync()
+    events = prof.events()
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    phases = {e.name[6:]: (e.time_range.start, e.time_range.end) for e in cpu
+              if e.name.startswith("phase:")}  # fmt: skip
+    out: dict = {"wall_ms": {k: round((b - a) / 1000, 1) for k, (a, b) in phases.items()}}
+    for phase, (a, b) in phases.items():
+        kernels: dict[str, list[float]] = {}
+        families = dict.fromkeys((f for f, _ in FAMILIES), 0.0)
+        for e in events:
+            # a range's mirror on the GPU timeline (the phases, the optimizer's) is not a kernel
+            if e.device_type != DeviceType.CUDA or e.name.startswith("phase:") or "#" in e.name:
+                continue
+            if not a <= e.time_range.start <= b:
+                continue
+            ms = (e.time_range.end - e.time_range.start) / 1000
+            entry = kernels.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += ms
+            families[next(f for f, keys in FAMILIES if any(k in e.name.lower() for k in keys))] += (
+                ms
+            )
+        ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+        out[phase] = {
+            "device_ms": {f: round(v, 1) for f, v in families.items()},
+            "top": [[name[:160], calls, round(ms, 2)] for name, (calls, ms) in ranked],
+        }
+    return out
 
 
 def capture_by_order(engine, ids, mask, contract, orders: list[str], reps: int, sync) -> dict:
@@ -323,6 +385,8 @@ def main() -> None:
     ap.add_argument("--capture-orders", default="",
                     help="the sweep also times each capture under these SDPA orders, ';'-separated "
                          "(`default` = torch's; e.g. 'default;cudnn,flash,math')")  # fmt: skip
+    ap.add_argument("--profile", default="",
+                    help="the sweep also profiles one sample at these lengths (kernels by device time)")  # fmt: skip
     ap.add_argument("--floor", type=Path, default=None, help="the floor probe script")
     ap.add_argument("--floor-seqs", default="2048,4096,8192,16384,32768,65536")
     ap.add_argument("--floor-timeout", type=float, default=150.0)
@@ -340,6 +404,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 4-layer, 2k-vocab target (CPU check)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    args.profile_seqs = {int(s) for s in args.profile.split(",") if s}
     stages = args.stages.split(",")
     work = Path(tempfile.mkdtemp(prefix="specbus-long-"))
     overrides = {**TINY, "max_position_embeddings": 131072} if args.tiny else {
@@ -417,6 +482,12 @@ def print_table(report: dict) -> None:
               f"{r.get('peak_reserved_gib', float('nan')):>8.1f} "
               f"{r.get('capture_peak_alloc_gib', float('nan')):>11.1f} "
               f"{r.get('slope_gib_per_1k', float('nan')):>7.2f} {r['checkpointed']}")  # fmt: skip
+        for phase, fams in (r.get("profile") or {}).get("device_ms", {}).items():
+            print(
+                f"{seq:>7} profile {phase}: wall {r['profile']['wall_ms'][phase]} ms, device ms {fams}"
+            )
+        for name, calls, ms in (r.get("profile") or {}).get("top", [])[:12]:
+            print(f"{seq:>7}   {ms:>9.1f} ms {calls:>5}x {name[:110]}")
         for order, s in (r.get("capture_s_by_order") or {}).items():
             took = f"{s:.3f} s ({r['capture_s'] / s:.2f}x the engine's order)" if isinstance(
                 s, float) else s  # fmt: skip
