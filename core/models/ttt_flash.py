@@ -78,19 +78,20 @@ _CUDNN_GQA = [True]
 def _cudnn_forward(q_BNLD, k_BGLD, v_BGLD, scale):
     """(cuDNN's outputs, whether the keys went in repeated)."""
     r = q_BNLD.shape[1] // k_BGLD.shape[1]
+
+    def attend(k, v):
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q_BNLD, k, v, None, True, 0.0, True, False, scale=scale
+        )
+
     if _CUDNN_GQA[0] or r == 1:
         try:
-            return torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q_BNLD, k_BGLD, v_BGLD, None, True, 0.0, True, False, scale=scale
-            ), False
+            return attend(k_BGLD, v_BGLD), False
         except RuntimeError as e:  # an older build: the heads repeated from now on
             _CUDNN_GQA[0] = False
             log.warning("cuDNN attention refused %d kv heads for %d query heads, repeating "
                         "them: %s", k_BGLD.shape[1], q_BNLD.shape[1], str(e)[:200])  # fmt: skip
-    return torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q_BNLD, _repeated(k_BGLD, r), _repeated(v_BGLD, r), None, True, 0.0, True, False,
-        scale=scale,
-    ), r > 1  # fmt: skip
+    return attend(_repeated(k_BGLD, r), _repeated(v_BGLD, r)), True
 
 
 def causal_attention(q_BNLD, k_BGLD, v_BGLD, scale: float):

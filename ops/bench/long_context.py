@@ -193,6 +193,12 @@ FAMILIES = (("attention", ("fmha", "flash", "cudnn", "sdpa", "attn", "attention"
             ("compiled", ("triton",)), ("other", ("",)))  # fmt: skip
 
 
+def family(kernel: str) -> str:
+    """The `FAMILIES` entry a kernel's name falls in."""
+    name = kernel.lower()
+    return next(f for f, keys in FAMILIES if any(k in name for k in keys))
+
+
 def profile_sample(capture, step, sync, top: int = 40) -> dict:
     """One sample (capture, then the step on its features) under torch.profiler: per phase its
     wall milliseconds, its kernels' device milliseconds by family (`FAMILIES`) and its `top`
@@ -228,9 +234,7 @@ def profile_sample(capture, step, sync, top: int = 40) -> dict:
             entry = kernels.setdefault(e.name, [0, 0.0])
             entry[0] += 1
             entry[1] += ms
-            families[next(f for f, keys in FAMILIES if any(k in e.name.lower() for k in keys))] += (
-                ms
-            )
+            families[family(e.name)] += ms
         ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
         out[phase] = {
             "device_ms": {f: round(v, 1) for f, v in families.items()},
@@ -482,12 +486,12 @@ def print_table(report: dict) -> None:
               f"{r.get('peak_reserved_gib', float('nan')):>8.1f} "
               f"{r.get('capture_peak_alloc_gib', float('nan')):>11.1f} "
               f"{r.get('slope_gib_per_1k', float('nan')):>7.2f} {r['checkpointed']}")  # fmt: skip
-        for phase, fams in (r.get("profile") or {}).get("device_ms", {}).items():
-            print(
-                f"{seq:>7} profile {phase}: wall {r['profile']['wall_ms'][phase]} ms, device ms {fams}"
-            )
-        for name, calls, ms in (r.get("profile") or {}).get("top", [])[:12]:
-            print(f"{seq:>7}   {ms:>9.1f} ms {calls:>5}x {name[:110]}")
+        profiled = r.get("profile") or {}
+        for phase, wall in profiled.get("wall_ms", {}).items():
+            print(f"{seq:>7} profile {phase}: wall {wall} ms, device ms "
+                  f"{profiled[phase]['device_ms']}")  # fmt: skip
+            for name, calls, ms in profiled[phase]["top"][:15]:
+                print(f"{seq:>7}   {ms:>9.1f} ms {calls:>5}x {name[:110]}")
         for order, s in (r.get("capture_s_by_order") or {}).items():
             took = f"{s:.3f} s ({r['capture_s'] / s:.2f}x the engine's order)" if isinstance(
                 s, float) else s  # fmt: skip
