@@ -115,11 +115,36 @@ def test_long_context_bench_reports_every_length_and_the_check(tmp_path):
     long paths against the plain one, and the memory slope, on the tiny target."""
     out = tmp_path / "long.json"
     _bench("long_context", "--tiny", "--stages", "sweep", "--seqs", "128,256", "--check", "128",
-           "--chunk-tokens", "64", "--checkpoint-tokens", "256", "--ttt", "2", "--out", str(out))  # fmt: skip
+           "--chunk-tokens", "64", "--checkpoint-tokens", "256", "--ttt", "2", "--profile", "256",
+           "--out", str(out))  # fmt: skip
     sweep = json.loads(out.read_text())["sweep"]
     assert sweep["check"]["loss_rel"] < 1e-5 and sweep["check"]["grad_rel_max"] < 1e-4
     assert [sweep[s]["checkpointed"] for s in ("128", "256")] == [False, True]
     assert all(sweep[s]["chunked"] and sweep[s]["tokens_per_s"] > 0 for s in ("128", "256"))
+    profiled = sweep["256"]["profile"]  # the phases' wall times (no device kernels on a CPU)
+    assert set(profiled["wall_ms"]) == {"capture", "step"}
+    for phase in ("capture", "step"):
+        assert profiled["wall_ms"][phase] > 0
+        assert profiled[phase]["busy_ms"] + profiled[phase]["idle_ms"] == pytest.approx(
+            profiled["wall_ms"][phase], abs=0.2
+        )
+
+
+def test_busy_time_is_the_union_of_overlapping_kernels():
+    from specbus.ops.bench.long_context import busy_ms
+
+    ms = 1_000_000
+    assert busy_ms([]) == 0
+    # two streams overlapping, one span inside another, a gap, a span touching the last one
+    spans = [(0, 4 * ms), (2 * ms, 6 * ms), (3 * ms, 5 * ms), (8 * ms, 9 * ms), (9 * ms, 10 * ms)]
+    assert busy_ms(spans) == 8
+
+
+def test_a_kernel_seen_in_both_profiler_lists_counts_once():
+    from specbus.ops.bench.long_context import distinct
+
+    work = [("gemm", 1000, 5000), ("gemm", 1400, 5400), ("gemm", 9000, 9500), ("exp", 1000, 2000)]
+    assert distinct(work) == [("exp", 1000, 2000), ("gemm", 1000, 5000), ("gemm", 9000, 9500)]
 
 
 @pytest.mark.slow

@@ -99,3 +99,23 @@ def test_the_long_paths_lm_head_gradient_accumulates_in_fp32_from_bf16_operands(
     want = want + grad.double().T @ normed.double()
     assert acc.dtype == torch.float32
     assert float((acc.double() - want).norm() / want.norm()) < 1e-6
+
+
+def test_the_long_teachers_compiled_rows_equal_the_eager_reduction():
+    """`teacher_rows` compiled on CUDA (one read of the bf16 logits for the argmax and the
+    log-sum-exp) against the eager fp32 reduction it replaced, on a chunk wider than the
+    draft vocabulary and a ragged last chunk (dynamic rows)."""
+    from specbus.core.strategies.eagle3_long import teacher_rows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.arange(0, 5000, 7, device="cuda")
+    for rows in (300, 77):
+        logits = (torch.randn(1, rows, 5000, device="cuda", generator=g) * 4).bfloat16()
+        got_ids, got_lse, got_draft = teacher_rows(logits, ids)
+        full = logits.float()
+        assert torch.equal(got_ids, full.argmax(-1))
+        want = torch.logsumexp(full.double(), -1, keepdim=True)
+        assert got_lse.dtype == torch.float32 and got_lse.shape == (1, rows, 1)
+        assert float((got_lse.double() - want).abs().max()) < 1e-5
+        assert torch.equal(got_draft, logits.index_select(-1, ids))
+    assert not teacher_rows.failed  # it ran compiled, not through the eager fallback

@@ -168,6 +168,33 @@ def test_auto_attention_runs_the_merged_path_where_cudnn_takes_the_causal_part(m
     assert strategy.resolve_attention(cuda, 1 << 20) == "flex"
 
 
+def test_a_failing_triton_merge_falls_back_to_the_compiled_one_for_good(monkeypatch, caplog):
+    """The merges' Triton kernels are not taken off CUDA, and a kernel that raises (a Triton
+    gap on some GPU) hands the call to the compiled merge, and every later one, with one
+    warning: training goes on with the same values."""
+    from specbus.core.models import ttt_flash as tf
+    from specbus.core.models import ttt_merge
+
+    torch.manual_seed(0)
+    q, out = torch.randn(1, 4, 9, 8), torch.randn(1, 4, 9, 8)
+    lse, k, v = torch.randn(1, 4, 9), torch.randn(2, 1, 2, 9, 8), torch.randn(2, 1, 2, 9, 8)
+    assert not ttt_merge.usable(q.bfloat16(), k.bfloat16())  # CPU tensors
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(ttt_merge, "ENABLED", [True])
+    want = tf.merge_steps(q, out, lse, k, v, 0.3)
+    with caplog.at_level("WARNING", logger="specbus.ttt_flash"):
+        for _ in range(2):
+            got = tf._merge(broken, tf.merge_steps, q, out, lse, k, v, 0.3)
+            torch.testing.assert_close(got, want)
+    assert len(calls) == 1 and ttt_merge.ENABLED == [False]
+    assert sum("Triton merge broken failed" in r.message for r in caplog.records) == 1
+
+
 def test_flash_is_eagle3s_attention_only():
     from tests.test_eagle3_loss import tiny_target
 
@@ -210,3 +237,42 @@ def test_flash_matches_flex_on_cuda(seq, kernel, monkeypatch):
     for i, (g, w) in enumerate(zip(got_g, want_g, strict=True)):
         cos = torch.nn.functional.cosine_similarity(g.flatten().float(), w.flatten().float(), 0)
         assert cos > 0.999, (i, float(cos))
+    from specbus.core.models import ttt_merge
+
+    assert ttt_merge.ENABLED[0]  # the merges ran in the Triton kernels (no fallback)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Triton's kernels")
+@pytest.mark.parametrize(
+    "heads, kv_heads, seq, steps", [(32, 8, 1000, 6), (4, 4, 77, 1), (8, 4, 300, 3)]
+)
+def test_the_triton_merges_equal_the_written_out_arithmetic(heads, kv_heads, seq, steps):
+    """ttt_merge's kernels (bf16 in, fp32 inside) against `merge_steps` / `merge_steps_grads`
+    written out in float64 on the same inputs: q and the gradient in the draft's layout
+    ([B, L, N, D] transposed), two batch rows, a length that no tile divides, one and several
+    diagonal keys, grouped and plain heads."""
+    from specbus.core.models import ttt_merge
+    from specbus.core.models.ttt_flash import merge_steps, merge_steps_grads
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, d = 2, 128
+
+    def make(*shape):
+        return torch.randn(shape, device="cuda", generator=g).bfloat16()
+
+    q, grad = (make(b, seq, heads, d).transpose(1, 2) for _ in range(2))
+    out0, dq0 = make(b, heads, seq, d), make(b, heads, seq, d)
+    lse0 = torch.randn(b, heads, seq, device="cuda", generator=g) + 5
+    k, v = make(steps, b, kv_heads, seq, d), make(steps, b, kv_heads, seq, d)
+    scale = d**-0.5
+    assert ttt_merge.usable(q, k)
+    out, lse = ttt_merge.merge_steps(q, out0, lse0, k, v, scale)
+    want_out, want_lse = merge_steps.fn(*(x.double() for x in (q, out0, lse0, k, v)), scale)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-5)
+    got = ttt_merge.merge_steps_grads(q, grad, out, lse, k, v, dq0, scale)
+    want = merge_steps_grads.fn(*(x.double() for x in (q, grad, out, lse, k, v, dq0)), scale)
+    for name, x, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert x.dtype == torch.bfloat16 and x.shape == w.shape, name
+        torch.testing.assert_close(x.double(), w, rtol=1e-2, atol=2e-2, msg=name)

@@ -36,6 +36,7 @@ import logging
 import math
 
 import torch
+from specbus.core.models import ttt_merge
 from specbus.core.models.kernels import causal_kernel, compiled, upcast
 
 log = logging.getLogger("specbus.ttt_flash")
@@ -204,6 +205,19 @@ def merge_steps_grads(
     return dq.flatten(1, 2).to(q_BNLD.dtype), dk, dv
 
 
+def _merge(kernel, fallback, *args):
+    """`kernel` (ttt_merge's Triton kernel of `fallback`, None where it does not take the
+    inputs) or, without it or after it failed once, `fallback` (compiled on CUDA)."""
+    if kernel is not None and ttt_merge.ENABLED[0]:
+        try:
+            return kernel(*args)
+        except Exception as e:  # a Triton gap must not stop training: compiled from now on
+            ttt_merge.ENABLED[0] = False
+            log.warning("the Triton merge %s failed, the compiled one from now on: %r",
+                        kernel.__name__, e)  # fmt: skip
+    return fallback(*args)
+
+
 _SAVED = object()  # a slot of the kernel's state that went through save_for_backward
 
 
@@ -223,9 +237,9 @@ class TTTFlashAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q_BNLD.shape[-1])
         out, lse, state = causal_attention(q_BNLD, keys[0], values[0], scale)
         if steps > 1:
-            out, lse = merge_steps(
-                q_BNLD, out, lse, torch.stack(keys[1:]), torch.stack(values[1:]), scale
-            )
+            k, v = torch.stack(keys[1:]), torch.stack(values[1:])
+            kernel = ttt_merge.merge_steps if ttt_merge.usable(q_BNLD, k) else None
+            out, lse = _merge(kernel, merge_steps, q_BNLD, out, lse, k, v, scale)
         ctx.steps, ctx.scale = steps, scale
         # the kernel's state: tensors saved as such, the rest (lengths, None) kept as is
         tensors = [t for t in state if isinstance(t, torch.Tensor)]
@@ -246,9 +260,9 @@ class TTTFlashAttention(torch.autograd.Function):
         )
         dks, dvs = [dk0], [dv0]
         if steps > 1:
-            dq, dk, dv = merge_steps_grads(
-                q, grad, out, lse, torch.stack(keys[1:]), torch.stack(values[1:]), dq, scale
-            )
+            k, v = torch.stack(keys[1:]), torch.stack(values[1:])
+            kernel = ttt_merge.merge_steps_grads if ttt_merge.usable(q, k) else None
+            dq, dk, dv = _merge(kernel, merge_steps_grads, q, grad, out, lse, k, v, dq, scale)
             dks.extend(dk.unbind(0))
             dvs.extend(dv.unbind(0))
         return (dq, None, *dks, *dvs)

@@ -199,10 +199,55 @@ def family(kernel: str) -> str:
     return next(f for f, keys in FAMILIES if any(k in name for k in keys))
 
 
+# kineto's activity types of work on the device (kernels, copies, fills)
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _device_work(event, ranges: set[str]) -> bool:
+    """Whether a kineto event is work on the device, not a range's mirror on its timeline (a
+    record_function's: the phases, the optimizer's `Optimizer.step#AdamW.step`, whose names
+    are in `ranges`, the host's event names); torch builds before 2.13 have no
+    `activity_type` on the event. (Not a test for "#" in the name: eager kernels' names
+    carry their lambdas', `{lambda()#3}`.)"""
+    from torch.autograd import DeviceType
+
+    if hasattr(event, "activity_type"):
+        return event.activity_type() in DEVICE_WORK
+    return event.device_type() == DeviceType.CUDA and event.name() not in ranges
+
+
+def busy_ms(spans: list[tuple[int, int]]) -> float:
+    """Milliseconds covered by the union of `(start_ns, end_ns)` spans (kernels of several
+    streams overlap: their sum is not the time the device was busy)."""
+    total, reach = 0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total / 1e6
+
+
+def distinct(work: list[tuple[str, int, int]], within_ns: int = 1500) -> list:
+    """`(name, start_ns, end_ns)` records less the copies of one kernel launch (the same name
+    starting within `within_ns`: two lists' records of it, their clocks rounded apart)."""
+    kept: list[tuple[str, int, int]] = []
+    last: dict[str, int] = {}
+    for name, start, end in sorted(work, key=lambda w: (w[0], w[1])):
+        if name in last and start - last[name] < within_ns:
+            continue
+        last[name] = start
+        kept.append((name, start, end))
+    return kept
+
+
 def profile_sample(capture, step, sync, top: int = 40) -> dict:
     """One sample (capture, then the step on its features) under torch.profiler: per phase its
-    wall milliseconds, its kernels' device milliseconds by family (`FAMILIES`) and its `top`
-    kernels by device time (name, calls, ms), to show where a length's time goes."""
+    wall milliseconds, its kernels' device milliseconds by family (`FAMILIES`), the device's
+    busy and idle milliseconds (`busy_ms`: the wall time no kernel ran is host-bound time)
+    and its `top` kernels by device time (name, calls, ms), to show where a length's time
+    goes. Kernels are kineto's raw device records and the operators' kernels, each launch
+    once (`distinct`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -216,28 +261,39 @@ def profile_sample(capture, step, sync, top: int = 40) -> dict:
         with record_function("phase:step"):
             step(features)
             sync()
-    events = prof.events()
-    cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    phases = {e.name[6:]: (e.time_range.start, e.time_range.end) for e in cpu
-              if e.name.startswith("phase:")}  # fmt: skip
-    out: dict = {"wall_ms": {k: round((b - a) / 1000, 1) for k, (a, b) in phases.items()}}
+    results = prof.profiler.kineto_results
+    events = results.events()
+    phases = {e.name()[6:]: (e.start_ns(), e.end_ns()) for e in events
+              if e.device_type() == DeviceType.CPU and e.name().startswith("phase:")}  # fmt: skip
+    ranges = {e.name() for e in events if e.device_type() == DeviceType.CPU}
+    work = [(e.name(), e.start_ns(), e.end_ns()) for e in events if _device_work(e, ranges)]
+    # the operators' kernels too (times in us from the trace's start): one H200 profile's
+    # operator list (torch 2.11) had none of Inductor's kernels; each launch counts once
+    base = results.trace_start_ns()
+    work += [(e.name, base + round(e.time_range.start * 1e3), base + round(e.time_range.end * 1e3))
+             for e in prof.events() if e.device_type == DeviceType.CUDA
+             and e.name not in ranges]  # fmt: skip
+    work = distinct(work)
+    out: dict = {"wall_ms": {k: round((b - a) / 1e6, 1) for k, (a, b) in phases.items()}}
     for phase, (a, b) in phases.items():
         kernels: dict[str, list[float]] = {}
         families = dict.fromkeys((f for f, _ in FAMILIES), 0.0)
-        for e in events:
-            # a range's mirror on the GPU timeline (the phases, the optimizer's) is not a kernel
-            if e.device_type != DeviceType.CUDA or e.name.startswith("phase:") or "#" in e.name:
+        spans = []
+        for name, start, end in work:
+            if not a <= start <= b:
                 continue
-            if not a <= e.time_range.start <= b:
-                continue
-            ms = (e.time_range.end - e.time_range.start) / 1000
-            entry = kernels.setdefault(e.name, [0, 0.0])
+            ms = (end - start) / 1e6
+            entry = kernels.setdefault(name, [0, 0.0])
             entry[0] += 1
             entry[1] += ms
-            families[family(e.name)] += ms
+            families[family(name)] += ms
+            spans.append((start, min(end, b)))
         ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+        busy = busy_ms(spans)
         out[phase] = {
             "device_ms": {f: round(v, 1) for f, v in families.items()},
+            "busy_ms": round(busy, 1),
+            "idle_ms": round((b - a) / 1e6 - busy, 1),
             "top": [[name[:160], calls, round(ms, 2)] for name, (calls, ms) in ranked],
         }
     return out
@@ -488,8 +544,8 @@ def print_table(report: dict) -> None:
               f"{r.get('slope_gib_per_1k', float('nan')):>7.2f} {r['checkpointed']}")  # fmt: skip
         profiled = r.get("profile") or {}
         for phase, wall in profiled.get("wall_ms", {}).items():
-            print(f"{seq:>7} profile {phase}: wall {wall} ms, device ms "
-                  f"{profiled[phase]['device_ms']}")  # fmt: skip
+            print(f"{seq:>7} profile {phase}: wall {wall} ms, busy {profiled[phase]['busy_ms']}"
+                  f" ms, device ms {profiled[phase]['device_ms']}")  # fmt: skip
             for name, calls, ms in profiled[phase]["top"][:15]:
                 print(f"{seq:>7}   {ms:>9.1f} ms {calls:>5}x {name[:110]}")
         for order, s in (r.get("capture_s_by_order") or {}).items():
