@@ -61,10 +61,19 @@ def _block(r: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _rows(l0, g, R: tl.constexpr, BLOCK_L: tl.constexpr):
-        """(query head, position) of the tile's R * BLOCK_L rows."""
+    def _tile(L, G, R: tl.constexpr, BLOCK_L: tl.constexpr, D: tl.constexpr):
+        """(batch, query head and position of each of the tile's R * BLOCK_L rows, the head
+        dim's offsets, which rows are real positions); a row's kv head is its head // R."""
+        pid_l, pid_bg = tl.program_id(0), tl.program_id(1)
         i = tl.arange(0, R * BLOCK_L)
-        return g * R + i // BLOCK_L, l0 + i % BLOCK_L
+        pos = pid_l * BLOCK_L + i % BLOCK_L
+        return pid_bg // G, (pid_bg % G) * R + i // BLOCK_L, pos, tl.arange(0, D), pos < L
+
+    @triton.jit
+    def _load(x, s_b, s_h, s_l, b, h, pos, d, live):
+        """The rows (head h, position pos) of a [B, H, L, D] tensor in fp32 (0 past L)."""
+        at = x + b * s_b + h[:, None] * s_h + pos[:, None] * s_l + d[None, :]
+        return tl.load(at, live[:, None], 0.0).to(tl.float32)
 
     @triton.jit
     def _merge_fwd(
@@ -73,31 +82,27 @@ if triton is not None:
         out, lse_out, S, L, G, scale,
         R: tl.constexpr, BLOCK_L: tl.constexpr, D: tl.constexpr,
     ):  # fmt: skip
-        pid_l, pid_bg = tl.program_id(0), tl.program_id(1)
-        b, g = pid_bg // G, pid_bg % G
-        n, pos = _rows(pid_l * BLOCK_L, g, R, BLOCK_L)
-        d = tl.arange(0, D)
-        live = pos < L
-        m2 = live[:, None]
-        qv = tl.load(q + b * sq_b + n[:, None] * sq_n + pos[:, None] * sq_l + d[None, :], m2, 0.0)
-        qv = qv.to(tl.float32)
-        acc = tl.load(o + b * so_b + n[:, None] * so_n + pos[:, None] * so_l + d[None, :], m2)
-        acc = acc.to(tl.float32)
+        b, n, pos, d, live = _tile(L, G, R, BLOCK_L, D)
+        qv = _load(q, sq_b, sq_n, sq_l, b, n, pos, d, live)
+        acc = _load(o, so_b, so_n, so_l, b, n, pos, d, live)
         m = tl.load(lse + b * sl_b + n * sl_n + pos * sl_l, live, other=0.0)
         total = tl.full(m.shape, 1.0, tl.float32)  # the causal part's weight, exp(lse - m)
         for s in range(S):
-            kv_off = pos[:, None] * sk_l + d[None, :]
-            ks = tl.load(k + s * sk_s + b * sk_b + g * sk_g + kv_off, m2).to(tl.float32)
-            vs = tl.load(v + s * sv_s + b * sv_b + g * sv_g + pos[:, None] * sv_l + d[None, :], m2)
+            ks = _load(k + s * sk_s, sk_b, sk_g, sk_l, b, n // R, pos, d, live)
+            vs = _load(v + s * sv_s, sv_b, sv_g, sv_l, b, n // R, pos, d, live)
             score = tl.sum(qv * ks, 1) * scale
             m_new = tl.maximum(m, score)
             alpha, beta = tl.exp(m - m_new), tl.exp(score - m_new)
             total = total * alpha + beta
-            acc = acc * alpha[:, None] + beta[:, None] * vs.to(tl.float32)
+            acc = acc * alpha[:, None] + beta[:, None] * vs
             m = m_new
-        rows = ((b * (G * R) + n) * L + pos)[:, None] * D + d[None, :]
-        tl.store(out + rows, (acc / total[:, None]).to(out.dtype.element_ty), m2)
-        tl.store(lse_out + (b * (G * R) + n) * L + pos, m + tl.log(total), live)
+        rows = (b * (G * R) + n) * L + pos
+        tl.store(
+            out + rows[:, None] * D + d[None, :],
+            (acc / total[:, None]).to(out.dtype.element_ty),
+            live[:, None],
+        )
+        tl.store(lse_out + rows, m + tl.log(total), live)
 
     @triton.jit
     def _merge_bwd(
@@ -107,38 +112,27 @@ if triton is not None:
         dq, dk, dv, S, L, G, scale,
         R: tl.constexpr, BLOCK_L: tl.constexpr, D: tl.constexpr,
     ):  # fmt: skip
-        pid_l, pid_bg = tl.program_id(0), tl.program_id(1)
-        b, g = pid_bg // G, pid_bg % G
-        n, pos = _rows(pid_l * BLOCK_L, g, R, BLOCK_L)
-        d = tl.arange(0, D)
-        live = pos < L
-        m2 = live[:, None]
-        qv = tl.load(q + b * sq_b + n[:, None] * sq_n + pos[:, None] * sq_l + d[None, :], m2)
-        qv = qv.to(tl.float32)
-        gr = tl.load(dout + b * sd_b + n[:, None] * sd_n + pos[:, None] * sd_l + d[None, :], m2)
-        gr = gr.to(tl.float32)
-        ov = tl.load(o + b * so_b + n[:, None] * so_n + pos[:, None] * so_l + d[None, :], m2)
-        delta = tl.sum(gr * ov.to(tl.float32), 1)  # rowsum(dO * out) of the merged output
+        b, n, pos, d, live = _tile(L, G, R, BLOCK_L, D)
+        qv = _load(q, sq_b, sq_n, sq_l, b, n, pos, d, live)
+        gr = _load(dout, sd_b, sd_n, sd_l, b, n, pos, d, live)
+        # rowsum(dO * out) of the merged output
+        delta = tl.sum(gr * _load(o, so_b, so_n, so_l, b, n, pos, d, live), 1)
         lv = tl.load(lse + b * sl_b + n * sl_n + pos * sl_l, live, other=float("inf"))
-        acc = tl.load(dq_in + b * sg_b + n[:, None] * sg_n + pos[:, None] * sg_l + d[None, :], m2)
-        acc = acc.to(tl.float32)
-        one = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)  # the tile's positions, once each
-        one_live = one < L
+        acc = _load(dq_in, sg_b, sg_n, sg_l, b, n, pos, d, live)
+        one = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)  # the tile's positions, once
         for s in range(S):
-            kv_off = pos[:, None] * sk_l + d[None, :]
-            ks = tl.load(k + s * sk_s + b * sk_b + g * sk_g + kv_off, m2).to(tl.float32)
-            vs = tl.load(v + s * sv_s + b * sv_b + g * sv_g + pos[:, None] * sv_l + d[None, :], m2)
-            vs = vs.to(tl.float32)
+            ks = _load(k + s * sk_s, sk_b, sk_g, sk_l, b, n // R, pos, d, live)
+            vs = _load(v + s * sv_s, sv_b, sv_g, sv_l, b, n // R, pos, d, live)
             p = tl.exp(tl.sum(qv * ks, 1) * scale - lv)  # [R * BLOCK_L]
             ds = p * (tl.sum(gr * vs, 1) - delta)
             acc += ds[:, None] * ks * scale
             dks = tl.sum(tl.reshape(ds[:, None] * qv * scale, (R, BLOCK_L, D)), 0)
             dvs = tl.sum(tl.reshape(p[:, None] * gr, (R, BLOCK_L, D)), 0)
-            at = ((s * tl.num_programs(1) + pid_bg) * L + one)[:, None] * D + d[None, :]
-            tl.store(dk + at, dks.to(dk.dtype.element_ty), one_live[:, None])
-            tl.store(dv + at, dvs.to(dv.dtype.element_ty), one_live[:, None])
-        rows = ((b * (G * R) + n) * L + pos)[:, None] * D + d[None, :]
-        tl.store(dq + rows, acc.to(dq.dtype.element_ty), m2)
+            at = ((s * tl.num_programs(1) + tl.program_id(1)) * L + one)[:, None] * D + d[None, :]
+            tl.store(dk + at, dks.to(dk.dtype.element_ty), (one < L)[:, None])
+            tl.store(dv + at, dvs.to(dv.dtype.element_ty), (one < L)[:, None])
+        rows = (b * (G * R) + n) * L + pos
+        tl.store(dq + rows[:, None] * D + d[None, :], acc.to(dq.dtype.element_ty), live[:, None])
 
 
 def _grid(q_BNLD: torch.Tensor, k_SBGLD: torch.Tensor, block: int):
