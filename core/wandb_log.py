@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,8 @@ def _records(data: bytes):
         if kind == 0 and length == 0:  # zero padding to the block's end
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written: the file's end
+            return
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 1:
             yield chunk
@@ -102,17 +105,30 @@ def _records(data: bytes):
             parts = b""
 
 
-def read_offline_scalars(run_dir: str | Path) -> list[dict[str, float]]:
-    """The history rows (tag -> value, and `_step`) an offline W&B run directory holds."""
+def read_offline_scalars(run_dir: str | Path, *, wait_s: float = 0.0) -> list[dict[str, float]]:
+    """The history rows (tag -> value, and `_step`) an offline W&B run directory holds. With
+    `wait_s`, a finished run's: waits up to that long for the run's exit record and raises
+    TimeoutError without it (W&B's service process writes the file's last records after
+    `finish()` has returned in the run's process: ~40 ms later on a loaded 2-core machine, where
+    an immediate read once found no history)."""
     from wandb.proto import wandb_internal_pb2
 
     (path,) = Path(run_dir).glob("run-*.wandb")
-    rows = []
-    for raw in _records(path.read_bytes()):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
-        if record.WhichOneof("record_type") != "history":
-            continue
-        rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                     for item in record.history.item})  # fmt: skip
-    return rows
+    deadline = time.monotonic() + wait_s
+    while True:
+        rows, finished = [], False
+        for raw in _records(path.read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            kind = record.WhichOneof("record_type")
+            finished |= kind == "exit"
+            if kind == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})  # fmt: skip
+        if finished or wait_s <= 0:
+            return rows
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{path} has no exit record after {wait_s} s: the run is not finished"
+            )
+        time.sleep(0.05)

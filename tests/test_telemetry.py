@@ -113,7 +113,7 @@ def test_rank0_logs_the_tensorboard_scalars_to_an_offline_wandb_run(trained_run)
 
     cfg, _, _ = trained_run
     (run_dir,) = (cfg.resolved_run_dir / "wandb").glob("offline-run-*")
-    rows = read_offline_scalars(run_dir)
+    rows = read_offline_scalars(run_dir, wait_s=30)  # the run finished: its file complete
     assert [row["_step"] for row in rows] == [2, 4]  # log_every 2, 4 steps
     acc = EventAccumulator(str(cfg.resolved_tensorboard_dir))
     acc.Reload()
@@ -178,3 +178,26 @@ def test_processes_export_one_trace_from_feed_to_step(
     assert [s["service"] for s in chain] == ["specbus-trainer"] * 2 + ["specbus-producer"] * 2 + [
         "specbus-feeder"
     ] * 2
+
+
+def test_an_offline_runs_scalars_are_read_once_its_file_is_complete(tmp_path):
+    """`read_offline_scalars(wait_s=...)` returns a finished run's rows, and on a file cut
+    mid-record (W&B's service process still writing it) returns the whole records only, or,
+    asked for a finished run, raises TimeoutError instead of rows that are not all there."""
+    from specbus.core.wandb_log import WandbWriter, read_offline_scalars
+
+    writer = WandbWriter(tmp_path, project="p", name="r", mode="offline")
+    for step in (1, 2, 3):
+        writer.write({"loss": 1.0 / step}, step=step)
+    writer.close()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    rows = read_offline_scalars(run_dir, wait_s=30)
+    assert [row["_step"] for row in rows] == [1, 2, 3]
+    (path,) = run_dir.glob("run-*.wandb")
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / path.name).write_bytes(path.read_bytes()[:-100])  # the exit record cut through
+    partial = read_offline_scalars(cut)  # the whole records before the cut, no error
+    assert partial == rows[: len(partial)]
+    with pytest.raises(TimeoutError, match="no exit record"):
+        read_offline_scalars(cut, wait_s=0.2)
