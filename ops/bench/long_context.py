@@ -50,6 +50,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from specbus.consumers.profiling import union_ms
 from specbus.ops.bench.flops import describe, flops_section, fmt_mfu, mfu, sample_flops
 from specbus.ops.bench.gpu_pipeline import config_for, run_mode, strategy_tree, tasks_to_feed
 from specbus.ops.bench.random_target import QWEN3_8B, TINY, random_engine, write_data, write_target
@@ -218,14 +219,9 @@ def _device_work(event, ranges: set[str]) -> bool:
 
 def busy_ms(spans: list[tuple[int, int]]) -> float:
     """Milliseconds covered by the union of `(start_ns, end_ns)` spans (kernels of several
-    streams overlap: their sum is not the time the device was busy)."""
-    total, reach = 0, None
-    for start, end in sorted(spans):
-        if reach is None or start > reach:
-            total, reach = total + end - start, end
-        elif end > reach:
-            total, reach = total + end - reach, end
-    return total / 1e6
+    streams overlap: their sum is not the time the device was busy): `union_ms` of the spans
+    in microseconds, kineto's raw records being in nanoseconds."""
+    return union_ms([(start / 1e3, end / 1e3) for start, end in spans])
 
 
 def distinct(work: list[tuple[str, int, int]], within_ns: int = 1500) -> list:
